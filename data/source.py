@@ -1,0 +1,56 @@
+"""The one entry point the trainer uses: config in, token source out."""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+import torch
+
+from data.array_source import ArrayTokenSource
+from data.config import (
+    DataConfig,
+    MemmapDataConfig,
+    SyntheticDataConfig,
+    TextDataConfig,
+    check_vocab,
+)
+from data.synthetic import SyntheticTokenSource
+from data.text_source import open_text_source
+
+
+class TokenSource(Protocol):
+    """Anything that serves deterministic next-token batches."""
+
+    # Number of distinct token ids the source can emit.
+    vocab_size: int
+    # Corpus length in tokens; None when unbounded (synthetic).
+    num_tokens: Optional[int]
+
+    def batch(
+        self, seed: int, step: int, dp_rank: int, micro: int, micro_batch_size: int, seq_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, labels), int64 (B, T) each, labels = inputs shifted by one token.
+
+        A pure function of (seed, step, dp_rank, micro) and the shape arguments.
+        """
+        ...
+
+
+def open_token_source(config: DataConfig, model_vocab_size: int) -> TokenSource:
+    """Validate ``config`` against the model and open its source.
+
+    For text this may build the cache (one process builds, the others wait for it), so call it
+    on every rank that needs batches; it is safe to call concurrently.
+    """
+    config.validate()
+    check_vocab(config, model_vocab_size)
+    if isinstance(config, SyntheticDataConfig):
+        return SyntheticTokenSource(model_vocab_size)
+    if isinstance(config, TextDataConfig):
+        return open_text_source(config)
+    if isinstance(config, MemmapDataConfig):
+        return ArrayTokenSource(config.path, vocab_size=config.vocab_size, check_ids=True)
+    raise TypeError(
+        f"open_token_source() needs a SyntheticDataConfig, TextDataConfig or MemmapDataConfig, "
+        f"got {type(config).__name__} (convert an OmegaConf node with OmegaConf.to_object)"
+    )

@@ -1,0 +1,53 @@
+"""Per-step metrics: metrics.jsonl, the progress line, W&B, and summary.json at the end."""
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Optional
+
+from harness.wandb_logger import WandbLogger
+
+
+def median_after_warmup(values: list[float]) -> float:
+    """Median, skipping the first steps (allocator and JIT warm-up) when there are enough."""
+    skip = 2 if len(values) > 4 else min(1, len(values) - 1)
+    return statistics.median(values[skip:])
+
+
+class MetricsLog:
+    """Written by the one rank that holds the loss (last stage, first data-parallel rank)."""
+
+    def __init__(self, run_dir: Path, total_steps: int, print_every: int, wandb: Optional[WandbLogger]):
+        self.run_dir = run_dir
+        self.total_steps = total_steps
+        self.print_every = print_every
+        self.wandb = wandb
+        self.records: list[dict] = []
+        # "x": never truncate an existing run's metrics (start-up already refused such a directory).
+        self._file = open(run_dir / "metrics.jsonl", "x", buffering=1)
+        self._live = sys.stdout.isatty()
+
+    def log_step(self, record: dict) -> None:
+        self.records.append(record)
+        self._file.write(json.dumps(record) + "\n")
+        if self.wandb:
+            self.wandb.log(record, step=record["step"])
+        step = record["step"]
+        if step % self.print_every == 0 or step == self.total_steps:
+            line = (f"step {step}/{self.total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+                    f"{record['tokens_per_s']:,.0f} tok/s | {record['step_time_s']:.3f} s/step")
+            end = "\r" if self._live and step < self.total_steps else "\n"
+            print(line, end=end, flush=True)
+
+    def write_summary(self, summary: dict) -> None:
+        path = self.run_dir / "summary.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        tmp.replace(path)  # a crash mid-write never leaves half a summary
+        if self.wandb:
+            self.wandb.update_summary({k: v for k, v in summary.items() if k != "losses"})
+
+    def close(self) -> None:
+        self._file.close()
+        if self.wandb:
+            self.wandb.finish()

@@ -1,0 +1,62 @@
+"""The run directory: one per launch, agreed on by every rank without talking to each other.
+
+Hydra computes `hydra.run.dir` separately in every process, so the stamp must come from something
+all ranks of one launch share: the SLURM job id (a requeued job finds its own run again), else the
+launcher process (deepspeed, torchrun) that started all local ranks, else this process.
+"""
+import os
+import time
+from pathlib import Path
+from typing import Mapping
+
+from omegaconf import OmegaConf
+
+# Files whose presence means the directory already holds a run that must not be overwritten.
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json")
+
+
+def _start_time(pid: int) -> float:
+    """Wall-clock start time of a process, from /proc (Linux)."""
+    ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                if line.startswith("btime"))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def run_stamp(environ: Mapping[str, str] = os.environ) -> str:
+    if "SLURM_JOB_ID" in environ:
+        job = environ.get("SLURM_ARRAY_JOB_ID", environ["SLURM_JOB_ID"])
+        task = environ.get("SLURM_ARRAY_TASK_ID")
+        return f"slurm-{job}" + (f"_{task}" if task else "")
+    # deepspeed and torchrun set LOCAL_RANK in the ranks they start; their parent is the launcher.
+    pid = os.getppid() if "LOCAL_RANK" in environ else os.getpid()
+    try:
+        started = _start_time(pid)
+    except (OSError, ValueError, IndexError):
+        started = time.time()
+    return time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(started)) + f"-{pid}"
+
+
+def register_run_stamp_resolver() -> None:
+    if not OmegaConf.has_resolver("stagecheck_stamp"):
+        OmegaConf.register_new_resolver("stagecheck_stamp", lambda: run_stamp(), use_cache=True)
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Refuse a directory that already holds a run's outputs, or that cannot be written."""
+    existing = [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
+    if existing:
+        raise ValueError(
+            f"hydra.run.dir={str(run_dir)!r} already holds a run ({', '.join(existing)}): "
+            f"choose a new hydra.run.dir (or leave it unset for a fresh one)"
+        )
+    if not os.access(run_dir, os.W_OK):
+        raise ValueError(f"hydra.run.dir={str(run_dir)!r} is not writable: choose a writable hydra.run.dir")
+
+
+def remove_if_empty(run_dir: Path) -> None:
+    """Undo Hydra's mkdir after a start-up error, so bad input leaves nothing behind."""
+    try:
+        run_dir.rmdir()
+    except OSError:
+        pass  # not empty (an earlier run's files: keep them) or already removed by another rank

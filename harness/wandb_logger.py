@@ -1,0 +1,52 @@
+"""Weights & Biases logging that never blocks or slows training.
+
+Offline by default: records go to <run dir>/wandb/offline-run-*/run-<id>.wandb and `wandb sync`
+uploads them later. Online runs that cannot reach the server within `init_timeout_s` fall back to
+offline; after init, wandb.log hands records to a background service and returns at once.
+"""
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+from harness.config import WandbLoggerConfig
+
+
+class WandbLogger:
+    def __init__(self, config: WandbLoggerConfig, run_dir: Path, run_config: dict, job_type: str,
+                 extra_tags: list[str]):
+        os.environ.setdefault("WANDB_SILENT", "true")
+        import wandb  # only the rank that logs pays for the import
+
+        self._wandb = wandb
+        kwargs = dict(
+            project=config.project, entity=config.entity, dir=str(run_dir), config=run_config,
+            group=config.group, job_type=job_type, tags=list(config.tags) + extra_tags,
+            name=run_dir.name,
+        )
+        self.run = self._init(config.mode, config.init_timeout_s, kwargs)
+
+    def _init(self, mode: str, timeout_s: float, kwargs: dict):
+        wandb = self._wandb
+        try:
+            return wandb.init(mode=mode, settings=wandb.Settings(init_timeout=timeout_s), **kwargs)
+        except Exception as error:  # a network or server failure must never stop training
+            if mode != "online":
+                raise
+            print(f"stagecheck: W&B online init failed ({error}); logging offline instead", file=sys.stderr)
+            return wandb.init(mode="offline", **kwargs)
+
+    def log(self, record: dict, step: int) -> None:
+        self.run.log(record, step=step)
+
+    def update_summary(self, values: dict) -> None:
+        self.run.summary.update(values)
+
+    def finish(self, exit_code: int = 0) -> None:
+        self.run.finish(exit_code=exit_code)
+
+
+def open_wandb(config, run_dir: Path, run_config: dict, job_type: str, extra_tags: list[str]) -> Optional[WandbLogger]:
+    if not isinstance(config, WandbLoggerConfig) or config.mode == "disabled":
+        return None
+    return WandbLogger(config, run_dir, run_config, job_type, extra_tags)

@@ -1,0 +1,46 @@
+"""GPTConfig: the shape of a GPT-2-family decoder. Pure Python; validates itself."""
+from dataclasses import dataclass
+
+ATTENTION_KERNELS = ("sdpa", "math")
+
+
+@dataclass
+class GPTConfig:
+    n_layer: int = 4
+    """Transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block; must divide n_embd."""
+    n_embd: int = 128
+    """Hidden size h (channels of the residual stream)."""
+    seq_len: int = 128
+    """Tokens per sequence s (also the number of learned positions)."""
+    vocab_size: int = 256
+    """Vocabulary size; the LM head is tied to the token embedding."""
+    dropout: float = 0.0
+    """Dropout probability on embeddings, attention probabilities, and residual branches."""
+    bias: bool = True
+    """Biases in Linear layers and LayerNorms, as in GPT-2."""
+    attention: str = "sdpa"
+    """Attention kernel: `sdpa` (torch scaled_dot_product_attention, fused where available) or
+    `math` (explicit QK^T, fused scaled causal softmax that saves a 16-bit output, dropout, x V)."""
+
+    def __post_init__(self) -> None:
+        for name in ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model.{name}={value!r} is invalid: it must be a positive integer")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(
+                f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}: "
+                f"choose n_head among the divisors of n_embd"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout={self.dropout} is invalid: it must be in [0, 1)")
+        if self.attention not in ATTENTION_KERNELS:
+            raise ValueError(
+                f"model.attention={self.attention!r} is unknown: allowed values are {', '.join(ATTENTION_KERNELS)}"
+            )
+
+    @property
+    def head_size(self) -> int:
+        return self.n_embd // self.n_head

@@ -1,0 +1,128 @@
+"""The layers of the flat GPT sequence: embedding, position embedding, N blocks, final norm.
+
+Each layer initialises its own weights from (seed, layer index), so a layer gets the same weights
+whether it is built alone on one pipeline stage or inside the whole unpipelined model.
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model.attention import AttentionCore
+from model.config import GPTConfig
+
+INIT_STD = 0.02
+
+
+def _layer_generator(seed: int, layer_index: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1_000_003 + layer_index)
+
+
+def _normal_(tensor: torch.Tensor, std: float, generator: torch.Generator) -> None:
+    if tensor.is_meta:  # planning builds layers on the meta device: nothing to fill
+        return
+    with torch.no_grad():
+        tensor.copy_(torch.randn(tensor.shape, generator=generator) * std)
+
+
+def gpt2_init_(module: nn.Module, n_layer: int, seed: int, layer_index: int) -> None:
+    """GPT-2 initialisation: N(0, 0.02) weights, zero biases, unit LayerNorms (their default), and
+    residual output projections (`c_proj`) scaled by 1/sqrt(2 n_layer)."""
+    generator = _layer_generator(seed, layer_index)
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.Linear):
+            std = INIT_STD / math.sqrt(2 * n_layer) if name.endswith("c_proj") else INIT_STD
+            _normal_(sub.weight, std, generator)
+            if sub.bias is not None:
+                nn.init.zeros_(sub.bias)
+        elif isinstance(sub, nn.Embedding):
+            _normal_(sub.weight, INIT_STD, generator)
+
+
+class TokenEmbedding(nn.Module):
+    """Token ids (B, T) -> embeddings (B, T, C). Its weight is also the LM head (tied)."""
+
+    def __init__(self, config: GPTConfig, seed: int, layer_index: int = 0):
+        super().__init__()
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        gpt2_init_(self, config.n_layer, seed, layer_index)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.wte(idx)  # (B, T, C)
+
+
+def lm_head(embedding: TokenEmbedding, x: torch.Tensor) -> torch.Tensor:
+    """Final hidden states (B, T, C) -> logits (B, T, vocab) through the tied embedding."""
+    return F.linear(x, embedding.wte.weight)
+
+
+class PositionEmbedding(nn.Module):
+    """Adds learned positions and applies embedding dropout: (B, T, C) -> (B, T, C)."""
+
+    def __init__(self, config: GPTConfig, seed: int, layer_index: int):
+        super().__init__()
+        self.wpe = nn.Embedding(config.seq_len, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        gpt2_init_(self, config.n_layer, seed, layer_index)
+
+    def forward(self, tok_emb: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(tok_emb.shape[1], device=tok_emb.device)  # (T,)
+        return self.drop(tok_emb + self.wpe(pos))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.core = AttentionCore(config)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = self.core(q, k, v)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.act = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.act(self.c_fc(x))))  # (B, T, C)
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x))."""
+
+    def __init__(self, config: GPTConfig, seed: int, layer_index: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+        gpt2_init_(self, config.n_layer, seed, layer_index)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))  # (B, T, C)
+
+
+class FinalNorm(nn.Module):
+    def __init__(self, config: GPTConfig, seed: int, layer_index: int):
+        super().__init__()
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln_f(x)

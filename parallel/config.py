@@ -1,0 +1,90 @@
+"""Schemas of the `parallel` node and of the `recompute` group (one class per mode)."""
+from dataclasses import dataclass, field
+from typing import Optional
+
+PARTITION_METHODS = ("parameters", "uniform", "type:Block")
+RECOMPUTE_MODULES = ("core_attn", "mlp_act", "layernorm", "mlp")
+INTERVAL_WORDS = ("stage", "sqrt")
+
+
+@dataclass
+class ParallelConfig:
+    pipeline_stages: Optional[int] = None
+    """Pipeline stages; null means one stage per rank. The remaining factor of the world size is
+    data parallelism (world = stages x data-parallel)."""
+    partition_method: str = "parameters"
+    """How DeepSpeed splits the flat layer list into stages: `parameters` (balance parameter
+    counts), `uniform` (balance layer counts) or `type:Block` (balance transformer blocks)."""
+    zero_stage: int = 0
+    """ZeRO optimizer-state sharding over data-parallel ranks: 0 or 1 (pipelines forbid 2 and 3)."""
+
+    def __post_init__(self) -> None:
+        if self.pipeline_stages is not None and self.pipeline_stages <= 0:
+            raise ValueError(
+                f"parallel.pipeline_stages={self.pipeline_stages} is invalid: use a positive integer "
+                f"that divides the world size, or null for one stage per rank"
+            )
+        if self.partition_method not in PARTITION_METHODS:
+            raise ValueError(
+                f"parallel.partition_method={self.partition_method!r} is unknown: allowed values are "
+                f"{', '.join(PARTITION_METHODS)}"
+            )
+        if self.zero_stage not in (0, 1):
+            raise ValueError(
+                f"parallel.zero_stage={self.zero_stage} is invalid: pipeline parallelism allows 0 or 1"
+            )
+
+
+@dataclass
+class NoRecompute:
+    """Store every activation autograd saves."""
+
+    mode: str = "none"
+
+
+@dataclass
+class FullRecompute:
+    """Store only segment inputs; recompute each segment's forward in backward."""
+
+    mode: str = "full"
+    interval: str = "1"
+    """Blocks per segment: a positive integer, `stage` (one segment per stage: the stage input the
+    pipeline already holds is the only thing stored) or `sqrt` (about sqrt(blocks in the stage)).
+    Segments start at each stage's first block and never cross a stage boundary."""
+
+    def __post_init__(self) -> None:
+        self.interval = str(self.interval)
+        if self.interval in INTERVAL_WORDS:
+            return
+        if not self.interval.isdigit() or int(self.interval) <= 0:
+            raise ValueError(
+                f"recompute.interval={self.interval!r} is invalid: allowed values are a positive "
+                f"integer (blocks per segment), {' or '.join(INTERVAL_WORDS)}"
+            )
+
+
+@dataclass
+class SelectiveRecompute:
+    """Recompute, inside each block, only what is cheap to redo but costly to store."""
+
+    mode: str = "selective"
+    modules: list[str] = field(default_factory=lambda: ["core_attn"])
+    """What to recompute: `core_attn` (softmax(QK^T)V with its dropout), `mlp_act` (the GELU output
+    read by the second MLP matmul), `layernorm` (the LayerNorm outputs read by the QKV and first MLP
+    matmuls), `mlp` (the whole MLP with its dropout)."""
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.modules if m not in RECOMPUTE_MODULES]
+        if unknown or not self.modules:
+            raise ValueError(
+                f"recompute.modules={list(self.modules)} is invalid: choose one or more of "
+                f"{', '.join(RECOMPUTE_MODULES)}"
+            )
+        if "mlp" in self.modules and "mlp_act" in self.modules:
+            raise ValueError(
+                "recompute.modules lists both mlp and mlp_act: mlp already recomputes the activation, "
+                "keep one of them"
+            )
+
+
+RecomputeConfig = NoRecompute | FullRecompute | SelectiveRecompute

@@ -1,0 +1,41 @@
+"""The GPT as a DeepSpeed PipelineModule whose stages run under recompute plans."""
+from typing import Sequence
+
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+from model import LayerRecipe, lm_loss
+from parallel.partition import StageRange
+from parallel.recompute import StagePlan, apply_plan, run_stage
+
+
+def layer_specs(recipes: Sequence[LayerRecipe]) -> list[LayerSpec]:
+    specs = []
+    for recipe in recipes:
+        if recipe.tie_key is None:
+            specs.append(LayerSpec(recipe.module_class, *recipe.args))
+        else:
+            specs.append(TiedLayerSpec(recipe.tie_key, recipe.module_class, *recipe.args,
+                                       forward_fn=recipe.forward_fn, tied_weight_attr=["wte.weight"]))
+    return specs
+
+
+class PlannedPipelineModule(PipelineModule):
+    """DeepSpeed's PipelineModule, with the stage forward run under our StagePlan.
+
+    DeepSpeed's own activation checkpointing counts intervals in layers from the stage's first
+    layer (embeddings included) and picks layers by class-name heuristics; our plans count in
+    blocks, so DeepSpeed's interval stays 0 and `forward` runs the plan instead.
+    """
+
+    def __init__(self, recipes: Sequence[LayerRecipe], stages: Sequence[StageRange],
+                 plans: Sequence[StagePlan], partition_method: str, **kwargs):
+        super().__init__(layers=layer_specs(recipes), num_stages=len(stages), loss_fn=lm_loss,
+                         partition_method=partition_method, activation_checkpoint_interval=0, **kwargs)
+        expected = [s.start for s in stages] + [stages[-1].stop]
+        if [int(p) for p in self.parts] != expected:
+            raise RuntimeError(f"DeepSpeed partitioned {list(self.parts)}, the plan assumed {expected}")
+        self.stage_plan = plans[self.stage_id]
+        apply_plan(self.forward_funcs, self.stage_plan)
+
+    def forward(self, forward_input):
+        return run_stage(self.forward_funcs, self.stage_plan, forward_input)

@@ -1,0 +1,146 @@
+"""Recompute policies: a pure plan per stage, and the code that applies it to built layers.
+
+A stage runs its local layers in order. The plan says which runs of consecutive blocks are
+checkpointed as one segment (full recompute) and, for the other blocks, which modules inside them
+are recomputed (selective). Plans never look outside their stage, so stage boundaries are always
+checkpoint boundaries. Everything recomputed is exact: non-reentrant checkpoints restore the RNG
+state, so dropout masks are redrawn identically, and the discarded outputs are deterministic.
+"""
+import math
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable, Sequence
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from model import Block
+from parallel.config import FullRecompute, NoRecompute, RecomputeConfig, SelectiveRecompute
+
+LayerFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """What one stage recomputes, by local layer index."""
+
+    segments: tuple[tuple[int, int], ...] = ()
+    """[start, stop) local layer ranges, each run as one checkpointed segment."""
+    selective: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    """Local block index -> modules recomputed inside that block."""
+
+    def choice_of(self, local_index: int) -> str:
+        """`none`, `full` or `selective:<modules>` for one local layer (for print-outs and W&B)."""
+        if any(start <= local_index < stop for start, stop in self.segments):
+            return "full"
+        if local_index in self.selective:
+            return "selective:" + "+".join(self.selective[local_index])
+        return "none"
+
+
+def segment_length(interval: str, blocks_in_stage: int) -> int:
+    if interval == "stage":
+        return max(1, blocks_in_stage)
+    if interval == "sqrt":
+        return max(1, round(math.sqrt(blocks_in_stage)))
+    return int(interval)
+
+
+def plan_stage(is_block: Sequence[bool], recompute: RecomputeConfig) -> StagePlan:
+    """The plan for a stage whose local layers are blocks where `is_block` is true."""
+    block_positions = [i for i, flag in enumerate(is_block) if flag]
+    if isinstance(recompute, NoRecompute) or not block_positions:
+        return StagePlan()
+    if isinstance(recompute, SelectiveRecompute):
+        return StagePlan(selective={i: tuple(recompute.modules) for i in block_positions})
+    if isinstance(recompute, FullRecompute):
+        length = segment_length(recompute.interval, len(block_positions))
+        # Blocks of a stage are contiguous in the flat sequence, so a segment is a plain range.
+        segments = tuple(
+            (block_positions[i], block_positions[min(i + length, len(block_positions)) - 1] + 1)
+            for i in range(0, len(block_positions), length)
+        )
+        return StagePlan(segments=segments)
+    raise TypeError(f"unknown recompute config {recompute!r}")
+
+
+def _run_range(funcs: Sequence[LayerFn], x: torch.Tensor) -> torch.Tensor:
+    for fn in funcs:
+        x = fn(x)
+    return x
+
+
+def run_stage(funcs: Sequence[LayerFn], plan: StagePlan, x: torch.Tensor) -> torch.Tensor:
+    """Run a stage's layers, checkpointing the plan's segments."""
+    segment_stop = dict(plan.segments)
+    i = 0
+    while i < len(funcs):
+        if i in segment_stop:
+            stop = segment_stop[i]
+            x = checkpoint(partial(_run_range, funcs[i:stop]), x, use_reentrant=False)
+            i = stop
+        else:
+            x = funcs[i](x)
+            i += 1
+    return x
+
+
+def _checkpoint_forward(module: nn.Module) -> None:
+    """Recompute this module's forward in backward; only its inputs stay stored."""
+    inner = module.forward
+    module.forward = lambda *args: checkpoint(inner, *args, use_reentrant=False)
+
+
+def _discard_output(producer: nn.Module, consumer: nn.Module) -> None:
+    """The consumer stores the producer's input instead of its output, and the producer's output is
+    recomputed (without grad) when backward needs it: Megatron's output-discarding recompute.
+    The consumer's own backward then runs on bit-identical values, so gradients are unchanged."""
+    producer_forward, consumer_forward = producer.forward, consumer.forward
+    last: dict[str, torch.Tensor] = {}
+
+    def remember(x: torch.Tensor) -> torch.Tensor:
+        last["input"], last["output"] = x, producer_forward(x)
+        return last["output"]
+
+    def consume(*args: torch.Tensor) -> torch.Tensor:
+        x, out = last.pop("input"), last.pop("output")
+        storage = out.untyped_storage().data_ptr()
+
+        def pack(t: torch.Tensor):
+            if t.untyped_storage().data_ptr() != storage:
+                return t
+            return x, t.size(), t.stride(), t.storage_offset()
+
+        def unpack(packed):
+            if isinstance(packed, torch.Tensor):
+                return packed
+            x_saved, size, stride, offset = packed
+            with torch.no_grad():
+                return producer_forward(x_saved).as_strided(size, stride, offset)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return consumer_forward(*args)
+
+    producer.forward, consumer.forward = remember, consume
+
+
+def apply_selective(block: Block, modules: Sequence[str]) -> None:
+    if "core_attn" in modules:
+        _checkpoint_forward(block.attn.core)
+    if "mlp" in modules:
+        _checkpoint_forward(block.mlp)
+    if "mlp_act" in modules:
+        _discard_output(block.mlp.act, block.mlp.c_proj)
+    if "layernorm" in modules:
+        _discard_output(block.ln_1, block.attn)
+        _discard_output(block.ln_2, block.mlp)
+
+
+def apply_plan(funcs: Sequence[LayerFn], plan: StagePlan) -> None:
+    """Install the plan's selective recompute on the stage's built blocks (once, at build time)."""
+    for index, modules in plan.selective.items():
+        block = funcs[index]
+        if not isinstance(block, Block):
+            raise TypeError(f"local layer {index} is {type(block).__name__}, not a Block")
+        apply_selective(block, modules)

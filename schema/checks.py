@@ -1,0 +1,75 @@
+"""Start-up checks: typed conversion of the composed config and the checks that span groups.
+
+Everything here runs before any process group or file exists, and raises ValueError with one
+message that names the option to change and its allowed values.
+"""
+from dataclasses import dataclass
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from data import check_vocab
+from parallel.config import NoRecompute
+from schema.run import RunConfig
+
+
+@dataclass(frozen=True)
+class Topology:
+    world_size: int
+    pipeline_stages: int
+    data_parallel_size: int
+
+
+@dataclass(frozen=True)
+class Runtime:
+    device: str
+    """cpu or cuda."""
+    precision: str
+    """fp32, bf16 or fp16."""
+
+
+def to_run_config(cfg: DictConfig) -> RunConfig:
+    """The composed config as typed dataclasses; each one's __post_init__ validates its fields."""
+    try:
+        run = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as error:
+        # OmegaConf wraps the ValueError raised in __post_init__; keep only its message.
+        cause = error.__cause__ or error
+        raise ValueError(str(cause).split("\n    full_key:")[0]) from None
+    if run.recompute is None:
+        run.recompute = NoRecompute()
+    return run
+
+
+def topology(run: RunConfig, world_size: int) -> Topology:
+    stages = run.parallel.pipeline_stages or world_size
+    if world_size % stages != 0:
+        raise ValueError(
+            f"parallel.pipeline_stages={stages} does not divide the world size {world_size}: "
+            f"choose a divisor of {world_size} (world = stages x data-parallel)"
+        )
+    if stages > run.model.n_layer:
+        raise ValueError(
+            f"parallel.pipeline_stages={stages} exceeds model.n_layer={run.model.n_layer}: "
+            f"use at most {run.model.n_layer} stages, or more layers"
+        )
+    return Topology(world_size, stages, world_size // stages)
+
+
+def runtime(run: RunConfig, cuda_available: bool) -> Runtime:
+    device = run.train.device
+    if device == "auto":
+        device = "cuda" if cuda_available else "cpu"
+    if device == "cuda" and not cuda_available:
+        raise ValueError("train.device='cuda' but no CUDA device is visible: use train.device=cpu or auto")
+    precision = run.train.precision
+    if precision == "auto":
+        precision = "bf16" if device == "cuda" else "fp32"
+    if precision == "fp16" and device == "cpu":
+        raise ValueError("train.precision='fp16' needs train.device=cuda: on cpu use fp32 or bf16")
+    return Runtime(device, precision)
+
+
+def check_data(run: RunConfig) -> None:
+    run.data.validate()
+    check_vocab(run.data, run.model.vocab_size)

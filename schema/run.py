@@ -1,0 +1,45 @@
+"""The top-level run config, and the registration of every group's schema with Hydra.
+
+Each group option's YAML starts from its schema (`defaults: [<option>_schema, _self_]`), so a typo
+or a wrong type fails when Hydra composes the config, not at step 500.
+"""
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+
+from data import MemmapDataConfig, SyntheticDataConfig, TextDataConfig
+from harness.config import NoLoggerConfig, TrainConfig, WandbLoggerConfig
+from model import GPTConfig
+from parallel.config import FullRecompute, NoRecompute, ParallelConfig, SelectiveRecompute
+
+GROUP_SCHEMAS: dict[str, dict[str, type]] = {
+    "data": {"synthetic": SyntheticDataConfig, "text": TextDataConfig, "memmap": MemmapDataConfig},
+    "logger": {"wandb": WandbLoggerConfig, "none": NoLoggerConfig},
+    "recompute": {"none": NoRecompute, "full": FullRecompute, "selective": SelectiveRecompute},
+}
+
+
+@dataclass
+class RunConfig:
+    model: GPTConfig = field(default_factory=GPTConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: Any = None
+    """One of the `data` group schemas."""
+    logger: Any = None
+    """One of the `logger` group schemas."""
+    recompute: Any = None
+    """One of the `recompute` group schemas; absent (no `+recompute=...`) means none."""
+    seed: int = 1234
+    """Seeds weights (per layer), dropout and data sampling."""
+    dry_run: bool = False
+    """Validate, plan and print the per-stage memory table without training."""
+
+
+def register_schemas() -> None:
+    store = ConfigStore.instance()
+    store.store(name="run_schema", node=RunConfig)
+    for group, options in GROUP_SCHEMAS.items():
+        for option, schema in options.items():
+            store.store(group=group, name=f"{option}_schema", node=schema)

@@ -1,0 +1,30 @@
+"""stagecheck: train a pipelined GPT with a measured recompute mode.
+
+    deepspeed --num_gpus 2 train.py +recompute=selective
+    python train.py model=gpt3-175b parallel.pipeline_stages=8 dry_run=true
+"""
+import sys
+
+from harness.launcher_args import strip_launcher_args
+
+# Before Hydra parses argv: it rejects the deepspeed launcher's --local_rank=N.
+sys.argv = strip_launcher_args(sys.argv)
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from harness.entry import run_from_hydra  # noqa: E402
+from harness.run_dir import register_run_stamp_resolver  # noqa: E402
+from schema import register_schemas  # noqa: E402
+
+register_schemas()
+register_run_stamp_resolver()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    run_from_hydra(cfg)
+
+
+if __name__ == "__main__":
+    main()
