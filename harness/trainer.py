@@ -69,6 +69,9 @@ def train(run: RunConfig, run_dir: Path, env: DistEnv, topo: Topology, rt: Runti
                 **({"grad_norm": float(grad_norm)} if grad_norm is not None else {}),
             })
 
+    # Every rank takes part; only the first and last stages hold a copy of the tied weight.
+    digests = [None] * topo.world_size
+    torch.distributed.all_gather_object(digests, engine.module.tied_weight_digest())
     if metrics:
         records = metrics.records
         metrics.write_summary({
@@ -87,5 +90,6 @@ def train(run: RunConfig, run_dir: Path, env: DistEnv, topo: Topology, rt: Runti
             "losses": [r["loss"] for r in records],
             "tokens_per_s": median_after_warmup([r["tokens_per_s"] for r in records]),
             "step_time_s": median_after_warmup([r["step_time_s"] for r in records]),
+            "tied_weight_sha256_per_rank": digests,
         })
         metrics.close()

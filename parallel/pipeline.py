@@ -1,6 +1,8 @@
 """The GPT as a DeepSpeed PipelineModule whose stages run under recompute plans."""
-from typing import Sequence
+import hashlib
+from typing import Optional, Sequence
 
+import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 from model import LayerRecipe, lm_loss
@@ -39,3 +41,12 @@ class PlannedPipelineModule(PipelineModule):
 
     def forward(self, forward_input):
         return run_stage(self.forward_funcs, self.stage_plan, forward_input)
+
+    def tied_weight_digest(self) -> Optional[str]:
+        """SHA-256 of the tied embedding/LM-head weight held by this stage (first and last stages),
+        so a run can show that both copies stayed identical."""
+        if not self.tied_modules:
+            return None
+        (module,) = self.tied_modules.values()
+        weight = module.wte.weight.detach().cpu().contiguous()
+        return hashlib.sha256(weight.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()

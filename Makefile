@@ -1,0 +1,23 @@
+# `make demo` and `make test` each create .venv when missing, then run.
+VENV := .venv
+PY := $(VENV)/bin/python
+INSTALLED := $(VENV)/.installed
+# CPU runs: DeepSpeed's CPU accelerator (gloo), W&B offline.
+CPU_ENV := DS_ACCELERATOR=cpu WANDB_MODE=offline
+
+.PHONY: venv demo test
+venv: $(INSTALLED)
+
+$(INSTALLED): requirements.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	touch $@
+
+# The tiny GPT as a 2-stage pipeline on 2 CPU processes, on the embedded corpus (stdlib sources).
+demo: venv
+	$(CPU_ENV) $(VENV)/bin/deepspeed --num_gpus 2 train.py +recompute=selective train.device=cpu \
+		train.steps=150 train.micro_batches=4 train.micro_batch_size=4 train.log_every=10
+
+test: venv
+	$(CPU_ENV) $(PY) -m pytest -q tests

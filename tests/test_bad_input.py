@@ -1,0 +1,67 @@
+"""Bad input fails at start-up: non-zero exit, one message naming the option and the allowed values,
+no traceback, and no run directory or file left behind."""
+import pytest
+
+from tests.runs import TINY, cpu_env, launch, python_run
+
+CASES = [
+    (["+recompute=sometimes"], "Could not find 'recompute/sometimes'"),
+    (["model.n_embd=100", "model.n_head=3"], "model.n_embd=100 is not divisible by model.n_head=3"),
+    (["parallel.pipeline_stages=3"], "parallel.pipeline_stages=3 does not divide the world size 1"),
+    (["train.steps=0"], "train.steps=0 is invalid: it must be a positive integer"),
+    (["train.micro_batches=-2"], "train.micro_batches=-2 is invalid"),
+    (["train.micro_batch_size=0"], "train.micro_batch_size=0 is invalid"),
+    (["parallel.partition_method=random"], "parallel.partition_method='random' is unknown: allowed values are parameters, uniform, type:Block"),
+    (["data=text", "data.path=/no/such/corpus"], "data.path='/no/such/corpus' does not exist"),
+    (["+recompute=full", "recompute.interval=0"], "recompute.interval='0' is invalid: allowed values are a positive integer"),
+    (["+recompute=full", "recompute.interval=often"], "recompute.interval='often' is invalid"),
+    (["+recompute=selective", "recompute.modules=[attention]"], "recompute.modules=['attention'] is invalid: choose one or more of core_attn"),
+    (["model.attention=flash9"], "model.attention='flash9' is unknown: allowed values are sdpa, math"),
+    (["train.precision=fp8"], "train.precision='fp8' is unknown: allowed values are auto, fp32, bf16, fp16"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", CASES, ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_bad_input_fails_at_start_up(tmp_path, overrides, message):
+    run_dir = tmp_path / "run"
+    overridden = {o.split("=")[0] for o in overrides}
+    defaults = [o for o in TINY if o.split("=")[0] not in overridden]
+    result = python_run(run_dir, *defaults, *overrides, check=False, timeout=120)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not run_dir.exists()
+
+
+def test_stages_exceeding_blocks_fail_before_any_process_group(tmp_path):
+    env = cpu_env(tmp_path, RANK="0", WORLD_SIZE="8", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    result = python_run(tmp_path / "run", *TINY, "parallel.pipeline_stages=8", check=False, env=env)
+    assert result.returncode == 2
+    assert "parallel.pipeline_stages=8 exceeds model.n_layer=4" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_launcher_environment_names_the_variable(tmp_path):
+    env = cpu_env(tmp_path, RANK="3", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+    result = python_run(tmp_path / "run", *TINY, check=False, env=env)
+    assert result.returncode == 2
+    assert "RANK=3 is invalid: it must be in [0, WORLD_SIZE=2)" in result.stderr
+
+
+def test_an_existing_run_is_never_overwritten(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    result = python_run(run_dir, *TINY, check=False)
+    assert result.returncode == 2
+    assert "already holds a run" in result.stderr
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+@pytest.mark.multiproc
+def test_bad_input_through_the_deepspeed_launcher(tmp_path):
+    run_dir = tmp_path / "run"
+    result = launch(run_dir, *TINY, "parallel.pipeline_stages=3", check=False, timeout=180)
+    assert result.returncode != 0
+    assert "parallel.pipeline_stages=3 does not divide the world size 2" in result.stderr + result.stdout
+    assert not run_dir.exists()
