@@ -5,6 +5,18 @@ from typing import Optional
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 WANDB_MODES = ("offline", "online", "disabled")
+NAN_POLICIES = ("stop", "skip")
+RESUME_OFF = ("false", "no", "off", "none", "")
+
+
+def normalize_resume(value) -> str:
+    """`train.resume` as auto, false, or a path (YAML/CLI `false` arrives as a bool or as 'False')."""
+    text = "false" if value is None or value is False else str(value).strip()
+    if text.lower() in RESUME_OFF:
+        return "false"
+    if text.lower() == "auto":
+        return "auto"
+    return text
 
 
 @dataclass
@@ -35,6 +47,38 @@ class TrainConfig:
     """cpu, cuda, or auto (cuda when available)."""
     log_every: int = 1
     """Steps between progress lines (every step is written to metrics.jsonl and W&B)."""
+    measure_step: int = 2
+    """Step whose forward passes are metered for activation bytes per micro-batch (saved-tensor hooks
+    cost Python calls per op, so only this one step); a resumed run meters its first step after it;
+    0 disables the measurement."""
+    peak_tflops: Optional[float] = None
+    """Peak dense TFLOP/s of one device at train.precision, for MFU and HFU; null looks the GPU up in
+    parallel/flops.py's PEAK_TFLOPS table (none on CPU or an unknown GPU: MFU is then not reported)."""
+    save_every: int = 100
+    """Steps between checkpoints in <run dir>/checkpoints/; 0 saves only at the end of the run and on
+    preemption (a checkpoint is always written at the end)."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept; older ones are deleted once a newer one is complete."""
+    resume: str = "auto"
+    """auto: continue from the latest complete checkpoint in the run directory (start fresh when it has
+    none); a path (a checkpoint directory, or a `checkpoints/` directory holding `latest`): continue from
+    that checkpoint; false: start over."""
+    overwrite: bool = False
+    """Allow starting over in a run directory that already holds a run (metrics.jsonl, summary.json,
+    checkpoints/): those are deleted at start-up. Without it such a directory is refused."""
+    collective_timeout_s: float = 600.0
+    """Seconds any collective may wait for the other ranks before failing (process-group timeout). A rank
+    that dies usually breaks its peers' connections at once; this bounds the wait when it hangs instead
+    or its host vanishes. Must exceed the longest checkpoint save."""
+    nan_policy: str = "stop"
+    """What a non-finite loss or gradient norm does. stop: exit with code 3 without saving (the last good
+    checkpoint stays the latest). skip: drop that step's update (weights and Adam state unchanged) and go
+    on, up to train.nan_skip_limit skipped steps, then stop."""
+    nan_skip_limit: int = 3
+    """With train.nan_policy=skip: skipped steps allowed in one run (counted from this launch)."""
+    inject_nan_at_steps: list[int] = field(default_factory=list)
+    """Debug/test only: make the loss NaN at these steps (all micro-batches), to exercise
+    train.nan_policy. Leave empty for real training."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batches", "micro_batch_size", "log_every"):
@@ -53,6 +97,24 @@ class TrainConfig:
             raise ValueError(f"train.precision={self.precision!r} is unknown: allowed values are {', '.join(PRECISIONS)}")
         if self.device not in DEVICES:
             raise ValueError(f"train.device={self.device!r} is unknown: allowed values are {', '.join(DEVICES)}")
+        self.resume = normalize_resume(self.resume)
+        for name in ("save_every", "nan_skip_limit"):
+            value = getattr(self, name)
+            if value < 0:
+                raise ValueError(f"train.{name}={value} is invalid: it must be an integer >= 0")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"train.keep_checkpoints={self.keep_checkpoints} is invalid: it must be >= 1")
+        if self.collective_timeout_s <= 0:
+            raise ValueError(f"train.collective_timeout_s={self.collective_timeout_s} is invalid: it must be > 0 (seconds)")
+        if self.nan_policy not in NAN_POLICIES:
+            raise ValueError(f"train.nan_policy={self.nan_policy!r} is unknown: allowed values are {', '.join(NAN_POLICIES)}")
+        if self.measure_step < 0:
+            raise ValueError(f"train.measure_step={self.measure_step} is invalid: it must be a step >= 1, or 0 to disable")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ValueError(f"train.peak_tflops={self.peak_tflops} is invalid: it must be > 0 (TFLOP/s), or null")
+        bad = [s for s in self.inject_nan_at_steps if s <= 0]
+        if bad:
+            raise ValueError(f"train.inject_nan_at_steps={list(self.inject_nan_at_steps)} is invalid: steps start at 1")
 
 
 @dataclass

@@ -17,14 +17,25 @@ def median_after_warmup(values: list[float]) -> float:
 class MetricsLog:
     """Written by the one rank that holds the loss (last stage, first data-parallel rank)."""
 
-    def __init__(self, run_dir: Path, total_steps: int, print_every: int, wandb: Optional[WandbLogger]):
+    def __init__(self, run_dir: Path, total_steps: int, print_every: int, wandb: Optional[WandbLogger],
+                 resume_step: Optional[int] = None):
         self.run_dir = run_dir
         self.total_steps = total_steps
         self.print_every = print_every
         self.wandb = wandb
         self.records: list[dict] = []
-        # "x": never truncate an existing run's metrics (start-up already refused such a directory).
-        self._file = open(run_dir / "metrics.jsonl", "x", buffering=1)
+        path = run_dir / "metrics.jsonl"
+        if resume_step is None:
+            # "x": never truncate an existing run's metrics (start-up already refused such a directory).
+            self._file = open(path, "x", buffering=1)
+        else:
+            # Resumed after `resume_step`: keep the records up to it, drop those logged after the checkpoint
+            # (they are trained again), and append from there: no step appears twice.
+            self.records = _records_up_to(path, resume_step)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+            tmp.replace(path)
+            self._file = open(path, "a", buffering=1)
         self._live = sys.stdout.isatty()
 
     def log_step(self, record: dict) -> None:
@@ -47,7 +58,16 @@ class MetricsLog:
         if self.wandb:
             self.wandb.update_summary({k: v for k, v in summary.items() if k != "losses"})
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0) -> None:
+        if self._file.closed:
+            return
         self._file.close()
         if self.wandb:
-            self.wandb.finish()
+            self.wandb.finish(exit_code=exit_code)
+
+
+def _records_up_to(path: Path, step: int) -> list[dict]:
+    if not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in records if r["step"] <= step]

@@ -12,7 +12,7 @@ from typing import Mapping
 from omegaconf import OmegaConf
 
 # Files whose presence means the directory already holds a run that must not be overwritten.
-RUN_OUTPUTS = ("metrics.jsonl", "summary.json")
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "checkpoints")
 
 
 def _start_time(pid: int) -> float:
@@ -42,13 +42,17 @@ def register_run_stamp_resolver() -> None:
         OmegaConf.register_new_resolver("stagecheck_stamp", lambda: run_stamp(), use_cache=True)
 
 
-def check_run_dir(run_dir: Path) -> None:
-    """Refuse a directory that already holds a run's outputs, or that cannot be written."""
+def check_run_dir(run_dir: Path, continuing: bool = False, overwrite: bool = False) -> None:
+    """Refuse a directory that already holds a run's outputs, or that cannot be written. `continuing`:
+    this launch resumes that run from one of its own checkpoints; `overwrite` (train.overwrite): it may
+    delete them and start over."""
     existing = [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
-    if existing:
+    if existing and not (continuing or overwrite):
         raise ValueError(
-            f"hydra.run.dir={str(run_dir)!r} already holds a run ({', '.join(existing)}): "
-            f"choose a new hydra.run.dir (or leave it unset for a fresh one)"
+            f"hydra.run.dir={str(run_dir)!r} already holds a run ({', '.join(existing)}) that this launch does "
+            f"not continue: choose a new hydra.run.dir (or leave it unset for a fresh one), continue it with "
+            f"train.resume=auto (needs a complete checkpoint in it), or delete its outputs and start over with "
+            f"train.overwrite=true"
         )
     if not os.access(run_dir, os.W_OK):
         raise ValueError(f"hydra.run.dir={str(run_dir)!r} is not writable: choose a writable hydra.run.dir")

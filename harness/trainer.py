@@ -1,6 +1,7 @@
 """The training run: process group, pipeline engine, the step loop and its outputs."""
 import os
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -8,12 +9,15 @@ from omegaconf import OmegaConf
 
 from data import open_token_source
 from harness.metrics import MetricsLog, median_after_warmup
+from harness.run_control import RunControl
 from harness.wandb_logger import open_wandb
-from parallel.dist_env import DistEnv
+from parallel.dist_env import DistEnv, node_name
 from schema.checks import Runtime, Topology
 from schema.run import RunConfig
 
-PROCESS_GROUP_TIMEOUT_S = 600.0
+# DeepSpeed's pipeline sends activations with c10d broadcasts inside autograd; torch warns once per
+# rank that the op has no autograd kernel. DeepSpeed handles those gradients itself: noise.
+warnings.filterwarnings("ignore", message="c10d::broadcast_: an autograd kernel was not registered")
 
 
 def recompute_label(run: RunConfig) -> str:
@@ -23,6 +27,7 @@ def recompute_label(run: RunConfig) -> str:
 def train(run: RunConfig, run_dir: Path, env: DistEnv, topo: Topology, rt: Runtime, resolved: dict) -> None:
     # DeepSpeed picks its accelerator when first imported: choose it before that import.
     os.environ.setdefault("DS_ACCELERATOR", rt.device)
+    from harness.accounting import Accounting  # imports DeepSpeed too
     from parallel.engine import build_engine, init_process_group
     from parallel.layout import pipeline_layout
 
@@ -34,10 +39,15 @@ def train(run: RunConfig, run_dir: Path, env: DistEnv, topo: Topology, rt: Runti
         for line in layout.describe():
             print("stagecheck: " + line, flush=True)
 
-    init_process_group(env, rt.device, PROCESS_GROUP_TIMEOUT_S)
+    init_process_group(env, rt.device, run.train.collective_timeout_s)
     engine = build_engine(layout, run.train, run.parallel, topo.data_parallel_size, rt.precision, rt.device)
     # Dropout draws from this stream; every recompute mode consumes it identically.
     torch.manual_seed(run.seed * 1009 + env.rank)
+    # Resume (weights, optimizer, scheduler, RNG states) or start fresh; checkpoints, preemption, NaN policy.
+    control = RunControl(run, run_dir, env, topo, rt, engine)
+    # Activation bytes (metered on train.measure_step only), in-flight micro-batches, FLOP/s, MFU, peak memory.
+    accounting = Accounting(run.model, run.recompute, layout, run.train, run.parallel, topo.data_parallel_size,
+                            rt.device, rt.precision, engine, topo.world_size)
 
     dp_rank = engine.grid.get_data_parallel_rank()
     needs_data = engine.is_first_stage() or engine.is_last_stage()
@@ -47,31 +57,41 @@ def train(run: RunConfig, run_dir: Path, env: DistEnv, topo: Topology, rt: Runti
     if holds_loss:
         run_config = {**resolved, "layout": layout.as_dict(), "topology": vars(topo), "runtime": vars(rt)}
         wandb = open_wandb(run.logger, run_dir, run_config, job_type=recompute_label(run),
-                           extra_tags=[f"model:{run.model.n_layer}L-{run.model.n_embd}h", f"stages:{topo.pipeline_stages}"])
-        metrics = MetricsLog(run_dir, run.train.steps, run.train.log_every, wandb)
+                           extra_tags=[f"model:{run.model.n_layer}L-{run.model.n_embd}h", f"stages:{topo.pipeline_stages}"],
+                           run_id=control.wandb_run_id)
+        metrics = MetricsLog(run_dir, run.train.steps, run.train.log_every, wandb,
+                             resume_step=control.start_step if control.resumed else None)
+    control.attach(metrics)
 
     t = run.train
     tokens_per_step = t.micro_batches * t.micro_batch_size * run.model.seq_len * topo.data_parallel_size
-    for step in range(1, t.steps + 1):
+    for step in range(control.start_step + 1, t.steps + 1):
         batches = None
         if source is not None:
             batches = iter([source.batch(run.seed, step, dp_rank, micro, t.micro_batch_size, run.model.seq_len)
                             for micro in range(t.micro_batches)])
         lr = engine.get_lr()[0]
+        accounting.before_step(step)
         start = time.perf_counter()
         loss = engine.train_batch(data_iter=batches)
         step_time = time.perf_counter() - start
+        accounting.after_step(step, step_time)
+        verdict = control.check_step(step, loss)  # collective: preemption request, non-finite loss/grads
         if metrics:
             grad_norm = engine.get_global_grad_norm()
             metrics.log_step({
                 "step": step, "loss": loss.item(), "lr": lr, "tokens_per_s": tokens_per_step / step_time,
-                "step_time_s": step_time, "tokens": tokens_per_step * step,
+                "step_time_s": step_time, "tokens": tokens_per_step * step, **accounting.step_record(step_time),
                 **({"grad_norm": float(grad_norm)} if grad_norm is not None else {}),
+                **verdict.record,
             })
+        control.finish_step(step, verdict)  # checkpoint when due; exits on preemption or a non-finite step
 
     # Every rank takes part; only the first and last stages hold a copy of the tied weight.
-    digests = [None] * topo.world_size
-    torch.distributed.all_gather_object(digests, engine.module.tied_weight_digest())
+    gathered = [None] * topo.world_size  # (tied-weight digest, node name) of every rank
+    torch.distributed.all_gather_object(gathered, (engine.module.tied_weight_digest(), node_name()))
+    digests = [digest for digest, _ in gathered]
+    accounted = accounting.gather()  # collective too
     if metrics:
         records = metrics.records
         metrics.write_summary({
@@ -91,5 +111,7 @@ def train(run: RunConfig, run_dir: Path, env: DistEnv, topo: Topology, rt: Runti
             "tokens_per_s": median_after_warmup([r["tokens_per_s"] for r in records]),
             "step_time_s": median_after_warmup([r["step_time_s"] for r in records]),
             "tied_weight_sha256_per_rank": digests,
+            "node_per_rank": [node for _, node in gathered],  # SLURM node name (SLURMD_NODENAME), else host name
+            **accounted,
         })
         metrics.close()

@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Optional
 
 from harness.config import WandbLoggerConfig
+from harness.multirun import sweep_wandb_fields
 
 
 class WandbLogger:
     def __init__(self, config: WandbLoggerConfig, run_dir: Path, run_config: dict, job_type: str,
-                 extra_tags: list[str]):
+                 extra_tags: list[str], run_id: Optional[str] = None):
         os.environ.setdefault("WANDB_SILENT", "true")
         import wandb  # only the rank that logs pays for the import
 
@@ -24,6 +25,11 @@ class WandbLogger:
             group=config.group, job_type=job_type, tags=list(config.tags) + extra_tags,
             name=run_dir.name,
         )
+        kwargs.update(sweep_wandb_fields(run_dir, config.group))  # a sweep's jobs share one group
+        if run_id is not None:
+            # A resumed run continues the same W&B run. Offline, wandb writes a new offline-run-* directory
+            # per launch (its _step restarting at 0): records carry explicit steps, `wandb sync` each piece.
+            kwargs.update(id=run_id, resume="allow")
         self.run = self._init(config.mode, config.init_timeout_s, kwargs)
 
     def _init(self, mode: str, timeout_s: float, kwargs: dict):
@@ -46,7 +52,8 @@ class WandbLogger:
         self.run.finish(exit_code=exit_code)
 
 
-def open_wandb(config, run_dir: Path, run_config: dict, job_type: str, extra_tags: list[str]) -> Optional[WandbLogger]:
+def open_wandb(config, run_dir: Path, run_config: dict, job_type: str, extra_tags: list[str],
+               run_id: Optional[str] = None) -> Optional[WandbLogger]:
     if not isinstance(config, WandbLoggerConfig) or config.mode == "disabled":
         return None
-    return WandbLogger(config, run_dir, run_config, job_type, extra_tags)
+    return WandbLogger(config, run_dir, run_config, job_type, extra_tags, run_id)

@@ -72,7 +72,7 @@ wait_for_pidfile() {
 
 log_tails() {
   local f
-  for f in "$LOG_DIR"/*.log; do
+  for f in "$LOG_DIR"/slurm*.log; do
     [[ -e "$f" ]] || continue
     echo "----- tail of $f -----" >&2
     tail -n 25 "$f" >&2 || true
@@ -118,14 +118,17 @@ ensure_packages() {
   done
   [[ ${#missing[@]} -eq 0 ]] && return 0
   log "installing slurm and munge (missing: ${missing[*]})"
-  local pkgs=(slurmctld slurmd slurm-client munge)
+  local pkgs=(slurmctld slurmd slurm-client munge) apt_log="$LOG_DIR/apt.log"
+  # Wait for a concurrent apt/dpkg instead of failing on its lock.
+  local install=(apt-get install -y --no-install-recommends -o DPkg::Lock::Timeout=120 "${pkgs[@]}")
   export DEBIAN_FRONTEND=noninteractive
+  : >"$apt_log"
   # The package lists are usually present; an update costs time and network,
   # so only pay for it when the plain install fails.
-  if ! apt-get install -y --no-install-recommends "${pkgs[@]}" >"$LOG_DIR/apt.log" 2>&1; then
-    apt-get update >>"$LOG_DIR/apt.log" 2>&1 &&
-      apt-get install -y --no-install-recommends "${pkgs[@]}" >>"$LOG_DIR/apt.log" 2>&1 ||
-      { tail -n 20 "$LOG_DIR/apt.log" >&2; skip "apt-get could not install ${pkgs[*]}"; }
+  "${install[@]}" >>"$apt_log" 2>&1 && return 0
+  if ! { apt-get update && "${install[@]}"; } >>"$apt_log" 2>&1; then
+    tail -n 20 "$apt_log" >&2
+    skip "apt-get could not install ${pkgs[*]} (log: $apt_log)"
   fi
 }
 
@@ -148,7 +151,7 @@ start_munged() {
     return 0
   fi
   mkdir -p /run/munge && chown munge:munge /run/munge
-  runuser -u munge -- /usr/sbin/munged
+  runuser -u munge -- /usr/sbin/munged 9>&-
   wait_for_pidfile /run/munge/munged.pid munged || die "munged did not start"
   cp /run/munge/munged.pid "$RUN_DIR/munged.pid"
 }
@@ -161,6 +164,7 @@ write_conf() {
   mem_mb=$(($(awk '/^MemTotal:/ {print $2}' /proc/meminfo) / 1024 / 2))
   mkdir -p "$STATE_DIR/state" "$STATE_DIR/spool" "$RUN_DIR" "$LOG_DIR"
   {
+    # Unquoted heredoc for $STATE_DIR etc.: keep backticks out of it, they would run.
     cat <<EOF
 # Written by launch/local_slurm.sh; rewritten on every cold start.
 ClusterName=stagecheck
@@ -175,12 +179,15 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
-JobCompType=jobcomp/none
+# No slurmdbd, so plain sacct is disabled; finished jobs (purged from the
+# controller after MinJobAge) stay readable with "sacct -c" from this file.
+JobCompType=jobcomp/filetxt
+JobCompLoc=$LOG_DIR/jobcomp.txt
 MailProg=/bin/true
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
-# sbatch --wait polls every 2 s while MinJobAge is small; a large MinJobAge
-# makes it back off to 10 s between polls.
+# sbatch --wait polls every 2 s only while 2 < MinJobAge/2; with the default
+# (300) it backs off 2, 8, 32 s and a short job costs up to half a minute.
 MinJobAge=4
 ReturnToService=2
 InactiveLimit=0
@@ -190,7 +197,7 @@ SlurmdTimeout=30
 StateSaveLocation=$STATE_DIR/state
 SlurmctldPidFile=$RUN_DIR/slurmctld.pid
 SlurmctldLogFile=$LOG_DIR/slurmctld.log
-# %n is the node name given by `slurmd -N`, so the two slurmds stay apart.
+# %n is the node name given to slurmd -N, so the two slurmds stay apart.
 SlurmdSpoolDir=$STATE_DIR/spool/%n
 SlurmdPidFile=$RUN_DIR/slurmd-%n.pid
 SlurmdLogFile=$LOG_DIR/slurmd-%n.log
@@ -203,6 +210,8 @@ EOF
     echo "PartitionName=debug Nodes=$(IFS=,; echo "${NODES[*]}") Default=YES MaxTime=INFINITE OverSubscribe=FORCE:4 State=UP"
   } >"$CONF.tmp"
   mv "$CONF.tmp" "$CONF"
+  # A cold start numbers jobs from 1 again; old records would shadow new ones.
+  : >"$LOG_DIR/jobcomp.txt"
 
   # Leave an admin's real slurm.conf alone; SLURM_CONF still works then.
   mkdir -p /etc/slurm
@@ -223,14 +232,12 @@ ensure_hosts() {
 
 start_slurm() {
   local node
-  if ! daemon_alive slurmctld; then
-    # -c: cold start, forget jobs and node states from an earlier run.
-    slurmctld -c -f "$CONF"
-    wait_for_pidfile "$RUN_DIR/slurmctld.pid" slurmctld || { log_tails; die "slurmctld did not start"; }
-  fi
+  # -c: cold start, forget jobs and node states from an earlier run.
+  slurmctld -c -f "$CONF" 9>&-
+  wait_for_pidfile "$RUN_DIR/slurmctld.pid" slurmctld || { log_tails; die "slurmctld did not start"; }
   for node in "${NODES[@]}"; do
-    daemon_alive "slurmd-$node" && continue
-    slurmd -N "$node" -f "$CONF"
+    mkdir -p "$STATE_DIR/spool/$node"
+    slurmd -N "$node" -f "$CONF" 9>&-
     wait_for_pidfile "$RUN_DIR/slurmd-$node.pid" slurmd || { log_tails; die "slurmd $node did not start"; }
   done
 }
@@ -247,23 +254,30 @@ wait_idle() {
   done
 }
 
-cmd_up() {
-  if healthy; then
-    log "already up (SLURM_CONF=$CONF)"
-    return 0
-  fi
+start_cluster() {
   ensure_packages
   ensure_munge_key
   ensure_hosts
   start_munged
-  # A half-started cluster gets a clean restart rather than repairs.
-  if ! daemon_alive slurmctld || [[ ! -s "$CONF" ]]; then
-    stop_slurm
-    write_conf
-  fi
+  # An unhealthy cluster (half started, a node down) gets a cold restart
+  # rather than repairs: simpler, and tests must not inherit old jobs anyway.
+  stop_slurm
+  write_conf
   start_slurm
   wait_idle
   log "up: ${NODES[*]} idle (SLURM_CONF=$CONF)"
+}
+
+# stdout carries exactly one word, "already-up" or "started", so a caller
+# knows whether the cluster is its to stop; everything else goes to stderr.
+cmd_up() {
+  if healthy; then
+    log "already up (SLURM_CONF=$CONF)"
+    echo already-up
+  else
+    start_cluster >&2
+    echo started
+  fi
 }
 
 # Stop one daemon by its pid file: TERM, wait, then KILL.
@@ -335,9 +349,14 @@ main() {
   esac
   [[ $EUID -eq 0 ]] || skip "must run as root (installs packages, runs daemons as root)"
   mkdir -p "$RUN_DIR" "$LOG_DIR"
-  # Serialise concurrent callers (e.g. several pytest workers) on the state dir.
-  exec 9>"$STATE_DIR/.lock"
-  flock 9
+  # status only reads, so it answers even while an up/down is in progress.
+  if [[ $cmd != status ]]; then
+    # Serialise up/down callers (e.g. several pytest sessions) on the state dir.
+    # Daemons are started with `9>&-`: they keep inherited fds, and a daemon
+    # holding this lock would block every later call forever.
+    exec 9>"$STATE_DIR/.lock"
+    flock -w 300 9 || die "another local_slurm.sh holds $STATE_DIR/.lock for >300s"
+  fi
   "cmd_$cmd"
 }
 

@@ -9,22 +9,18 @@ from model.config import GPTConfig
 
 
 class ScaledCausalSoftmax(torch.autograd.Function):
-    """scale, causal mask and softmax in one op, like Megatron's fused softmax.
+    """The softmax of scaled, causally masked scores, like Megatron's fused softmax.
 
-    The softmax runs in fp32 for stability, but only its output, in the input dtype, is saved
-    for backward: a 16-bit model keeps 2 bytes per score instead of the 4 (+ copies) that an
-    upcast softmax built from separate ops keeps.
+    The scale and the causal mask are applied by the QK^T matmul itself (`causal_scores`), so no
+    extra pass runs over the s x s scores. The softmax runs in fp32 for stability, but only its
+    output, in the input dtype, is saved for backward: a 16-bit model keeps 2 bytes per score
+    instead of the 4 (+ copies) that an upcast softmax built from separate ops keeps.
     """
 
     @staticmethod
-    def forward(ctx, scores: torch.Tensor, scale: float) -> torch.Tensor:
-        t_q, t_k = scores.shape[-2:]
-        # Recomputed rather than saved: a bool mask would cost s*s bytes per layer.
-        future = torch.ones(t_q, t_k, dtype=torch.bool, device=scores.device).triu_(1)
-        logits = (scores.float() * scale).masked_fill_(future, float("-inf"))
-        probs = torch.softmax(logits, dim=-1).to(scores.dtype)
+    def forward(ctx, scores: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(scores.float(), dim=-1).to(scores.dtype)
         ctx.save_for_backward(probs)
-        ctx.scale = scale
         return probs
 
     @staticmethod
@@ -32,8 +28,7 @@ class ScaledCausalSoftmax(torch.autograd.Function):
         (probs,) = ctx.saved_tensors
         p = probs.float()
         g = grad_probs.float()
-        grad_logits = p * (g - (g * p).sum(dim=-1, keepdim=True))
-        return (grad_logits * ctx.scale).to(probs.dtype), None
+        return (p * (g - (g * p).sum(dim=-1, keepdim=True))).to(probs.dtype)
 
 
 class AttentionCore(nn.Module):
@@ -44,12 +39,24 @@ class AttentionCore(nn.Module):
         self.kernel = config.attention
         self.dropout = config.dropout
         self.scale = 1.0 / math.sqrt(config.head_size)
+        self._masks: dict[tuple, torch.Tensor] = {}
+
+    def causal_scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """scale * QK^T + causal mask (0 on and below the diagonal, -inf above), in one batched matmul
+        (baddbmm) instead of a matmul and two more passes over the (T, T) scores."""
+        B, nh, T, hs = q.shape
+        key = (T, q.dtype, q.device)
+        if key not in self._masks:  # built once per shape: (T, T), broadcast over batch and heads
+            future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu_(1)
+            self._masks[key] = torch.zeros(T, T, dtype=q.dtype, device=q.device).masked_fill_(future, float("-inf"))
+        scores = torch.baddbmm(self._masks[key], q.reshape(B * nh, T, hs), k.transpose(-2, -1).reshape(B * nh, hs, T),
+                               alpha=self.scale)
+        return scores.view(B, nh, T, T)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
         if self.kernel == "sdpa":
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        scores = q @ k.transpose(-2, -1)  # (B, nh, T, T)
-        probs = ScaledCausalSoftmax.apply(scores, self.scale)
+        probs = ScaledCausalSoftmax.apply(self.causal_scores(q, k))  # (B, nh, T, T)
         probs = F.dropout(probs, p=p, training=self.training)
         return probs @ v  # (B, nh, T, hs)

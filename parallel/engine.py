@@ -1,7 +1,9 @@
 """Process group and DeepSpeed pipeline engine."""
+import atexit
 from datetime import timedelta
 
 import deepspeed
+import torch.distributed.distributed_c10d as c10d
 import torch.nn as nn
 
 from harness.config import TrainConfig
@@ -17,6 +19,28 @@ def init_process_group(env: DistEnv, device: str, timeout_s: float) -> None:
     # auto_mpi_discovery=False: a missing variable must fail loudly, not silently import mpi4py.
     deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl", auto_mpi_discovery=False,
                                timeout=timedelta(seconds=timeout_s))
+    # Groups created later without a timeout (DeepSpeed's pipeline and data-parallel groups) would take
+    # torch's default (30 min gloo, 10 min NCCL), so a hung peer would outlast train.collective_timeout_s.
+    c10d.default_pg_timeout = timedelta(seconds=timeout_s)
+    c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
+    global _destroy_at_exit
+    if not _destroy_at_exit:  # once per process (a sweep's jobs reuse the group)
+        atexit.register(_destroy_process_group)
+        _destroy_at_exit = True
+
+
+_destroy_at_exit = False
+
+
+def _destroy_process_group() -> None:
+    """At a normal exit, and at the exits every rank agreed on (3, 75): destroy the process group while the
+    interpreter is whole. Left to interpreter shutdown, gloo's threads can abort the process ("terminate
+    called without an active exception", pytorch#190489): seen here once in ~15 two-node SLURM runs, rank 0
+    exiting 134 after a finished run, which srun then reported as a failed job. A failing rank ends with
+    os._exit (harness/faults.py) and skips this, as it should: a destroy while peers may still be inside a
+    collective can block (torchtitan#1342)."""
+    if c10d.is_initialized():
+        c10d.destroy_process_group()
 
 
 def _param_groups(module: nn.Module, weight_decay: float) -> list[dict]:

@@ -7,6 +7,7 @@ checkpoint boundaries. Everything recomputed is exact: non-reentrant checkpoints
 state, so dropout masks are redrawn identically, and the discarded outputs are deterministic.
 """
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Sequence
@@ -19,6 +20,29 @@ from model import Block
 from parallel.config import FullRecompute, NoRecompute, RecomputeConfig, SelectiveRecompute
 
 LayerFn = Callable[[torch.Tensor], torch.Tensor]
+
+# Tensors kept for backward *outside* autograd's saved-tensor hooks: a non-reentrant checkpoint holds
+# its inputs by reference, and inside a checkpoint or an output-discarding consumer the innermost hooks
+# win, so an outer saved_tensors_hooks meter cannot see them. Each place that keeps such a tensor
+# reports it to these observers (parallel/activation_meter.py); with none registered this costs nothing.
+_stored_observers: list[Callable[[torch.Tensor], None]] = []
+
+
+@contextmanager
+def observe_stored(observer: Callable[[torch.Tensor], None]):
+    """Call `observer(t)` for every tensor a recompute region keeps for backward while active."""
+    _stored_observers.append(observer)
+    try:
+        yield
+    finally:
+        _stored_observers.remove(observer)
+
+
+def _note_stored(*tensors) -> None:
+    for observer in _stored_observers:
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                observer(t)
 
 
 @dataclass(frozen=True)
@@ -78,6 +102,7 @@ def run_stage(funcs: Sequence[LayerFn], plan: StagePlan, x: torch.Tensor) -> tor
     while i < len(funcs):
         if i in segment_stop:
             stop = segment_stop[i]
+            _note_stored(x)
             x = checkpoint(partial(_run_range, funcs[i:stop]), x, use_reentrant=False)
             i = stop
         else:
@@ -89,7 +114,24 @@ def run_stage(funcs: Sequence[LayerFn], plan: StagePlan, x: torch.Tensor) -> tor
 def _checkpoint_forward(module: nn.Module) -> None:
     """Recompute this module's forward in backward; only its inputs stay stored."""
     inner = module.forward
-    module.forward = lambda *args: checkpoint(inner, *args, use_reentrant=False)
+
+    def forward(*args):
+        _note_stored(*args)
+        return checkpoint(inner, *args, use_reentrant=False)
+
+    module.forward = forward
+
+
+def _checkpoint_pair(first: nn.Module, second: nn.Module) -> None:
+    """Recompute second(first(x)) as one checkpoint that stores only x. `first` passes its input
+    through and `second` runs both, so `second` alone never holds `first`'s output."""
+    first_forward, second_forward = first.forward, second.forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        _note_stored(x)
+        return checkpoint(lambda t: second_forward(first_forward(t)), x, use_reentrant=False)
+
+    first.forward, second.forward = (lambda x: x), forward
 
 
 def _discard_output(producer: nn.Module, consumer: nn.Module) -> None:
@@ -109,7 +151,9 @@ def _discard_output(producer: nn.Module, consumer: nn.Module) -> None:
 
         def pack(t: torch.Tensor):
             if t.untyped_storage().data_ptr() != storage:
+                _note_stored(t)
                 return t
+            _note_stored(x)
             return x, t.size(), t.stride(), t.storage_offset()
 
         def unpack(packed):
@@ -128,13 +172,17 @@ def _discard_output(producer: nn.Module, consumer: nn.Module) -> None:
 def apply_selective(block: Block, modules: Sequence[str]) -> None:
     if "core_attn" in modules:
         _checkpoint_forward(block.attn.core)
-    if "mlp" in modules:
+    if "mlp" in modules and "layernorm" in modules:
+        # A checkpoint of the MLP alone would hold ln_2's output by reference: take ln_2 into it.
+        _checkpoint_pair(block.ln_2, block.mlp)
+    elif "mlp" in modules:
         _checkpoint_forward(block.mlp)
     if "mlp_act" in modules:
         _discard_output(block.mlp.act, block.mlp.c_proj)
     if "layernorm" in modules:
         _discard_output(block.ln_1, block.attn)
-        _discard_output(block.ln_2, block.mlp)
+        if "mlp" not in modules:
+            _discard_output(block.ln_2, block.mlp)
 
 
 def apply_plan(funcs: Sequence[LayerFn], plan: StagePlan) -> None:

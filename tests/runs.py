@@ -36,6 +36,14 @@ def launch(run_dir: Path, *overrides: str, nproc: int = 2, timeout: float = 600,
     return _run(cmd, run_dir, timeout, check, env)
 
 
+def launch_multirun(sweep_dir: Path, *overrides: str, nproc: int = 2, timeout: float = 600, check: bool = True,
+                    env: Optional[dict] = None) -> subprocess.CompletedProcess:
+    """`deepspeed --num_gpus N train.py -m hydra.sweep.dir=SWEEP_DIR ...`: a Hydra sweep inside one launch."""
+    cmd = [str(DEEPSPEED), "--num_gpus", str(nproc), "--master_port", str(free_port()), "train.py", "-m",
+           f"hydra.sweep.dir={sweep_dir}", *overrides]
+    return _run(cmd, sweep_dir, timeout, check, env)
+
+
 def python_run(run_dir: Optional[Path], *overrides: str, timeout: float = 300, check: bool = True,
                env: Optional[dict] = None, tmp: Optional[Path] = None) -> subprocess.CompletedProcess:
     """`python train.py ...`: a 1-rank run, or a dry run / start-up failure."""

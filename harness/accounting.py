@@ -1,0 +1,112 @@
+"""What each rank holds and computes during training: measured activation bytes per micro-batch (on
+one step only), micro-batches in flight under 1F1B, peak memory, and FLOP/s, MFU and HFU.
+
+The trainer calls `before_step` / `after_step` around each step, adds `step_record` to the logged
+metrics, and merges `gather()` (a collective: every rank calls it) into summary.json and W&B.
+"""
+import statistics
+from typing import Optional
+
+import torch
+
+from model import GPTConfig
+from parallel.activation_meter import ActivationMeter, attach_to_pipeline, peak_memory_bytes
+from parallel.flops import lookup_peak_tflops
+from parallel.layout import PipelineLayout
+from parallel.memory_model import Target
+from parallel.planner import RunShape, plan_run
+from parallel.schedule import in_flight_micro_batches
+
+
+def peak_tflops(configured: Optional[float], device: str, precision: str) -> Optional[float]:
+    """train.peak_tflops when set, else the table entry for this GPU; None on CPU or an unknown GPU."""
+    if configured is not None:
+        return configured
+    if device != "cuda":
+        return None
+    return lookup_peak_tflops(torch.cuda.get_device_name(), precision)
+
+
+class Accounting:
+    def __init__(self, model: GPTConfig, recompute, layout: PipelineLayout, train, parallel,
+                 data_parallel: int, device: str, precision: str, engine, world_size: int):
+        self.engine = engine
+        self.device = device
+        self.world_size = world_size
+        self.measure_step = train.measure_step
+        self.measured_step: Optional[int] = None
+        self.meter = ActivationMeter(engine.module.parameters)
+        attach_to_pipeline(engine.module, self.meter)
+        self.plan = plan_run(model, recompute, layout, RunShape(train.micro_batches, train.micro_batch_size,
+                                                                data_parallel, parallel.zero_stage,
+                                                                Target(device, precision)))
+        self.stage_plan = self.plan["stages"][engine.stage_id]
+        self.peak_tflops = peak_tflops(train.peak_tflops, device, precision)
+        self.step_times: list[float] = []
+
+    def before_step(self, step: int) -> None:
+        """Arm the meter for the first step at or after train.measure_step (0: never)."""
+        self.meter.armed = self.measure_step > 0 and self.measured_step is None and step >= self.measure_step
+
+    def after_step(self, step: int, step_time: float) -> None:
+        if self.meter.armed:
+            self.meter.armed = False
+            self.measured_step = step
+        self.step_times.append(step_time)
+
+    def step_record(self, step_time: float) -> dict:
+        """Mean achieved model TFLOP/s per rank over the step, and MFU / HFU when the peak is known."""
+        flops = self.plan["flops"]
+        per_rank = flops["model_flops_per_step"] / self.world_size / step_time / 1e12
+        record = {"tflops_per_rank": per_rank}
+        if self.peak_tflops:
+            record["mfu"] = per_rank / self.peak_tflops
+            record["hfu"] = record["mfu"] * flops["hardware_over_model"]
+        return record
+
+    def _mine(self) -> dict:
+        recorded = self.meter.bytes_per_micro_batch()
+        step_time = statistics.median(self.step_times) if self.step_times else None
+        stage = self.stage_plan
+        return {
+            "stage": self.engine.stage_id,
+            "dp_rank": self.engine.grid.get_data_parallel_rank(),
+            "activation_bytes": max(recorded) if recorded else None,
+            "stage_input_bytes": max(self.meter.stage_input_bytes()) if recorded else None,
+            "in_flight": in_flight_micro_batches(self.engine.micro_batches, self.engine.num_stages,
+                                                 self.engine.stage_id),
+            "peak_memory_bytes": peak_memory_bytes(self.device),
+            "step_time_s": step_time,
+            "tflops": stage["model_flops_per_step"] / step_time / 1e12 if step_time else None,
+            "hardware_tflops": stage["hardware_flops_per_step"] / step_time / 1e12 if step_time else None,
+        }
+
+    def gather(self) -> dict:
+        """Collective over all ranks. Returns the summary entries (meaningful on the loss rank)."""
+        ranks = [None] * self.world_size
+        torch.distributed.all_gather_object(ranks, self._mine())
+        stages = len(self.plan["stages"])
+        first = [next(r for r in ranks if r["stage"] == s and r["dp_rank"] == 0) for s in range(stages)]
+        activation = [r["activation_bytes"] for r in first]
+        out = {
+            "activation_measured_at_step": self.measured_step,
+            "activation_bytes_per_stage": activation,
+            "stage_input_bytes_per_stage": [r["stage_input_bytes"] for r in first],
+            "planned_activation_bytes_per_stage": [s["activation_bytes_per_microbatch"] for s in self.plan["stages"]],
+            "in_flight_microbatches_per_stage": [r["in_flight"] for r in first],
+            "predicted_peak_bytes_per_stage": [s["predicted_peak_bytes"] for s in self.plan["stages"]],
+            "peak_activation_bytes_per_stage": [None if a is None else a * r["in_flight"]
+                                                for a, r in zip(activation, first)],
+            "peak_memory_bytes_per_stage": [max(r["peak_memory_bytes"] for r in ranks if r["stage"] == s)
+                                            for s in range(stages)],
+            "peak_memory_kind": "cuda_max_allocated" if self.device == "cuda" else "cpu_max_rss",
+            "model_flops_per_step": self.plan["flops"]["model_flops_per_step"],
+            "hardware_flops_per_step": self.plan["flops"]["hardware_flops_per_step"],
+            "tflops_per_rank": [r["tflops"] for r in ranks],
+            "peak_tflops": self.peak_tflops,
+        }
+        if self.peak_tflops:
+            out["mfu_per_rank"] = [None if r["tflops"] is None else r["tflops"] / self.peak_tflops for r in ranks]
+            out["hfu_per_rank"] = [None if r["hardware_tflops"] is None else r["hardware_tflops"] / self.peak_tflops
+                                   for r in ranks]
+        return out

@@ -1,0 +1,283 @@
+"""Checkpoints that a kill at any moment cannot spoil, and the choice of where a run resumes.
+
+Layout of <run dir>/checkpoints/:
+
+    latest                          the tag of the newest complete checkpoint; moved last, atomically
+    step_00000040/                  one checkpoint (a DeepSpeed tag directory)
+        layer_NN-model_states.pt        DeepSpeed: the weights of layer NN, written by its stage
+        mp_rank_NN_model_states.pt      DeepSpeed: optimizer, LR scheduler, engine counters, per stage
+        stagecheck_rank_00001.pt        ours: the RNG states of rank 1 (Python, NumPy, torch CPU, CUDA)
+        stagecheck.json                 ours, written by rank 0 once every rank has finished: the step,
+                                        the data position, the W&B run id, the topology
+
+DeepSpeed keeps no data position and no RNG state. The data position is the step: a batch is a pure
+function of (seed, step, dp_rank, micro) (data/sampling.py), so a run resumed after step k draws
+exactly the batches of steps k+1.. that the uninterrupted run drew.
+
+DeepSpeed's own `latest` file is not used (save_latest=False): `save_checkpoint` has global rank 0 write
+it as soon as rank 0's own files are written, before its final barrier, while other stages may still be
+writing theirs. A kill then would leave `latest` naming a checkpoint with missing stages. Ours moves
+only after a barrier that every rank reaches once its files are written.
+"""
+import json
+import os
+import random
+import re
+import secrets
+import shutil
+import string
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from harness.faults import save_delay_for_test
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+META = "stagecheck.json"
+TAG_PATTERN = re.compile(r"^step_(\d{8,})$")
+FORMAT_VERSION = 1
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def rank_state_name(rank: int) -> str:
+    return f"stagecheck_rank_{rank:05d}.pt"
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return run_dir / CHECKPOINTS
+
+
+def new_wandb_run_id() -> str:
+    """8 characters of [a-z0-9], the form W&B generates; or WANDB_RUN_ID when set (a W&B sweep agent sets
+    it to the run it started this process for, and wandb.init would otherwise open another run)."""
+    return os.environ.get("WANDB_RUN_ID") or "".join(secrets.choice(string.ascii_lowercase + string.digits)
+                                                     for _ in range(8))
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    path: Path
+    """The checkpoint (tag) directory."""
+    meta: dict
+
+    @property
+    def step(self) -> int:
+        return int(self.meta["step"])
+
+    def inside(self, run_dir: Path) -> bool:
+        """Whether this checkpoint belongs to the run in `run_dir` (then the run continues in place)."""
+        return self.path.resolve().parent == checkpoints_dir(run_dir).resolve()
+
+
+def read_checkpoint(path: Path, option: str = "train.resume") -> ResumePoint:
+    """A complete checkpoint at `path`: a tag directory holding stagecheck.json, or a directory holding
+    `latest` (a `checkpoints/` directory, or a run directory's)."""
+    path = Path(path).expanduser()
+    for pointer in (path / LATEST, path / CHECKPOINTS / LATEST):
+        if pointer.is_file():
+            path = pointer.parent / pointer.read_text().strip()
+            break
+    meta_path = path / META
+    if not meta_path.is_file():
+        raise ValueError(f"{option}={str(path)!r} is not a complete stagecheck checkpoint (no {META}): give a "
+                         f"checkpoints/step_NNNNNNNN directory, a checkpoints/ directory, or a run directory")
+    meta = json.loads(meta_path.read_text())
+    return ResumePoint(path.resolve(), meta)
+
+
+def latest_checkpoint(run_dir: Path) -> Optional[ResumePoint]:
+    pointer = checkpoints_dir(run_dir) / LATEST
+    if not pointer.is_file():
+        return None
+    return read_checkpoint(pointer.parent / pointer.read_text().strip(), option=f"{pointer} names")
+
+
+def resume_point(train, run_dir: Path) -> Optional[ResumePoint]:
+    """Where this launch starts from, per train.resume (auto, false, or a path). Raises ValueError."""
+    if train.resume == "false":
+        return None
+    if train.resume == "auto":
+        return latest_checkpoint(run_dir)
+    return read_checkpoint(Path(train.resume))
+
+
+def check_compatible(point: ResumePoint, world_size: int, pipeline_stages: int) -> None:
+    """Exact resume needs the same ranks: DeepSpeed's files are per stage and the RNG states per rank."""
+    saved = (point.meta["world_size"], point.meta["pipeline_stages"])
+    if saved != (world_size, pipeline_stages):
+        raise ValueError(
+            f"the checkpoint {point.path} was written by {saved[0]} ranks in {saved[1]} pipeline stages, this "
+            f"launch has {world_size} ranks in {pipeline_stages} stages: launch the same topology to resume "
+            f"(or train.resume=false to start over)"
+        )
+
+
+# ---- RNG states ------------------------------------------------------------------------------------------
+
+def rng_state() -> dict:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None,
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---- durable files ---------------------------------------------------------------------------------------
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Readers see the old content or the new, never a mix or nothing (rename is atomic)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    _fsync_path(path.parent)
+
+
+def _torch_save_durable(obj, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as handle:
+        torch.save(obj, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def checkpoint_tags(root: Path) -> list[tuple[int, Path]]:
+    found = []
+    if root.is_dir():
+        for child in root.iterdir():
+            match = TAG_PATTERN.match(child.name)
+            if match and child.is_dir():
+                found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def prune(root: Path, keep: int) -> list[Path]:
+    """Keep the checkpoint `latest` names and the keep-1 newest complete ones before it; delete every
+    other step directory (older ones, incomplete ones, newer ones from an abandoned timeline)."""
+    latest = (root / LATEST).read_text().strip()
+    complete = [(step, path) for step, path in checkpoint_tags(root) if (path / META).is_file()]
+    latest_step = next(step for step, path in complete if path.name == latest)
+    up_to_latest = [path for step, path in complete if step <= latest_step]
+    kept = set(up_to_latest[-keep:])
+    removed = []
+    for _, path in checkpoint_tags(root):
+        if path not in kept:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+# ---- save and load -----------------------------------------------------------------------------------------
+
+class Checkpointer:
+    """Saves and loads through the DeepSpeed engine; every method is collective (all ranks call it)."""
+
+    def __init__(self, run_dir: Path, engine, rank: int, world_size: int, pipeline_stages: int,
+                 data_parallel_size: int, seed: int, keep: int, wandb_run_id: Optional[str]):
+        self.root = checkpoints_dir(run_dir)
+        self.engine = engine
+        self.rank = rank
+        self.world_size = world_size
+        self.pipeline_stages = pipeline_stages
+        self.data_parallel_size = data_parallel_size
+        self.seed = seed
+        self.keep = keep
+        self.wandb_run_id = wandb_run_id
+
+    def save(self, step: int) -> Path:
+        tag = tag_for(step)
+        path = self.root / tag
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            # A leftover of a save that was killed (its `latest` never moved here): start it afresh.
+            if path.exists():
+                pointer = self.root / LATEST
+                if pointer.is_file() and pointer.read_text().strip() == tag:
+                    raise RuntimeError(f"refusing to overwrite {path}: `latest` names it")
+                shutil.rmtree(path)
+        dist.barrier()
+        start = time.perf_counter()
+        self.engine.save_checkpoint(str(self.root), tag=tag, client_state={"stagecheck_step": step},
+                                    save_latest=False)
+        _torch_save_durable(rng_state(), path / rank_state_name(self.rank))
+        delay = save_delay_for_test(self.rank, step)
+        if delay:
+            time.sleep(delay)
+        dist.barrier()  # every rank's files are written
+        if self.rank == 0:
+            for child in path.iterdir():
+                if child.is_file():
+                    _fsync_path(child)  # a power cut must not leave `latest` naming unwritten pages
+            atomic_write_text(path / META, json.dumps(self._meta(step), indent=2) + "\n")
+            atomic_write_text(self.root / LATEST, tag + "\n")
+            prune(self.root, self.keep)
+            print(f"stagecheck: saved checkpoint {path} ({time.perf_counter() - start:.1f} s)", flush=True)
+        dist.barrier()  # nobody leaves (or exits) before `latest` has moved
+        return path
+
+    def _meta(self, step: int) -> dict:
+        return {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "data": {"next_step": step + 1,
+                     "sampling": "each batch is a pure function of (seed, step, dp_rank, micro)"},
+            "seed": self.seed,
+            "world_size": self.world_size,
+            "pipeline_stages": self.pipeline_stages,
+            "data_parallel_size": self.data_parallel_size,
+            "wandb_run_id": self.wandb_run_id,
+            "rank_states": [rank_state_name(r) for r in range(self.world_size)],
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+
+    def load(self, point: ResumePoint) -> int:
+        """Restore weights, optimizer, scheduler and engine counters, then this rank's RNG states; returns
+        the step the checkpoint was taken after."""
+        engine, load_dir, tag = self.engine, str(point.path.parent), point.path.name
+        # DeepSpeed 0.19.8 with bf16 and ZeRO stage 0 (BF16_Optimizer) saves the optimizer in
+        # bf16_zero_pp_rank_* files but its load_checkpoint hands BF16_Optimizer the dict of the
+        # model-states file, which it indexes by data-parallel rank: KeyError 0. Load the weights,
+        # scheduler and counters without the optimizer, then the optimizer (and its fp32 master weights)
+        # from the files it was saved to, as ZeRO's own load does.
+        bf16_zero0 = engine.bfloat16_enabled() and not engine.zero_optimization()
+        load_path, client = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=not bf16_zero0,
+                                                   load_lr_scheduler_states=True)
+        if load_path is None:
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint {point.path}")
+        if bf16_zero0 and not engine._load_zero_checkpoint(load_dir, tag, load_optimizer_states=True):
+            raise RuntimeError(f"DeepSpeed found no bf16 optimizer state in {point.path}")
+        if client.get("stagecheck_step") != point.step:
+            raise RuntimeError(f"the checkpoint {point.path} is inconsistent: DeepSpeed's state says step "
+                               f"{client.get('stagecheck_step')}, {META} says {point.step}")
+        # Our own file, written by this code: not an untrusted pickle.
+        set_rng_state(torch.load(point.path / rank_state_name(self.rank), weights_only=False))
+        return point.step

@@ -1,0 +1,187 @@
+"""What happens around each step so nothing is lost and nothing hangs: resume, the per-step agreement
+of all ranks (preemption request, non-finite loss or gradients), checkpoint cadence, and clean exits.
+
+The trainer calls, on every rank:
+
+    control = RunControl(run, run_dir, env, topo, rt, engine)   # after building the engine
+    control.attach(metrics)                                    # the loss rank's MetricsLog, or None
+    for step in range(control.start_step + 1, steps + 1):
+        loss = engine.train_batch(...)
+        verdict = control.check_step(step, loss)   # one all-reduce: every rank gets the same verdict
+        ... log the step's record, with verdict.record merged in ...
+        control.finish_step(step, verdict)         # save when due; may end the process (exit 3 or 75)
+
+Logging comes before saving, so a checkpoint at step k always has step k in metrics.jsonl.
+"""
+import os
+import shutil
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from harness import faults, preemption
+from harness.checkpoint import (CHECKPOINTS, LATEST, Checkpointer, atomic_write_text, check_compatible,
+                                checkpoints_dir, new_wandb_run_id, resume_point)
+
+# What `train.overwrite=true` deletes before a fresh start (config.yaml is rewritten anyway).
+PREVIOUS_OUTPUTS = ("metrics.jsonl", "summary.json", CHECKPOINTS)
+
+
+@dataclass
+class StepVerdict:
+    nonfinite: bool
+    preempt_signal: int
+    """The signal number that asked for preemption (0: none)."""
+    preempt_rank: int
+    """A rank that received it (-1: none)."""
+    record: dict = field(default_factory=dict)
+    """Extra fields for the step's metrics record."""
+
+
+class RunControl:
+    def __init__(self, run, run_dir: Path, env, topo, rt, engine):
+        self.train = run.train
+        self.run_dir = run_dir
+        self.rank = env.rank
+        self.engine = engine
+        self.fp16 = rt.precision == "fp16"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if rt.device == "cuda" else torch.device("cpu")
+        self.metrics = None
+        self.skipped = 0
+
+        # Start-up validated train.resume already (harness/entry.py); the files have not changed since.
+        point = resume_point(self.train, run_dir)
+        if point is not None:
+            check_compatible(point, topo.world_size, topo.pipeline_stages)
+        in_place = point is not None and point.inside(run_dir)
+        dist.barrier()  # every rank has read the run directory before rank 0 changes it
+        if self.rank == 0:
+            if not in_place and self.train.overwrite:
+                _remove_previous_outputs(run_dir)
+            elif in_place and _latest_tag(run_dir) != point.path.name:
+                # An explicit older checkpoint of this run: it becomes the latest, so the saves that follow
+                # (which may reuse newer tags) never overwrite what `latest` names.
+                atomic_write_text(checkpoints_dir(run_dir) / LATEST, point.path.name + "\n")
+        # Same W&B run when continuing in place; a new one for a fresh start or a fork of another run.
+        wandb_run_id = point.meta.get("wandb_run_id") if in_place else None
+        if self.rank == 0 and wandb_run_id is None:
+            wandb_run_id = new_wandb_run_id()
+        # One exchange, which is also the barrier after rank 0's file changes: rank 0's W&B id, and every
+        # rank's (host, pid), so a rank whose peer dies can name it.
+        gathered = [None] * topo.world_size
+        dist.all_gather_object(gathered, (socket.gethostname(), os.getpid(), wandb_run_id))
+        faults.register_peers([(host, pid) for host, pid, _ in gathered])
+        self.wandb_run_id: str = gathered[0][2]
+
+        self.checkpointer = Checkpointer(run_dir, engine, env.rank, topo.world_size, topo.pipeline_stages,
+                                         topo.data_parallel_size, run.seed, self.train.keep_checkpoints,
+                                         self.wandb_run_id)
+        self.resumed_from = point
+        self.start_step = self.checkpointer.load(point) if point is not None else 0
+        self.last_saved: Optional[int] = self.start_step if in_place else None
+        if self.rank == 0 and point is not None:
+            print(f"stagecheck: resuming from {point.path} after step {self.start_step} "
+                  f"(W&B run {self.wandb_run_id})", flush=True)
+            if self.start_step >= self.train.steps:
+                print(f"stagecheck: the checkpoint is at step {self.start_step} >= train.steps={self.train.steps}: "
+                      f"nothing left to train", flush=True)
+
+        faults.install_nonfinite_guard(engine)
+        faults.install_nan_injection(engine, list(self.train.inject_nan_at_steps))
+
+    @property
+    def resumed(self) -> bool:
+        return self.resumed_from is not None
+
+    def attach(self, metrics) -> None:
+        """The loss rank's MetricsLog: closed (W&B finished with the exit code) however the run ends."""
+        self.metrics = metrics
+        if metrics is not None:
+            faults.on_failure(lambda: metrics.close(exit_code=faults.EXIT_FAILED))
+
+    def check_step(self, step: int, loss) -> StepVerdict:
+        """Collective: every rank reports its preemption request and whether it saw a non-finite loss,
+        gradient norm, or a skipped update; one all-reduce (MAX) gives all ranks the same verdict."""
+        faults.maybe_fail_for_test(self.rank, step)
+        loss_value = float(loss.item()) if loss is not None else 0.0
+        nonfinite = not faults.is_finite(loss_value) or not faults.is_finite(self.engine.get_global_grad_norm())
+        if not self.fp16:  # fp16 skips steps while its loss scale settles: normal, not a fault
+            nonfinite = nonfinite or not self.engine.was_step_applied()
+        signum = preemption.requested() or 0
+        flags = torch.tensor([float(signum), float(self.rank + 1 if signum else 0), float(nonfinite)],
+                             dtype=torch.float64, device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        verdict = StepVerdict(nonfinite=bool(flags[2].item()), preempt_signal=int(flags[0].item()),
+                              preempt_rank=int(flags[1].item()) - 1)
+        if verdict.nonfinite and self.train.nan_policy == "skip":
+            self.skipped += 1
+            verdict.record["skipped"] = True
+        self._loss = loss_value
+        return verdict
+
+    def finish_step(self, step: int, verdict: StepVerdict) -> None:
+        """Collective: stop on a non-finite step (never saving it), save when due, exit when preempted."""
+        t = self.train
+        if verdict.nonfinite and (t.nan_policy == "stop" or self.skipped > t.nan_skip_limit):
+            self._exit(faults.EXIT_NONFINITE, self._nonfinite_message(step))
+        if verdict.nonfinite and self.rank == 0:
+            print(f"stagecheck: step {step}: non-finite loss or gradients, update skipped "
+                  f"({self.skipped}/{t.nan_skip_limit}, train.nan_policy=skip)", file=sys.stderr, flush=True)
+        if step == t.steps or (t.save_every and step % t.save_every == 0) or verdict.preempt_signal:
+            self.checkpointer.save(step)
+            self.last_saved = step
+        if verdict.preempt_signal:
+            import signal
+
+            name = signal.Signals(verdict.preempt_signal).name
+            self._exit(faults.EXIT_PREEMPTED,
+                       f"stagecheck: preempted ({name} on rank {verdict.preempt_rank}): checkpoint of step {step} "
+                       f"saved in {checkpoints_dir(self.run_dir)}; exiting {faults.EXIT_PREEMPTED}. Relaunch in the "
+                       f"same run directory (train.resume=auto) to continue.")
+
+    def _nonfinite_message(self, step: int) -> str:
+        what = "loss" if not faults.is_finite(self._loss) else "gradients"
+        why = ("train.nan_policy=stop" if self.train.nan_policy == "stop"
+               else f"{self.skipped} skipped steps > train.nan_skip_limit={self.train.nan_skip_limit}")
+        if self.last_saved is None:
+            kept = "no checkpoint of this run was saved yet"
+        else:
+            kept = (f"nothing was saved after it; the last good checkpoint is "
+                    f"{checkpoints_dir(self.run_dir) / f'step_{self.last_saved:08d}'} (step {self.last_saved})")
+        return (f"stagecheck: non-finite {what} at step {step} (loss={self._loss}): stopping ({why}); {kept}. "
+                f"Exit code {faults.EXIT_NONFINITE}.")
+
+    def _exit(self, code: int, message: str) -> None:
+        if self.rank == 0:
+            print(message, file=sys.stderr, flush=True)
+        if self.metrics is not None:
+            try:  # a W&B failure must not turn a clean stop (the checkpoint is saved) into exit code 1
+                if code == faults.EXIT_PREEMPTED and self.metrics.wandb is not None:
+                    self.metrics.wandb.run.mark_preempting()
+                self.metrics.close(exit_code=code)
+            except Exception as error:  # noqa: BLE001
+                print(f"stagecheck: warning: closing the metrics/W&B run failed: {error}", file=sys.stderr, flush=True)
+        # Outputs are finished on every rank before any exits: the launcher (or srun -K) kills the rest's
+        # process trees, the W&B service included, as soon as one rank has exited.
+        dist.barrier()
+        preemption.ignore_from_now()  # srun -K's SIGTERM must not turn this exit code into 143 (preemption.py)
+        raise SystemExit(code)
+
+
+def _latest_tag(run_dir: Path) -> Optional[str]:
+    pointer = checkpoints_dir(run_dir) / LATEST
+    return pointer.read_text().strip() if pointer.is_file() else None
+
+
+def _remove_previous_outputs(run_dir: Path) -> None:
+    for name in PREVIOUS_OUTPUTS:
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()

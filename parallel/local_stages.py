@@ -1,0 +1,79 @@
+"""Every stage of a pipeline layout in one process, for the recompute benchmark and tests.
+
+Each stage builds its own layers (the tied embedding once per stage that uses it, as DeepSpeed does
+across ranks), applies its StagePlan and runs it with `run_stage`, exactly as PlannedPipelineModule does.
+A step runs the micro-batches one after another through all stages and mimics what DeepSpeed's engine
+does around each stage forward: the received input is a leaf that requires grad and the forward gets a
+clone of it; the last stage computes the loss; backward goes stage by stage from the last.
+"""
+from contextlib import nullcontext
+from functools import partial
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from model import LayerRecipe, lm_loss
+from parallel.activation_meter import ActivationMeter
+from parallel.layout import PipelineLayout
+from parallel.partition import StageRange
+from parallel.recompute import StagePlan, apply_plan, run_stage
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class LocalStage(nn.Module):
+    def __init__(self, recipes: Sequence[LayerRecipe], stage: StageRange, plan: StagePlan, precision: str = "fp32"):
+        super().__init__()
+        self.stage, self.plan = stage, plan
+        self.layers = nn.ModuleList()
+        self.funcs = []
+        tied: dict[str, nn.Module] = {}
+        for flat in stage.layers:
+            recipe = recipes[flat]
+            module = tied.get(recipe.tie_key) if recipe.tie_key else None
+            if module is None:
+                module = recipe.build()
+                self.layers.append(module)
+                if recipe.tie_key:
+                    tied[recipe.tie_key] = module
+            self.funcs.append(module if recipe.forward_fn is None else partial(recipe.forward_fn, module))
+        self.to(DTYPES[precision])
+        apply_plan(self.funcs, plan)
+        self.meter = ActivationMeter(self.parameters)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return run_stage(self.funcs, self.plan, x)
+
+
+class LocalPipeline:
+    def __init__(self, layout: PipelineLayout, precision: str = "fp32"):
+        self.stages = [LocalStage(layout.recipes, s, p, precision) for s, p in zip(layout.stages, layout.plans)]
+
+    def parameters(self):
+        return [p for stage in self.stages for p in stage.parameters()]
+
+    def step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], measure: bool = False) -> torch.Tensor:
+        """Forward and backward of every (tokens, labels) micro-batch; gradients accumulate. Returns
+        the mean loss. With `measure`, each stage's meter records every micro-batch."""
+        losses = []
+        for tokens, labels in micro_batches:
+            received: list[Optional[torch.Tensor]] = []
+            outputs = []
+            x = tokens
+            for i, stage in enumerate(self.stages):
+                buffer = x.detach().clone()
+                if buffer.is_floating_point():
+                    buffer.requires_grad_()
+                received.append(buffer)
+                stage_input = buffer.clone()
+                with stage.meter.record(stage_input=stage_input) if measure else nullcontext():
+                    x = stage(stage_input)
+                outputs.append(x)
+            with self.stages[-1].meter.record(new=False) if measure else nullcontext():
+                loss = lm_loss(x, labels)
+            loss.backward()
+            for i in range(len(self.stages) - 2, -1, -1):
+                outputs[i].backward(received[i + 1].grad)
+            losses.append(loss.detach())
+        return torch.stack(losses).mean()

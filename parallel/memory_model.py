@@ -1,0 +1,285 @@
+"""Analytic activation memory: the bytes autograd keeps for backward, per layer and per stage.
+
+Pure arithmetic derived from this code (model/layers.py, model/attention.py, parallel/recompute.py)
+and the kernels it calls; docs/activation_model.md derives every item and compares it with
+Korthikanti et al. 2022. `parallel/activation_meter.py` measures the same quantity, and tests hold
+the two equal.
+
+What is counted, per micro-batch and stage: every distinct storage kept for backward by the stage's
+forward (and, on the last stage, by the loss), parameters excluded. That includes the stage input
+(the clone DeepSpeed's forward makes of its pipe buffer, saved by the first layer or held by a
+checkpoint), but not DeepSpeed's pipe buffers themselves (see `pipe_buffer_bytes`).
+"""
+from dataclasses import dataclass
+from itertools import combinations
+from typing import Sequence
+
+from model import Block, GPTConfig, LayerRecipe
+from model.layers import FinalNorm, PositionEmbedding, TokenEmbedding
+from parallel.config import RECOMPUTE_MODULES
+from parallel.recompute import StagePlan
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+PLAN_DEVICES = ("cpu", "cuda")
+INDEX_BYTES = 8  # int64 token ids, positions and labels
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class Target:
+    """The device and precision a plan is for (what really runs: no `auto` here)."""
+
+    device: str
+    precision: str
+
+    def __post_init__(self) -> None:
+        if self.device not in PLAN_DEVICES:
+            raise ValueError(f"train.device={self.device!r} cannot be planned: allowed values are cpu, cuda")
+        if self.precision not in DTYPE_BYTES:
+            raise ValueError(f"train.precision={self.precision!r} cannot be planned: allowed values are "
+                             f"{', '.join(DTYPE_BYTES)}")
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.precision]
+
+    @property
+    def mask_bytes(self) -> int:
+        """Dropout mask: CUDA's fused dropout keeps a bool mask; CPU's multiplies by a noise tensor of
+        the input dtype and keeps that."""
+        return 1 if self.device == "cuda" else self.dtype_bytes
+
+    @property
+    def ln_stat_bytes(self) -> int:
+        """LayerNorm mean and rstd: fp32 on CUDA, the input dtype on CPU (measured)."""
+        return FP32 if self.device == "cuda" else self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One micro-batch through the model: b sequences of s tokens, width h, a heads, vocabulary V."""
+
+    b: int
+    s: int
+    h: int
+    a: int
+    vocab: int
+    dropout: bool
+    attention: str
+
+    @classmethod
+    def of(cls, model: GPTConfig, micro_batch_size: int) -> "Shape":
+        return cls(micro_batch_size, model.seq_len, model.n_embd, model.n_head, model.vocab_size,
+                   model.dropout > 0, model.attention)
+
+    @property
+    def bsh(self) -> int:
+        return self.b * self.s * self.h
+
+    @property
+    def scores(self) -> int:
+        """Attention-score elements b * a * s * s."""
+        return self.b * self.a * self.s * self.s
+
+
+Item = tuple[str, int]  # (what is kept, bytes)
+
+
+def attention_kernel(shape: Shape, target: Target) -> str:
+    """Which attention code really runs: `math` (model/attention.py's explicit ops), `sdpa-math`
+    (PyTorch's math backend: CPU with dropout on), `sdpa-flash` (CPU flash kernel, dropout off) or
+    `sdpa-fused` (CUDA flash / memory-efficient kernels)."""
+    if shape.attention == "math":
+        return "math"
+    if target.device == "cuda":
+        return "sdpa-fused"
+    return "sdpa-math" if shape.dropout else "sdpa-flash"
+
+
+def _attention_core_items(shape: Shape, target: Target) -> list[Item]:
+    """What the attention core keeps, including the (B, T, C) output the output projection reads."""
+    d, bsh, scores = target.dtype_bytes, shape.bsh, shape.scores
+    kernel = attention_kernel(shape, target)
+    if kernel in ("math", "sdpa-math"):
+        # matmul reshapes the strided q, k, v views into contiguous copies and keeps those. The SDPA
+        # math backend upcasts 16-bit inputs and computes everything in fp32.
+        c = d if kernel == "math" else FP32
+        mask = (target.mask_bytes if kernel == "math" else FP32)
+        items = [("q, k, v copies kept by the two batched matmuls", 3 * bsh * c),
+                 ("softmax output", scores * c)]
+        if shape.dropout:
+            items += [("attention dropout mask", scores * mask), ("attention dropout output", scores * c)]
+        # (no dropout: the second matmul keeps the softmax output itself, counted once)
+        items.append(("attention output, contiguous (output projection input)", bsh * d))
+        return items
+    # Fused kernels keep q, k, v (views of the QKV projection output), their output (which, laid out
+    # (B, T, nh, hs), is also the output projection's input: one storage) and the fp32 log-sum-exp.
+    return [("q, k, v (views of the QKV output)", 3 * bsh * d),
+            ("attention output (output projection input, same storage)", bsh * d),
+            ("log-sum-exp", shape.b * shape.a * shape.s * FP32)]
+
+
+def block_items(shape: Shape, target: Target, modules: Sequence[str] = ()) -> list[Item]:
+    """What one block keeps with no recompute (`modules` empty) or with selective recompute of
+    `modules`. The block input (kept by ln_1, or by a checkpoint) is the first item."""
+    d, m, r, bsh = target.dtype_bytes, target.mask_bytes, target.ln_stat_bytes, shape.bsh
+    bs = shape.b * shape.s
+    mods = set(modules)
+    items: list[Item] = [("block input (ln_1 input)", bsh * d), ("ln_1 mean and rstd", 2 * bs * r)]
+    if "layernorm" not in mods:
+        items.append(("ln_1 output (QKV projection input)", bsh * d))
+    if "core_attn" in mods:
+        # The checkpoint holds q, k, v by reference: the QKV output's storage.
+        items += [("q, k, v (checkpoint input: the QKV output)", 3 * bsh * d),
+                  ("attention output, contiguous (output projection input)", bsh * d)]
+    else:
+        items += _attention_core_items(shape, target)
+    if shape.dropout:
+        items.append(("attention residual dropout mask", bsh * m))
+    if "mlp" in mods and "layernorm" in mods:
+        items.append(("ln_2 input (checkpoint input of ln_2 + MLP)", bsh * d))
+        return items
+    items += [("ln_2 input", bsh * d), ("ln_2 mean and rstd", 2 * bs * r)]
+    if "layernorm" not in mods:
+        items.append(("ln_2 output (first MLP matmul input)", bsh * d))
+    if "mlp" in mods:
+        return items  # the MLP checkpoint holds ln_2's output, counted above
+    items.append(("first MLP matmul output (GELU input)", 4 * bsh * d))
+    if "mlp_act" not in mods:
+        items.append(("GELU output (second MLP matmul input)", 4 * bsh * d))
+    if shape.dropout:
+        items.append(("MLP dropout mask", bsh * m))
+    return items
+
+
+def block_full_items(shape: Shape, target: Target, segment_start: bool) -> list[Item]:
+    """Full recompute: a segment keeps only its input, by reference; blocks inside keep nothing."""
+    return [("segment input (checkpoint input)", shape.bsh * target.dtype_bytes)] if segment_start else []
+
+
+def token_embedding_items(shape: Shape, target: Target) -> list[Item]:
+    return [("token ids (stage input)", shape.b * shape.s * INDEX_BYTES)]
+
+
+def position_embedding_items(shape: Shape, target: Target) -> list[Item]:
+    items = [("position ids", shape.s * INDEX_BYTES)]
+    if shape.dropout:
+        items.append(("embedding dropout mask", shape.bsh * target.mask_bytes))
+    return items
+
+
+def final_norm_items(shape: Shape, target: Target) -> list[Item]:
+    return [("ln_f input", shape.bsh * target.dtype_bytes),
+            ("ln_f mean and rstd", 2 * shape.b * shape.s * target.ln_stat_bytes)]
+
+
+def lm_head_items(shape: Shape, target: Target) -> list[Item]:
+    return [("ln_f output (LM head input)", shape.bsh * target.dtype_bytes)]
+
+
+def loss_items(shape: Shape, target: Target) -> list[Item]:
+    """lm_loss: cross-entropy on fp32 logits keeps its log-probabilities, the labels and a scalar."""
+    tokens = shape.b * shape.s
+    return [("log-softmax output (fp32)", tokens * shape.vocab * FP32),
+            ("labels", tokens * INDEX_BYTES), ("cross-entropy total weight", FP32)]
+
+
+def selective_combinations() -> list[tuple[str, ...]]:
+    """Every valid `recompute.modules` list (mlp and mlp_act exclude each other), in a fixed order."""
+    combos = []
+    for n in range(1, len(RECOMPUTE_MODULES) + 1):
+        for combo in combinations(RECOMPUTE_MODULES, n):
+            if not ("mlp" in combo and "mlp_act" in combo):
+                combos.append(combo)
+    return combos
+
+
+def total(items: Sequence[Item]) -> int:
+    return sum(b for _, b in items)
+
+
+@dataclass(frozen=True)
+class LayerActivation:
+    flat_index: int
+    name: str
+    choice: str
+    """`none`, `full` or `selective:<modules>` for blocks; `-` for other layers."""
+    items: tuple[Item, ...]
+
+    @property
+    def bytes(self) -> int:
+        return total(self.items)
+
+
+def layer_name(recipe: LayerRecipe) -> str:
+    return "LMHead" if recipe.forward_fn else recipe.module_class.__name__
+
+
+def stage_activations(recipes: Sequence[LayerRecipe], layers: range, plan: StagePlan, shape: Shape,
+                      target: Target, is_last: bool) -> list[LayerActivation]:
+    """Per-layer kept bytes of one stage under its plan, in order; the loss is a last pseudo-layer on
+    the last stage. Each layer counts its own input when it keeps it, so nothing is counted twice."""
+    segment_starts = {start for start, _ in plan.segments}
+    out = []
+    for local, flat in enumerate(layers):
+        recipe = recipes[flat]
+        cls = recipe.module_class
+        choice = "-"
+        if cls is Block:
+            choice = plan.choice_of(local)
+            if choice == "full":
+                items = block_full_items(shape, target, local in segment_starts)
+            else:
+                items = block_items(shape, target, plan.selective.get(local, ()))
+        elif recipe.forward_fn is not None:
+            items = lm_head_items(shape, target)
+        elif cls is TokenEmbedding:
+            items = token_embedding_items(shape, target)
+        elif cls is PositionEmbedding:
+            items = position_embedding_items(shape, target)
+        elif cls is FinalNorm:
+            items = final_norm_items(shape, target)
+        else:
+            raise TypeError(f"no activation model for layer {flat} ({cls.__name__})")
+        out.append(LayerActivation(flat, layer_name(recipe), choice, tuple(items)))
+    if is_last:
+        out.append(LayerActivation(-1, "loss", "-", tuple(loss_items(shape, target))))
+    return out
+
+
+def stage_input_bytes(stage_index: int, shape: Shape, target: Target) -> int:
+    """The forward's copy of the stage input: token ids on stage 0, hidden states elsewhere."""
+    return shape.b * shape.s * INDEX_BYTES if stage_index == 0 else shape.bsh * target.dtype_bytes
+
+
+def stage_output_bytes(is_last: bool, shape: Shape, target: Target) -> int:
+    """What the stage's forward returns: hidden states, or logits on the last stage."""
+    width = shape.vocab if is_last else shape.h
+    return shape.b * shape.s * width * target.dtype_bytes
+
+
+def pipe_buffer_bytes(stage_index: int, is_last: bool, shape: Shape, target: Target,
+                      num_buffers: int, in_flight: int) -> int:
+    """DeepSpeed's own copies, outside autograd: one received input per pipe buffer, and the stage
+    output of every micro-batch in flight (the last stage never frees its logits buffers)."""
+    outputs = num_buffers if is_last else in_flight
+    return (num_buffers * stage_input_bytes(stage_index, shape, target)
+            + outputs * stage_output_bytes(is_last, shape, target))
+
+
+def model_state_bytes(params: int, precision: str, zero_stage: int, data_parallel: int) -> dict[str, int]:
+    """Parameters, gradients and optimizer state of AdamW under DeepSpeed 0.19.8 (an estimate of its
+    optimizer wrappers, not measured): fp32 keeps fp32 weights and grads plus two fp32 moments; bf16
+    (BF16_Optimizer, which shards its fp32 master weights and moments over data-parallel ranks even at
+    ZeRO 0) keeps bf16 weights, bf16 grads and a bf16 gradient-accumulation buffer; fp16
+    (FP16_Optimizer, or ZeRO-1) keeps fp16 weights and grads, fp32 master weights and grads, and moments.
+    ZeRO-1 shards the optimizer part over data-parallel ranks."""
+    weight = DTYPE_BYTES[precision]
+    shard = data_parallel if (zero_stage == 1 or precision == "bf16") else 1
+    if precision == "fp32":
+        grads, optimizer = 4, 8 / shard
+    elif precision == "bf16":
+        grads, optimizer = 2 + 2, 12 / shard
+    else:
+        grads, optimizer = 2, 16 / shard
+    return {"params": params * weight, "grads": int(params * grads), "optimizer": int(params * optimizer)}

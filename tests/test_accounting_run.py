@@ -1,0 +1,57 @@
+"""One real 2-rank run through the deepspeed launcher: summary.json, metrics.jsonl and the offline W&B run
+hold the measured activation bytes per stage (equal to the planner's), the 1F1B peak, peak memory per
+stage and achieved FLOP/s. Full recompute with interval=stage: each stage keeps, for its blocks, only the
+stage input the pipeline already holds."""
+import pytest
+
+from tests import wandb_file
+from tests.runs import TINY, launch, metrics, summary
+
+pytestmark = pytest.mark.multiproc
+KEYS = ("activation_bytes_per_stage", "peak_activation_bytes_per_stage", "peak_memory_bytes_per_stage")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("accounting") / "run"
+    launch(run_dir, *TINY, "train.steps=3", "train.micro_batches=4", "train.micro_batch_size=2",
+           "model.dropout=0.1", "model.attention=math", "+recompute=full", "recompute.interval=stage")
+    return run_dir
+
+
+def test_measured_activation_bytes_equal_the_plan(run_dir):
+    s = summary(run_dir)
+    assert s["activation_measured_at_step"] == 2
+    assert s["activation_bytes_per_stage"] == s["planned_activation_bytes_per_stage"]
+    b, t, h = 2, 128, 128
+    # stage 0: token ids; stage 1: the hidden states it receives (fp32), kept by the one stage-wide segment
+    assert s["stage_input_bytes_per_stage"] == [b * t * 8, b * t * h * 4]
+    # stage 1 = its input + ln_f (input, mean, rstd) + LM head input + loss (fp32 log-probs, labels, scalar)
+    assert s["activation_bytes_per_stage"][1] == (b * t * h * 4 + b * t * h * 4 + 2 * b * t * 4 + b * t * h * 4
+                                                  + b * t * 256 * 4 + b * t * 8 + 4)
+
+
+def test_peaks_follow_the_1f1b_schedule(run_dir):
+    s = summary(run_dir)
+    assert s["in_flight_microbatches_per_stage"] == [2, 1]
+    assert s["peak_activation_bytes_per_stage"] == [a * n for a, n in zip(s["activation_bytes_per_stage"], [2, 1])]
+    assert s["peak_memory_kind"] == "cpu_max_rss"
+    assert all(100 * 2**20 < m < 8 * 2**30 for m in s["peak_memory_bytes_per_stage"])
+
+
+def test_flops_are_logged_per_rank_without_mfu_on_cpu(run_dir):
+    s = summary(run_dir)
+    assert len(s["tflops_per_rank"]) == 2 and all(v > 0 for v in s["tflops_per_rank"])
+    assert s["peak_tflops"] is None and "mfu_per_rank" not in s
+    # one extra forward of the blocks, the LM head not recomputed
+    assert 1.2 < s["hardware_flops_per_step"] / s["model_flops_per_step"] < 1.34
+    assert all(r["tflops_per_rank"] > 0 and "mfu" not in r for r in metrics(run_dir))
+
+
+def test_offline_wandb_summary_holds_the_accounting(run_dir):
+    (path,) = wandb_file.find_run_files(run_dir / "wandb")
+    logged = wandb_file.summary(path)
+    s = summary(run_dir)
+    for key in KEYS:
+        assert logged[key] == s[key]
+    assert all("tflops_per_rank" in r for r in wandb_file.history(path) if "loss" in r)

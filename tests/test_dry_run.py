@@ -1,0 +1,75 @@
+"""`python train.py ... dry_run=true`: no launcher, no process group, plan.json in the run directory, the
+same stages as training; bad planner inputs fail at start-up with exit 2 and one message."""
+import json
+import time
+
+import pytest
+
+from model import GPTConfig
+from parallel.config import NoRecompute
+from parallel.layout import pipeline_layout
+from tests.runs import python_run
+
+STAGE_KEYS = {"stage", "layers", "params", "activation_bytes_per_microbatch", "in_flight_microbatches",
+              "peak_activation_bytes", "predicted_peak_bytes", "param_bytes", "grad_bytes", "optimizer_bytes",
+              "recompute_flops_per_step", "stage_input_bytes"}
+
+
+def test_gpt3_175b_on_8_stages_plans_in_seconds_without_a_launcher(tmp_path):
+    run_dir = tmp_path / "plan"
+    start = time.monotonic()
+    result = python_run(run_dir, "model=gpt3-175b", "data=synthetic", "parallel.pipeline_stages=8", "dry_run=true",
+                        timeout=120)
+    elapsed = time.monotonic() - start
+    assert elapsed < 60, f"dry run took {elapsed:.1f} s"
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["target"]["device"] == "cuda" and plan["target"]["precision"] == "bf16"  # auto, planned for CUDA
+    assert (plan["pipeline_stages"], plan["world_size"]) == (8, 8)
+    assert len(plan["stages"]) == 8 and all(STAGE_KEYS <= s.keys() for s in plan["stages"])
+    assert len(plan["per_block_activation_bytes"]) == 96
+    assert sum(s["blocks"] for s in plan["stages"]) == 96
+    assert [s["in_flight_microbatches"] for s in plan["stages"]] == [4, 4, 4, 4, 4, 3, 2, 1]
+    # The same partition training would use (DeepSpeed's routine, on the meta device).
+    cfg = GPTConfig(n_layer=96, n_head=96, n_embd=12288, seq_len=2048, vocab_size=50257)
+    layout = pipeline_layout(cfg, NoRecompute(), 8, "parameters", seed=1234)
+    assert [s["layers"] for s in plan["stages"]] == [[r.start, r.stop] for r in layout.stages]
+    assert 170e9 < sum(s["params"] for s in plan["stages"]) < 177e9  # the tied embedding counts on both ends
+    out = result.stdout
+    assert "stagecheck: plan for cuda bf16" in out and "pred. peak" in out
+    # Nothing of a training run: no process group, no engine, no outputs but plan.json.
+    assert "init_distributed" not in out + result.stderr and "DeepSpeed info" not in out + result.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == ["plan.json"]
+
+
+def test_gpt3_175b_on_16_stages_matches_the_paper_per_block(tmp_path):
+    run_dir = tmp_path / "plan"
+    python_run(run_dir, "model=gpt3-175b", "data=synthetic", "parallel.pipeline_stages=16", "dry_run=true",
+               "model.dropout=0.1", "model.attention=math", "train.precision=bf16", "train.device=cuda",
+               "+recompute=selective", timeout=120)
+    plan = json.loads((run_dir / "plan.json").read_text())
+    paper = plan["korthikanti_per_block_bytes"]
+    assert len(plan["stages"]) == 16
+    assert all(b == pytest.approx(paper["selective"], rel=0.10) for b in plan["per_block_activation_bytes"])
+    choices = plan["block_choices"]
+    assert choices["none"]["activation_bytes"] == pytest.approx(paper["none"], rel=0.10)
+    assert choices["full"]["activation_bytes"] == pytest.approx(paper["full"], rel=0.10)
+
+
+BAD = [
+    (["+recompute=selective", "recompute.modules=[core_attn,softmax]"],
+     "recompute.modules=['core_attn', 'softmax'] is invalid: choose one or more of core_attn, mlp_act, layernorm, mlp"),
+    (["train.precision=fp8"], "train.precision='fp8' is unknown: allowed values are auto, fp32, bf16, fp16"),
+    (["model.attention=flash3"], "model.attention='flash3' is unknown: allowed values are sdpa, math"),
+    (["train.device=cpu", "train.precision=fp16"], "train.precision='fp16' needs train.device=cuda"),
+    (["train.peak_tflops=-1"], "train.peak_tflops=-1.0 is invalid: it must be > 0"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD, ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_bad_planner_inputs_fail_at_start_up(tmp_path, overrides, message):
+    run_dir = tmp_path / "run"
+    result = python_run(run_dir, "model=tiny", "data=synthetic", "dry_run=true", *overrides, check=False, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not run_dir.exists()

@@ -1,0 +1,121 @@
+"""The sweep report from fixture job directories (real summaries of a 2-stage tiny sweep, with round
+throughputs): the table's figures, the figure file, the W&B report run, and the command line."""
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.sweep_report import MIB, load_jobs, rows, write_report
+from tests import wandb_file
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "sweep_report"
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def sweep(tmp_path, monkeypatch):
+    for name, sub in (("WANDB_CONFIG_DIR", ".wandb-config"), ("WANDB_CACHE_DIR", ".wandb-cache"),
+                      ("WANDB_DATA_DIR", ".wandb-data")):
+        monkeypatch.setenv(name, str(tmp_path / sub))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    target = tmp_path / "sweep-fixture"
+    shutil.copytree(FIXTURE, target)
+    return target
+
+
+def fixture_summary(num: str) -> dict:
+    return json.loads((FIXTURE / num / "summary.json").read_text())
+
+
+def table_row(markdown: str, job: str) -> list[str]:
+    (line,) = [l for l in markdown.splitlines() if l.startswith(f"| {job} |")]
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def test_report_table_from_fixture_summaries(sweep):
+    out = write_report(sweep, wandb=False)
+    markdown = out["markdown"].read_text()
+    assert "4 jobs in" in markdown and "3 done, 1 failed" in markdown
+    none, full, selective = (table_row(markdown, n) for n in "012")
+    assert none[:3] == ["0", "none", "-"] and full[:3] == ["1", "full", "interval 1"]
+    assert selective[:3] == ["2", "selective", "core_attn"]
+    # tokens/s and the time overhead against none (fixture step times 1, 4/3 and 10/9 s)
+    assert [none[3], full[3], selective[3]] == ["1,000", "750", "900"]
+    assert [none[4], full[4], selective[4]] == ["+0.0%", "+33.3%", "+11.1%"]
+    # activation bytes per stage (MiB), measured and predicted, and their agreement
+    act = fixture_summary("1")["activation_bytes_per_stage"]
+    assert full[5] == " / ".join(f"{b / MIB:.3g}" for b in act) == full[6]
+    assert full[7] == "0.0%"
+    # saving of peak activation memory against none, per stage
+    peak_none = fixture_summary("0")["peak_activation_bytes_per_stage"]
+    peak_full = fixture_summary("1")["peak_activation_bytes_per_stage"]
+    assert full[9] == " / ".join(f"{(1 - f / n) * 100:.1f}%" for f, n in zip(peak_full, peak_none))
+    assert full[10] == " / ".join(f"{b / MIB:,.0f}" for b in fixture_summary("1")["peak_memory_bytes_per_stage"])
+    assert all(cell != "n/a" for cell in full[11].split(" / "))  # planned from config.yaml
+    assert "the job's plan.json (1 jobs)" in markdown and "planned here from the job's config.yaml (2 jobs)" in markdown
+    assert "## Failed jobs" in markdown and "- job 3 (none): stagecheck: error: parallel.pipeline_stages=3" in markdown
+    assert "largest error 0.00% over 3 jobs" in markdown
+
+
+def test_report_rows_hold_plain_values_for_wandb(sweep):
+    columns, table = rows(load_jobs(sweep))
+    by_job = {row[0]: dict(zip(columns, row)) for row in table}
+    assert by_job["1"]["time_overhead_vs_none"] == pytest.approx(1 / 3)
+    assert by_job["0"]["saving_vs_none_per_stage"] == [0.0, 0.0]
+    assert by_job["3"]["status"] == "failed" and by_job["3"]["tokens_per_s"] is None
+    assert by_job["2"]["predicted_peak_bytes_per_stage"] == [
+        s["predicted_peak_bytes"] for s in json.loads((FIXTURE / "2" / "plan.json").read_text())["stages"]]
+
+
+def test_report_png_is_drawn(sweep):
+    import matplotlib.image
+
+    png = write_report(sweep, wandb=False)["png"]
+    height, width, _ = matplotlib.image.imread(png).shape
+    assert width > 1000 and height > 700
+
+
+def test_plan_only_and_incomplete_jobs_are_reported(sweep):
+    (sweep / "4").mkdir()
+    shutil.copy(FIXTURE / "2" / "plan.json", sweep / "4" / "plan.json")  # a dry-run job: plan.json only
+    (sweep / "5").mkdir()  # a job that never got far
+    markdown = write_report(sweep, wandb=False)["markdown"].read_text()
+    assert "1 planned only (dry run), 1 incomplete" in markdown
+    planned = table_row(markdown, "4")
+    assert planned[1:4] == ["selective", "core_attn", "n/a"] and planned[6] != "n/a"
+
+
+def finished(run_file: Path) -> bool:
+    try:
+        return "exit" in {r.WhichOneof("record_type") for r in wandb_file.read_records(run_file)}
+    except wandb_file.CorruptWandbFile:  # a block still being written
+        return False
+
+
+def test_report_is_logged_to_wandb_in_the_sweep_group(sweep):
+    out = write_report(sweep)  # the logger config comes from the sweep's multirun.yaml (offline)
+    (run_file,) = wandb_file.find_run_files(out["wandb_dir"])
+    # In-process, W&B's service may still be writing the file after finish() returns: wait for it.
+    deadline = time.monotonic() + 30
+    while not finished(run_file):
+        assert time.monotonic() < deadline, f"{run_file} has no exit record"
+        time.sleep(0.5)
+    info = wandb_file.run_info(run_file)
+    assert (info["group"], info["job_type"], info["name"]) == ("sweep-fixture", "report", "sweep-fixture-report")
+    logged = {k for record in wandb_file.history(run_file) for k in record}
+    assert {"report", "report_png"} <= logged
+
+
+def test_report_command_line(sweep, tmp_path):
+    done = subprocess.run([sys.executable, "report.py", str(sweep), "--no-wandb"], cwd=REPO, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    assert (sweep / "report.md").exists() and (sweep / "report.png").exists()
+    (tmp_path / "empty").mkdir()
+    refused = subprocess.run([sys.executable, "report.py", str(tmp_path / "empty"), "--no-wandb"], cwd=REPO,
+                             capture_output=True, text=True)
+    assert refused.returncode == 2 and "holds no job directories" in refused.stderr

@@ -1,0 +1,217 @@
+"""SLURM launches against the real two-node Slurm of launch/local_slurm.sh (nodes n1, n2 on this machine).
+
+- `sbatch --wait --nodes=2 launch/slurm.sbatch ...` (and the DeepSpeed-launcher variant): a 2-stage pipeline
+  with one stage per node writes summary.json with world size 2; a rank that raises fails the job, no hang;
+- `python train.py -m hydra/launcher=slurm +recompute=none,full,selective`: three multi-rank jobs, three job
+  directories in one sweep directory; a failing rank fails the sweep instead of leaving it waiting;
+- a job that gets its warning signal checkpoints, exits 75, is requeued and finishes (docs/preemption.md).
+
+The failing rank is injected with STAGECHECK_TEST_FAIL=RANK:STEP (docs/preemption.md, "Test and debug hooks"),
+which sbatch passes to the ranks like any other environment variable.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from harness import slurm_launcher
+from parallel.dist_env import first_host, read_dist_env, slurm_master_port
+from tests.runs import REPO, TINY, cpu_env
+
+JOB_TIMEOUT_S = 300
+FAIL_WITHIN_S = 90
+"""A failing rank must end the job this soon after submission (start-up here takes ~15-30 s on 2 loaded cores)."""
+STAMP = "${stagecheck_stamp:}"
+# One rank per node; the test nodes have no GPUs (the scripts' defaults ask for 8 per node).
+TWO_NODES = ["--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0", "--time=10"]
+SCRIPTS = ["slurm.sbatch", "slurm_deepspeed.sbatch"]
+
+
+@dataclass
+class Job:
+    job_id: str
+    returncode: int
+    stderr: str
+    log: str
+    elapsed_s: float
+
+
+def _env(cluster, tmp_path: Path, **extra: str) -> dict:
+    # cpu_env drops inherited SLURM_* variables (rank discovery); the cluster's config path must stay.
+    return cpu_env(tmp_path, SLURM_CONF=cluster.env["SLURM_CONF"], **extra)
+
+
+def _sbatch_wait(cluster, tmp_path: Path, script: str, *overrides: str, env: dict, while_running=None) -> Job:
+    """`sbatch --wait` as a user types it, from the repository root; the job is cancelled if the test gives up."""
+    log = tmp_path / "job.out"
+    cmd = ["sbatch", "--wait", "--parsable", *TWO_NODES, f"--output={log}", f"launch/{script}", *TINY,
+           f"hydra.run.dir={tmp_path}/runs/{STAMP}", *overrides]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job_id = proc.stdout.readline().strip().split(";")[0]  # sbatch prints the id at submission
+    try:
+        assert job_id.isdigit(), f"sbatch did not submit: {job_id!r} {proc.stderr.read()}"
+        if while_running is not None:
+            while_running(job_id)
+        _, err = proc.communicate(timeout=JOB_TIMEOUT_S)
+    except BaseException:
+        cluster.run(["scancel", job_id], timeout=30)
+        proc.kill()
+        raise
+    return Job(job_id, proc.returncode, err, log.read_text() if log.exists() else "", time.monotonic() - start)
+
+
+def _why(job: Job, cluster) -> str:
+    return f"sbatch exit {job.returncode}: {job.stderr}\n----- job log -----\n{job.log[-6000:]}\n{cluster.log_tail()}"
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_two_stage_pipeline_runs_one_stage_per_node(slurm_cluster, tmp_path, script):
+    job = _sbatch_wait(slurm_cluster, tmp_path, script, "train.steps=2", env=_env(slurm_cluster, tmp_path))
+    assert job.returncode == 0, _why(job, slurm_cluster)
+
+    run_dir = tmp_path / "runs" / f"slurm-{job.job_id}"  # the job id names the run (harness/run_dir.py)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["world_size"], summary["pipeline_stages"], summary["data_parallel_size"]) == (2, 2, 1)
+    assert summary["node_per_rank"] == ["n1", "n2"], summary["node_per_rank"]
+    assert len(summary["losses"]) == 2
+    # The same outputs as a local run.
+    assert (run_dir / "config.yaml").is_file()
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+    assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert "rendezvous n1:" in job.log
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_failing_rank_fails_the_job_without_hanging(slurm_cluster, tmp_path, script):
+    env = _env(slurm_cluster, tmp_path, STAGECHECK_TEST_FAIL="1:2")  # rank 1 (on n2) raises at step 2
+    job = _sbatch_wait(slurm_cluster, tmp_path, script, "train.steps=20", env=env)
+    assert job.returncode == 1, _why(job, slurm_cluster)
+    assert job.elapsed_s < FAIL_WITHIN_S, f"the failed job took {job.elapsed_s:.0f} s\n{_why(job, slurm_cluster)}"
+    assert "stagecheck: rank 1 failed: RuntimeError: injected failure at step 2" in job.log, _why(job, slurm_cluster)
+    assert not (tmp_path / "runs" / f"slurm-{job.job_id}" / "summary.json").exists()
+    # No requeue for a failure (only exit 75 is requeued).
+    assert "restart 1" not in job.log and "requeueing" not in job.log
+
+
+@pytest.mark.slurm
+def test_preempted_job_checkpoints_requeues_and_finishes(slurm_cluster, tmp_path):
+    steps = 8
+    run_dir = tmp_path / "runs"
+
+    def preempt_after_first_step(job_id: str) -> None:
+        metrics = run_dir / f"slurm-{job_id}" / "metrics.jsonl"
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        while not (metrics.exists() and metrics.read_text().strip()):
+            assert time.monotonic() < deadline, "the job never logged a step"
+            time.sleep(0.5)
+        # What SLURM does at `--signal=B:USR1@120`: USR1 to the batch shell only, which forwards it.
+        slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job_id], timeout=30, check=True)
+        # SLURM holds a requeued job back (Reason=BeginTime, ~2 min here): release it at once.
+        while time.monotonic() < deadline:
+            state = slurm_cluster.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], timeout=30).stdout.split()
+            if state == ["PENDING", "BeginTime"]:
+                slurm_cluster.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], timeout=30, check=True)
+                return
+            if not state:
+                return  # finished (or failed) without a requeue: the assertions below say which
+            time.sleep(0.5)
+
+    job = _sbatch_wait(slurm_cluster, tmp_path, "slurm.sbatch", f"train.steps={steps}",
+                       env=_env(slurm_cluster, tmp_path), while_running=preempt_after_first_step)
+    assert job.returncode == 0, _why(job, slurm_cluster)
+    assert "exiting 75" in job.log and "requeueing job" in job.log, _why(job, slurm_cluster)
+    assert f"job {job.job_id} (restart 1)" in job.log, _why(job, slurm_cluster)
+    assert "stagecheck: resuming from" in job.log, _why(job, slurm_cluster)
+
+    run = run_dir / f"slurm-{job.job_id}"  # the same directory for both attempts
+    steps_logged = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps_logged == list(range(1, steps + 1))  # every step once: resumed after the checkpoint
+    assert len(json.loads((run / "summary.json").read_text())["losses"]) == steps
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{steps:08d}"
+
+
+def _submitit_sweep(cluster, tmp_path: Path, *overrides: str, env: dict) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "train.py", "-m", "hydra/launcher=slurm",
+           # The test cluster: one task per node, no GPUs, its partition; the rest from conf/hydra/launcher/slurm.yaml.
+           "hydra.launcher.tasks_per_node=1", "hydra.launcher.gpus_per_node=null", f"hydra.launcher.partition={cluster.partition}",
+           "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={tmp_path}/multirun/{STAMP}", *TINY, "train.steps=2", *overrides]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S * 2)
+
+
+@pytest.mark.slurm
+def test_submitit_sweep_runs_three_multi_rank_jobs(slurm_cluster, tmp_path):
+    result = _submitit_sweep(slurm_cluster, tmp_path, "+recompute=none,full,selective", env=_env(slurm_cluster, tmp_path))
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    assert "sacct" not in result.stderr  # never asked (it fails without an accounting database)
+
+    sweeps = list((tmp_path / "multirun").iterdir())
+    assert len(sweeps) == 1, sweeps  # the submitting process and every rank of every job agree on the stamp
+    sweep = sweeps[0]
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir() and p.name.isdigit()) == ["0", "1", "2"]
+    for num, mode in enumerate(["none", "full", "selective"]):
+        job_dir = sweep / str(num)
+        summary = json.loads((job_dir / "summary.json").read_text())
+        assert (summary["recompute"], summary["world_size"], summary["pipeline_stages"]) == (mode, 2, 2)
+        assert summary["node_per_rank"] == ["n1", "n2"]
+        assert (job_dir / "config.yaml").is_file() and (job_dir / "metrics.jsonl").is_file()
+        assert list((job_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert (sweep / "report.md").is_file()  # the sweep's end (harness/multirun.py) ran in the submitting process
+
+
+@pytest.mark.slurm
+def test_submitit_sweep_with_a_failing_rank_fails_instead_of_waiting(slurm_cluster, tmp_path):
+    env = _env(slurm_cluster, tmp_path, STAGECHECK_TEST_FAIL="1:1")
+    start = time.monotonic()
+    result = _submitit_sweep(slurm_cluster, tmp_path, "+recompute=none", env=env)
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    assert "sweep job 0 (SLURM job" in result.stderr and "ended without a result" in result.stderr, result.stderr[-6000:]
+    assert "task 1: stagecheck: rank 1 failed: RuntimeError: injected failure at step 1" in result.stderr
+    assert elapsed < FAIL_WITHIN_S + slurm_launcher.RESULT_GRACE_S + 30, f"took {elapsed:.0f} s"
+
+
+# ---- without a cluster ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("nodelist, host", [
+    ("n1", "n1"), ("n[1-2]", "n1"), ("gpu[007-008,012],cpu1", "gpu007"), ("a,b", "a"), ("rack[3-4]-node[09-10]", "rack3-node09"),
+])
+def test_first_host_matches_scontrol_show_hostnames(nodelist, host):
+    assert first_host(nodelist) == host
+
+
+def test_srun_without_a_wrapper_finds_rank_zero_and_a_job_port():
+    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "4242",
+           "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_STEP_NODELIST": "n[1-2]"}
+    dist = read_dist_env(env)
+    assert (dist.rank, dist.world_size, dist.master_addr, dist.master_port) == (1, 2, "n1", slurm_master_port(4242))
+    assert read_dist_env({**env, "MASTER_ADDR": "head", "MASTER_PORT": "1234"}).master_addr == "head"  # explicit wins
+    assert read_dist_env({**env, "MASTER_ADDR": "head", "MASTER_PORT": "1234"}).master_port == 1234
+
+
+def test_wait_ends_when_a_job_left_the_queue_without_results(tmp_path):
+    """A job whose ranks died (no result files) is over once squeue no longer lists it: no sacct needed."""
+    err = tmp_path / "task1.err"
+    err.write_text("Traceback ...\nstagecheck: rank 1 failed: RuntimeError: boom\n")
+    tasks = [SimpleNamespace(task_id=t, paths=SimpleNamespace(result_pickle=tmp_path / f"{t}.pkl",
+                                                              stderr=err if t else tmp_path / "none.err"))
+             for t in range(2)]
+    job = SimpleNamespace(job_id="7_0", num_tasks=2, task=lambda t: tasks[t], paths=SimpleNamespace(folder=tmp_path))
+    listings = iter([{"7_0"}, {"7_0"}, set()])
+    slept = []
+    slurm_launcher.wait_until_ended([job], clock=lambda: 0.0, sleep=slept.append, queued=lambda: next(listings))
+    assert len(slept) == 2
+
+    ret = slurm_launcher.job_return(job, 0, ["+recompute=none"], clock=iter(range(100)).__next__, sleep=lambda s: None)
+    with pytest.raises(RuntimeError, match=r"sweep job 0 \(SLURM job 7_0.*task\(s\) 0, 1 of 2 ended without a result"):
+        ret.return_value
+    assert "task 1: stagecheck: rank 1 failed: RuntimeError: boom" in str(ret._return_value)
