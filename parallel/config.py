@@ -87,4 +87,30 @@ class SelectiveRecompute:
             )
 
 
-RecomputeConfig = NoRecompute | FullRecompute | SelectiveRecompute
+@dataclass
+class AutoRecompute:
+    """Choose, per stage and per block, the least recompute that fits a memory budget per GPU."""
+
+    mode: str = "auto"
+    budget_gb: float = 80.0
+    """Memory one rank may use, in GiB (2^30 bytes): parameters, gradients, optimizer state, pipeline
+    buffers and the activations of every micro-batch in flight, plus the working set of the largest
+    recomputed segment."""
+    reserve_gb: float = 2.0
+    """Safety margin in GiB subtracted from the budget (allocator fragmentation, CUDA context, kernels'
+    workspaces: what the planner does not model)."""
+    profile: bool = False
+    """Time each recompute choice on one block on the real device at start-up, and use those seconds as
+    costs instead of the analytic FLOP/byte model."""
+
+    def __post_init__(self) -> None:
+        if self.budget_gb <= 0:
+            raise ValueError(f"recompute.budget_gb={self.budget_gb} is invalid: it must be > 0 (GiB per GPU)")
+        if not 0 <= self.reserve_gb < self.budget_gb:
+            raise ValueError(
+                f"recompute.reserve_gb={self.reserve_gb} is invalid: it must be >= 0 and below "
+                f"recompute.budget_gb={self.budget_gb}"
+            )
+
+
+RecomputeConfig = NoRecompute | FullRecompute | SelectiveRecompute | AutoRecompute

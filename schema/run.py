@@ -11,12 +11,13 @@ from hydra.core.config_store import ConfigStore
 from data import MemmapDataConfig, SyntheticDataConfig, TextDataConfig
 from harness.config import NoLoggerConfig, TrainConfig, WandbLoggerConfig
 from model import GPTConfig
-from parallel.config import FullRecompute, NoRecompute, ParallelConfig, SelectiveRecompute
+from parallel.config import AutoRecompute, FullRecompute, NoRecompute, ParallelConfig, SelectiveRecompute
 
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "data": {"synthetic": SyntheticDataConfig, "text": TextDataConfig, "memmap": MemmapDataConfig},
     "logger": {"wandb": WandbLoggerConfig, "none": NoLoggerConfig},
-    "recompute": {"none": NoRecompute, "full": FullRecompute, "selective": SelectiveRecompute},
+    "recompute": {"none": NoRecompute, "full": FullRecompute, "selective": SelectiveRecompute,
+                  "auto": AutoRecompute},
 }
 
 

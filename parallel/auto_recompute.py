@@ -1,0 +1,216 @@
+"""Stage-aware automatic recompute: per stage, the cheapest per-block choices that fit a memory budget.
+
+Under 1F1B, stage i keeps the activations of more micro-batches in flight than stage i+1, so each stage
+gets its own plan. For a stage with n (identical) blocks the choices are, per block, `none` or one of the
+selective combinations, or membership of a full-recompute segment (segments never cross the stage
+boundary and start at its first block). The stage fits when
+
+    params + grads + optimizer + pipe buffers + in_flight x (other layers + kept block bytes)
+      + working set of the largest segment's recompute  <=  budget - reserve
+
+and the plan minimises the summed recompute cost.
+
+Algorithm (exact for this model). Blocks of a stage are identical, so a plan is characterised by m, the
+blocks under full recompute, split into k segments, and the multiset of per-block choices of the other
+n - m blocks. Memory and cost are additive over blocks, so for every (m, k) we need the cheapest multiset
+of n - m per-block choices whose kept bytes stay under what is left. A dynamic programme over the number
+of blocks builds the Pareto frontier (kept bytes, cost) of those multisets (each frontier is at most a
+few hundred points here); each (m, k) then takes the frontier's cheapest point that fits (a binary
+search). Enumerating every m <= n and k <= m and every frontier point is exhaustive over the
+characterisation, hence optimal; the cost is O(n^2 C) for the frontiers (C choices per block) plus
+O(n^2 log F) for the search: milliseconds for 12 blocks a stage, well under a second for 96.
+"""
+import bisect
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from parallel.flops import _mlp_output_matmul_flops, block_forward_flops, selective_recompute_flops
+from parallel.memory_model import Shape, Target, attention_kernel, block_full_items, block_items, selective_combinations, total
+from parallel.recompute import StagePlan
+
+GIB = 1024 ** 3
+# FLOPs a device does in the time it moves one byte: elementwise recompute (softmax, dropout, GELU,
+# LayerNorm) is bandwidth-bound, so the analytic cost charges its memory traffic at this rate.
+# H100-class GPUs: ~1000 TFLOP/s over ~3.3 TB/s; a CPU core: ~100 GFLOP/s over ~10 GB/s.
+MACHINE_BALANCE = {"cuda": 300.0, "cpu": 10.0}
+
+
+@dataclass(frozen=True)
+class BlockOption:
+    choice: str
+    """`none` or `selective:<modules>`."""
+    modules: tuple[str, ...]
+    kept_bytes: int
+    """Bytes one block keeps per micro-batch."""
+    cost: float
+    """Recompute cost of one block per micro-batch (FLOP-equivalents, or seconds when profiled)."""
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """What one block costs and keeps under each choice, for one micro-batch."""
+
+    options: tuple[BlockOption, ...]
+    segment_input_bytes: int
+    """What a full-recompute segment keeps: its input."""
+    block_bytes: int
+    """What one block keeps with no recompute: also what recomputing it holds while its backward runs."""
+    full_block_cost: float
+    """Recomputing one block's forward inside a segment."""
+    segment_discount: float = 0.0
+    """Cost a segment saves once (torch's early stop skips the last matmul when nothing after it is saved)."""
+
+
+@dataclass(frozen=True)
+class StageChoice:
+    choices: tuple[str, ...]
+    """One per block of the stage, in order: `none`, `selective:<modules>` or `full`."""
+    segments: tuple[tuple[int, int], ...]
+    """Block-index ranges [start, stop) of the full-recompute segments (relative to the stage's blocks)."""
+    kept_bytes: int
+    """What the blocks keep per micro-batch."""
+    working_bytes: int
+    """Transient: the largest segment's recomputed activations during its backward."""
+    cost: float
+
+
+def _elementwise_bytes(shape: Shape, target: Target, modules: Sequence[str]) -> int:
+    """Memory traffic (read + write) of the non-matmul work each module recomputes."""
+    d, bsh = target.dtype_bytes, shape.bsh
+    traffic = 0
+    if "core_attn" in modules and attention_kernel(shape, target) in ("math", "sdpa-math"):
+        traffic += (2 + (3 if shape.dropout else 0)) * shape.scores * d  # scale-mask-softmax, dropout
+    if "mlp_act" in modules or "mlp" in modules:
+        traffic += 8 * bsh * d  # GELU over 4h channels
+    if "mlp" in modules and shape.dropout:
+        traffic += 3 * bsh * d
+    if "layernorm" in modules:
+        traffic += 4 * bsh * d  # two LayerNorms
+    return traffic
+
+
+def analytic_costs(shape: Shape, target: Target) -> CostTable:
+    kernel = attention_kernel(shape, target)
+    balance = MACHINE_BALANCE[target.device]
+
+    def cost(modules: Sequence[str]) -> float:
+        return selective_recompute_flops(shape, modules, kernel) + balance * _elementwise_bytes(shape, target, modules)
+
+    return _table(shape, target, cost,
+                  full_block_cost=block_forward_flops(shape) + balance * (
+                      _elementwise_bytes(shape, target, ("core_attn", "mlp", "layernorm"))
+                      + (3 * shape.bsh * target.dtype_bytes if shape.dropout else 0)),
+                  segment_discount=0 if shape.dropout else _mlp_output_matmul_flops(shape))
+
+
+def measured_costs(shape: Shape, target: Target, seconds: dict[str, float]) -> CostTable:
+    """Costs from a profile of one block: seconds of the forward of `block`, `core_attn`, `mlp`,
+    `mlp_act` and `layernorm` (both LayerNorms)."""
+    return _table(shape, target, lambda modules: sum(seconds[m] for m in modules),
+                  full_block_cost=seconds["block"])
+
+
+def _table(shape: Shape, target: Target, cost, full_block_cost: float, segment_discount: float = 0.0) -> CostTable:
+    options = [BlockOption("none", (), total(block_items(shape, target)), 0.0)]
+    options += [BlockOption("selective:" + "+".join(combo), combo, total(block_items(shape, target, combo)),
+                            float(cost(combo))) for combo in selective_combinations()]
+    return CostTable(tuple(options), total(block_full_items(shape, target, True)), options[0].kept_bytes,
+                     float(full_block_cost), float(segment_discount))
+
+
+def _pareto(options: Sequence[BlockOption]) -> list[BlockOption]:
+    """Drop choices another choice beats on both bytes and cost: an optimal plan never uses them."""
+    kept = []
+    for option in sorted(options, key=lambda o: (o.kept_bytes, o.cost)):
+        if not kept or option.cost < kept[-1].cost:
+            kept.append(option)
+    return kept
+
+
+def _frontiers(n: int, options: Sequence[BlockOption]) -> list[list[tuple[int, float, tuple[int, ...]]]]:
+    """frontier[r]: Pareto points (kept bytes asc, cost desc, counts per option) of r blocks' choices."""
+    frontier = [[(0, 0.0, (0,) * len(options))]]
+    for _ in range(n):
+        candidates = sorted(
+            (kept + option.kept_bytes, cost + option.cost, counts[:i] + (counts[i] + 1,) + counts[i + 1:])
+            for kept, cost, counts in frontier[-1] for i, option in enumerate(options))
+        pruned = []
+        for point in candidates:
+            if not pruned or point[1] < pruned[-1][1]:
+                pruned.append(point)
+        frontier.append(pruned)
+    return frontier
+
+
+def _candidates(n: int, table: CostTable, in_flight: int):
+    """Every plan worth considering: (full blocks m, segments k, frontier of the other n - m blocks),
+    with the bytes the full part adds to the stage's total and its cost."""
+    frontiers = _frontiers(n, _pareto(table.options))
+    for m in range(n + 1):
+        for k in ([0] if m == 0 else range(1, m + 1)):
+            full_bytes = in_flight * k * table.segment_input_bytes + (math.ceil(m / k) * table.block_bytes if m else 0)
+            full_cost = m * table.full_block_cost - k * table.segment_discount
+            yield m, k, frontiers[n - m], full_bytes, full_cost
+
+
+def least_stage_bytes(n: int, table: CostTable, in_flight: int) -> int:
+    """The smallest activation footprint any plan reaches: kept x in-flight + working set."""
+    return min(full + in_flight * frontier[0][0] for _, _, frontier, full, _ in _candidates(n, table, in_flight))
+
+
+def choose_stage(n: int, table: CostTable, in_flight: int, byte_budget: float) -> Optional[StageChoice]:
+    """The cheapest plan for n blocks whose in_flight x kept bytes + working set fit byte_budget, or None.
+    Ties go to fewer bytes."""
+    best = None
+    kept_keys: dict[int, list[int]] = {}
+    for m, k, frontier, full_bytes, full_cost in _candidates(n, table, in_flight):
+        room = byte_budget - full_bytes
+        if room < 0:
+            continue
+        keys = kept_keys.setdefault(m, [kept for kept, _, _ in frontier])
+        index = bisect.bisect_right(keys, room / in_flight) - 1
+        if index < 0:
+            continue
+        kept, cost, counts = frontier[index]
+        key = (full_cost + cost, full_bytes + in_flight * kept)
+        if best is None or key < best[0]:
+            best = (key, m, k, kept, counts)
+    if best is None:
+        return None
+    (cost, _), m, k, kept, counts = best
+    # Full segments first: the stage's first block starts a segment, as a stage boundary should.
+    size = math.ceil(m / k) if m else 0
+    segments = tuple((start, min(start + size, m)) for start in range(0, m, size)) if m else ()
+    choices = ["full"] * m
+    for option, count in zip(_pareto(table.options), counts):
+        choices += [option.choice] * count
+    return StageChoice(tuple(choices), segments, kept + k * table.segment_input_bytes, size * table.block_bytes if m else 0, cost)
+
+
+def stage_plan(choice: StageChoice, block_positions: Sequence[int], table: CostTable) -> StagePlan:
+    """The StagePlan (local layer indices) that carries out a StageChoice."""
+    modules = {option.choice: option.modules for option in table.options}
+    return StagePlan(
+        segments=tuple((block_positions[a], block_positions[b - 1] + 1) for a, b in choice.segments),
+        selective={block_positions[i]: modules[c] for i, c in enumerate(choice.choices)
+                   if c.startswith("selective:")})
+
+
+@dataclass(frozen=True)
+class StageBudget:
+    """One stage's side of the budget: what is fixed, and what its blocks chose."""
+
+    stage: int
+    in_flight: int
+    fixed_bytes: int
+    """Parameters, gradients, optimizer state, pipe buffers and the other layers' in-flight activations."""
+    choice: Optional[StageChoice]
+    least_bytes: int
+    """The smallest peak any plan reaches on this stage."""
+
+    @property
+    def predicted_peak_bytes(self) -> Optional[int]:
+        if self.choice is None:
+            return None
+        return self.fixed_bytes + self.in_flight * self.choice.kept_bytes + self.choice.working_bytes

@@ -1,0 +1,122 @@
+"""Stage-aware automatic recompute: the optimiser on hand-made cost tables, budget boundaries, the
+message when nothing fits, and plans on real shapes."""
+import itertools
+import math
+import time
+
+import pytest
+
+from model import GPTConfig
+from parallel.auto_layout import layout_for
+from parallel.auto_recompute import GIB, BlockOption, CostTable, analytic_costs, choose_stage, least_stage_bytes
+from parallel.config import AutoRecompute, SelectiveRecompute
+from parallel.memory_model import Shape, Target
+from parallel.planner import RunShape
+
+TABLE = CostTable(
+    options=(BlockOption("none", (), 100, 0.0),
+             BlockOption("selective:core_attn", ("core_attn",), 40, 3.0),
+             BlockOption("selective:mlp", ("mlp",), 70, 5.0)),  # dominated by core_attn
+    segment_input_bytes=10, block_bytes=100, full_block_cost=10.0)
+
+
+def brute_force(n: int, table: CostTable, in_flight: int, budget: float):
+    """Every assignment of choices to n blocks, with full blocks grouped into any number of segments."""
+    best = None
+    names = [o.choice for o in table.options] + ["full"]
+    for assignment in itertools.product(names, repeat=n):
+        m = assignment.count("full")
+        rest = [o for name in assignment if name != "full" for o in table.options if o.choice == name]
+        for k in ([0] if m == 0 else range(1, m + 1)):
+            kept = sum(o.kept_bytes for o in rest) + k * table.segment_input_bytes
+            working = math.ceil(m / k) * table.block_bytes if m else 0
+            cost = sum(o.cost for o in rest) + m * table.full_block_cost - k * table.segment_discount
+            if in_flight * kept + working <= budget and (best is None or cost < best):
+                best = cost
+    return best
+
+
+@pytest.mark.parametrize("n, in_flight", [(3, 1), (4, 2), (5, 4)])
+def test_the_known_optimum_is_found_at_every_budget(n, in_flight):
+    for budget in range(0, in_flight * n * 100 + 200, 37):
+        choice = choose_stage(n, TABLE, in_flight, budget)
+        expected = brute_force(n, TABLE, in_flight, budget)
+        assert (choice.cost if choice else None) == expected, budget
+
+
+def test_none_is_chosen_when_it_fits():
+    choice = choose_stage(4, TABLE, 2, 4 * 100 * 2)
+    assert choice.choices == ("none",) * 4 and choice.cost == 0
+
+
+def test_budget_boundaries_just_fit_and_just_do_not():
+    least = least_stage_bytes(4, TABLE, 3)
+    assert choose_stage(4, TABLE, 3, least) is not None
+    assert choose_stage(4, TABLE, 3, least - 1) is None
+    # One block moved to core_attn: the budget for exactly that fits, one byte less does not.
+    exact = 3 * (3 * 100 + 40)
+    assert choose_stage(4, TABLE, 3, exact).choices.count("selective:core_attn") == 1
+    assert choose_stage(4, TABLE, 3, exact - 1).cost > 3.0
+
+
+def test_segments_start_at_the_stage_boundary_and_cover_the_full_blocks():
+    choice = choose_stage(5, TABLE, 4, 4 * 3 * 10 + 2 * 100 + 4 * 2 * 40)
+    full = [i for i, c in enumerate(choice.choices) if c == "full"]
+    assert full and full[0] == 0
+    assert [i for a, b in choice.segments for i in range(a, b)] == full
+
+
+def _tiny_run(stages: int, micro_batches: int) -> RunShape:
+    return RunShape(micro_batches=micro_batches, micro_batch_size=2, data_parallel=1, zero_stage=0,
+                    target=Target("cpu", "fp32"))
+
+
+TINY = GPTConfig(n_layer=8, n_head=4, n_embd=64, seq_len=64, vocab_size=256, dropout=0.1, attention="math")
+
+
+def test_tight_budget_recomputes_more_on_the_first_stage_than_on_the_last():
+    run = _tiny_run(4, 8)
+    _, loose = layout_for(TINY, AutoRecompute(budget_gb=1.0, reserve_gb=0.0), 4, "type:Block", 0, run)
+    least = max(b.least_bytes for b in loose)
+    _, tight = layout_for(TINY, AutoRecompute(budget_gb=1.3 * least / GIB, reserve_gb=0.0), 4, "type:Block", 0, run)
+    assert [b.in_flight for b in tight] == [4, 3, 2, 1]
+    assert tight[0].choice.cost > tight[-1].choice.cost
+    assert all(b.predicted_peak_bytes <= 1.3 * least for b in tight)
+
+
+def test_when_none_fits_auto_chooses_no_recompute():
+    _, budgets = layout_for(TINY, AutoRecompute(budget_gb=1.0, reserve_gb=0.0), 2, "type:Block", 0, _tiny_run(2, 6))
+    assert all(set(b.choice.choices) == {"none"} for b in budgets)
+
+
+def test_nothing_fits_names_the_smallest_budget_and_what_helps():
+    with pytest.raises(ValueError) as error:
+        layout_for(TINY, AutoRecompute(budget_gb=0.001, reserve_gb=0.0), 2, "type:Block", 0, _tiny_run(2, 6))
+    message = str(error.value)
+    assert "recompute.budget_gb=0.001 does not fit stage 0" in message
+    smallest = float(message.split("the smallest budget that fits every stage is recompute.budget_gb=")[1].split()[0])
+    layout_for(TINY, AutoRecompute(budget_gb=smallest, reserve_gb=0.0), 2, "type:Block", 0, _tiny_run(2, 6))
+    assert "parallel.pipeline_stages" in message and "train.micro_batch_size" in message
+
+
+def test_uniform_modes_keep_their_own_layout():
+    layout, budgets = layout_for(TINY, SelectiveRecompute(), 2, "type:Block", 0, _tiny_run(2, 6))
+    assert budgets is None and layout.plans[0].selective
+
+
+def test_gpt3_175b_on_16_stages_plans_in_seconds():
+    gpt3 = GPTConfig(n_layer=96, n_head=96, n_embd=12288, seq_len=2048, vocab_size=50257, dropout=0.1, attention="math")
+    run = RunShape(micro_batches=32, micro_batch_size=1, data_parallel=64, zero_stage=1, target=Target("cuda", "bf16"))
+    start = time.perf_counter()
+    _, budgets = layout_for(gpt3, AutoRecompute(budget_gb=80.0), 16, "type:Block", 0, run)
+    assert time.perf_counter() - start < 10
+    assert all(b.predicted_peak_bytes <= 78 * GIB for b in budgets)
+    assert budgets[0].choice.cost >= budgets[-1].choice.cost
+
+
+def test_analytic_costs_rank_choices_sensibly():
+    table = analytic_costs(Shape.of(TINY, 2), Target("cpu", "fp32"))
+    by_name = {o.choice: o for o in table.options}
+    assert by_name["none"].cost == 0
+    assert by_name["selective:core_attn"].kept_bytes < by_name["none"].kept_bytes
+    assert 0 < by_name["selective:core_attn"].cost < table.full_block_cost
