@@ -5,8 +5,13 @@ No launcher, no process group, no deepspeed.initialize: the model is only ever b
 parallel/planner.py. Prints the per-stage table and writes plan.json to the run directory.
 """
 import json
-import os
 from pathlib import Path
+from typing import Optional
+
+from harness.plan import budget_lines, budget_record, run_shape
+from parallel.auto_recompute import StageBudget
+from parallel.layout import PipelineLayout
+from parallel.planner import format_plan, plan_run
 
 from parallel.dist_env import DistEnv
 from schema.checks import Runtime, Topology
@@ -14,28 +19,24 @@ from schema.run import RunConfig
 
 
 def dry_run_world_size(run: RunConfig, env: DistEnv) -> int:
-    """Under a launcher, its world size; without one, parallel.pipeline_stages (default 1) ranks,
-    i.e. one data-parallel replica."""
+    """Under a launcher, its world size; without one, parallel.pipeline_stages (default 1) x
+    parallel.data_parallel_size (default 1) ranks."""
     if env.source != "single":
         return env.world_size
-    return run.parallel.pipeline_stages or 1
+    return (run.parallel.pipeline_stages or 1) * (run.parallel.data_parallel_size or 1)
 
 
-def dry_run(run: RunConfig, run_dir: Path, env: DistEnv, topo: Topology, rt: Runtime) -> dict:
-    # Only DeepSpeed's pure partition and schedule code is used: any accelerator will do.
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from parallel.layout import pipeline_layout
-    from parallel.memory_model import Target
-    from parallel.planner import RunShape, format_plan, plan_run
-
-    layout = pipeline_layout(run.model, run.recompute, topo.pipeline_stages, run.parallel.partition_method, run.seed)
-    t = run.train
-    plan = plan_run(run.model, run.recompute, layout,
-                    RunShape(t.micro_batches, t.micro_batch_size, topo.data_parallel_size, run.parallel.zero_stage,
-                             Target(rt.device, rt.precision)))
+def dry_run(run: RunConfig, run_dir: Path, env: DistEnv, topo: Topology, rt: Runtime, layout: PipelineLayout,
+            budgets: Optional[list[StageBudget]]) -> dict:
+    plan = plan_run(run.model, run.recompute, layout, run_shape(run, topo, rt))
     plan["model"] = vars(run.model)
+    lines = layout.describe() + format_plan(plan)
+    if budgets is not None:
+        for stage, budget in zip(plan["stages"], budgets):
+            stage.update(budget_record(run.recompute, budget))
+        lines += budget_lines(run.recompute, budgets)
     if env.rank == 0:
-        for line in layout.describe() + format_plan(plan):
+        for line in lines:
             print("stagecheck: " + line)
         path = run_dir / "plan.json"
         tmp = path.with_suffix(".json.tmp")

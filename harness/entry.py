@@ -1,4 +1,5 @@
 """From a composed Hydra config to a run: validate everything once, then train."""
+import os
 import sys
 from pathlib import Path
 
@@ -25,6 +26,12 @@ def run_from_hydra(cfg: DictConfig) -> None:
         # A dry run plans for CUDA (train.device=cuda or auto) whether or not this machine has a GPU.
         rt = runtime(run, torch.cuda.is_available() or run.dry_run)
         check_data(run)
+        # DeepSpeed picks its accelerator when first imported (by the partition code): choose it first.
+        # A dry run uses only DeepSpeed's pure partition and schedule code, whatever it plans for.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu" if run.dry_run else rt.device)
+        from harness.plan import plan_layout
+
+        layout, budgets = plan_layout(run, topo, rt)  # recompute=auto may not fit its budget
         point = resume_point(run.train, run_dir)  # train.resume: auto, false or a checkpoint path
         if point is not None:
             check_compatible(point, topo.world_size, topo.pipeline_stages)
@@ -39,7 +46,7 @@ def run_from_hydra(cfg: DictConfig) -> None:
         sys.exit(2)
 
     if run.dry_run:
-        dry_run(run, run_dir, env, topo, rt)  # plan.json and the per-stage table; no process group
+        dry_run(run, run_dir, env, topo, rt, layout, budgets)  # plan.json and the per-stage table; no process group
         return
 
     from harness.trainer import train
@@ -49,4 +56,5 @@ def run_from_hydra(cfg: DictConfig) -> None:
     # An exception ends this rank at once with `stagecheck: rank N failed: ...`, never a hang.
     # In a sweep (-m), guard_job marks a failed job and lets a non-finite stop go on to the next job.
     run_guarded(env.rank, guard_job(run_dir, env.rank,
-                                    lambda: train(run, run_dir, env, topo, rt, OmegaConf.to_container(cfg, resolve=True))))
+                                    lambda: train(run, run_dir, env, topo, rt, OmegaConf.to_container(cfg, resolve=True),
+                                                  layout, budgets)))

@@ -1,17 +1,22 @@
 """The training run: process group, pipeline engine, the step loop and its outputs."""
-import os
 import time
 import warnings
 from pathlib import Path
+from typing import Optional
 
 import torch
 from omegaconf import OmegaConf
 
 from data import open_token_source
 from harness.metrics import MetricsLog, median_after_warmup
+from harness.plan import budget_lines, plan_layout
 from harness.run_control import RunControl
 from harness.wandb_logger import open_wandb
+from parallel.auto_recompute import StageBudget, measured_costs
 from parallel.dist_env import DistEnv, node_name
+from parallel.layout import PipelineLayout
+from parallel.memory_model import Shape, Target
+from parallel.recompute_profile import profile_block
 from schema.checks import Runtime, Topology
 from schema.run import RunConfig
 
@@ -24,14 +29,24 @@ def recompute_label(run: RunConfig) -> str:
     return run.recompute.mode
 
 
-def train(run: RunConfig, run_dir: Path, env: DistEnv, topo: Topology, rt: Runtime, resolved: dict) -> None:
-    # DeepSpeed picks its accelerator when first imported: choose it before that import.
-    os.environ.setdefault("DS_ACCELERATOR", rt.device)
-    from harness.accounting import Accounting  # imports DeepSpeed too
-    from parallel.engine import build_engine, init_process_group
-    from parallel.layout import pipeline_layout
+def replan_with_profile(run: RunConfig, topo: Topology, rt: Runtime, env: DistEnv):
+    """recompute.profile: rank 0 times each choice on one block of this device and every rank plans with
+    those seconds, so all ranks agree on one plan (the budget check already passed at start-up: fitting
+    depends on bytes only, never on costs)."""
+    seconds = [profile_block(run.model, run.train.micro_batch_size, rt.device, rt.precision) if env.rank == 0 else None]
+    torch.distributed.broadcast_object_list(seconds, src=0)
+    if env.rank == 0:
+        print("stagecheck: recompute profile (s per block forward part): "
+              + ", ".join(f"{k} {v:.4g}" for k, v in seconds[0].items()), flush=True)
+    costs = measured_costs(Shape.of(run.model, run.train.micro_batch_size), Target(rt.device, rt.precision), seconds[0])
+    return plan_layout(run, topo, rt, costs)
 
-    layout = pipeline_layout(run.model, run.recompute, topo.pipeline_stages, run.parallel.partition_method, run.seed)
+
+def train(run: RunConfig, run_dir: Path, env: DistEnv, topo: Topology, rt: Runtime, resolved: dict,
+          layout: PipelineLayout, budgets: Optional[list[StageBudget]]) -> None:
+    from harness.accounting import Accounting  # imports DeepSpeed, whose accelerator entry.py chose
+    from parallel.engine import build_engine, init_process_group
+
     if env.rank == 0:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
         print(f"stagecheck: {topo.world_size} ranks = {topo.pipeline_stages} stages x {topo.data_parallel_size} "
@@ -40,6 +55,11 @@ def train(run: RunConfig, run_dir: Path, env: DistEnv, topo: Topology, rt: Runti
             print("stagecheck: " + line, flush=True)
 
     init_process_group(env, rt.device, run.train.collective_timeout_s)
+    if budgets is not None and run.recompute.profile:
+        layout, budgets = replan_with_profile(run, topo, rt, env)
+    if budgets is not None and env.rank == 0:
+        for line in budget_lines(run.recompute, budgets):
+            print("stagecheck: " + line, flush=True)
     engine = build_engine(layout, run.train, run.parallel, topo.data_parallel_size, rt.precision, rt.device)
     # Dropout draws from this stream; every recompute mode consumes it identically.
     torch.manual_seed(run.seed * 1009 + env.rank)

@@ -12,6 +12,9 @@ class ParallelConfig:
     pipeline_stages: Optional[int] = None
     """Pipeline stages; null means one stage per rank. The remaining factor of the world size is
     data parallelism (world = stages x data-parallel)."""
+    data_parallel_size: Optional[int] = None
+    """Data-parallel replicas; null means world size / stages. Given, stages x data-parallel must equal
+    the world size; a dry run (no launcher) plans for that many ranks."""
     partition_method: str = "parameters"
     """How DeepSpeed splits the flat layer list into stages: `parameters` (balance parameter
     counts), `uniform` (balance layer counts) or `type:Block` (balance transformer blocks)."""
@@ -23,6 +26,11 @@ class ParallelConfig:
             raise ValueError(
                 f"parallel.pipeline_stages={self.pipeline_stages} is invalid: use a positive integer "
                 f"that divides the world size, or null for one stage per rank"
+            )
+        if self.data_parallel_size is not None and self.data_parallel_size <= 0:
+            raise ValueError(
+                f"parallel.data_parallel_size={self.data_parallel_size} is invalid: use a positive integer, "
+                f"or null for world size / stages"
             )
         if self.partition_method not in PARTITION_METHODS:
             raise ValueError(

@@ -69,7 +69,7 @@ def plan_run(model: GPTConfig, recompute: RecomputeConfig, layout: PipelineLayou
             "stage": stage.stage,
             "layers": [stage.start, stage.stop],
             "blocks": sum(1 for i in stage.layers if layout.recipes[i].module_class is Block),
-            "choices": sorted({layer.choice for layer in layers if layer.choice != "-"}),
+            "choices": [layer.choice for layer in layers if layer.choice != "-"],  # one per block
             "params": params,
             "activation_bytes_per_microbatch": activation,
             "stage_input_bytes": stage_input_bytes(stage.stage, shape, target),

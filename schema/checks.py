@@ -42,11 +42,17 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
 
 
 def topology(run: RunConfig, world_size: int) -> Topology:
-    stages = run.parallel.pipeline_stages or world_size
-    if world_size % stages != 0:
+    p = run.parallel
+    stages = p.pipeline_stages or (world_size // p.data_parallel_size if p.data_parallel_size else world_size)
+    if stages == 0 or world_size % stages != 0:
         raise ValueError(
             f"parallel.pipeline_stages={stages} does not divide the world size {world_size}: "
             f"choose a divisor of {world_size} (world = stages x data-parallel)"
+        )
+    if p.data_parallel_size and stages * p.data_parallel_size != world_size:
+        raise ValueError(
+            f"parallel.data_parallel_size={p.data_parallel_size} x {stages} stages != the world size {world_size}: "
+            f"set parallel.data_parallel_size={world_size // stages} or null"
         )
     if stages > run.model.n_layer:
         raise ValueError(

@@ -120,3 +120,20 @@ def test_analytic_costs_rank_choices_sensibly():
     assert by_name["none"].cost == 0
     assert by_name["selective:core_attn"].kept_bytes < by_name["none"].kept_bytes
     assert 0 < by_name["selective:core_attn"].cost < table.full_block_cost
+
+
+@pytest.mark.multiproc
+def test_auto_run_applies_a_per_stage_plan_exact_against_none(tmp_path):
+    from tests.runs import TINY, launch, summary
+
+    common = [*TINY, "model.attention=math", "model.dropout=0.1", "train.micro_batches=6", "train.steps=2"]
+    # Between what uniform full and uniform selective need on stage 0 (dry runs of this shape).
+    launch(tmp_path / "auto", *common, "+recompute=auto", "recompute.budget_gb=0.0135", "recompute.reserve_gb=0")
+    launch(tmp_path / "none", *common)
+    auto, none = summary(tmp_path / "auto"), summary(tmp_path / "none")
+    choices = [stage["choices"] for stage in auto["layout"]]
+    assert choices[0] != choices[1] and any(c != "none" for c in choices[0])
+    assert auto["losses"] == none["losses"]
+    for measured, planned in zip(auto["activation_bytes_per_stage"], auto["planned_activation_bytes_per_stage"]):
+        assert measured == pytest.approx(planned, rel=0.05)
+    assert all(peak <= 0.0135 * GIB for peak in auto["predicted_peak_bytes_per_stage"])
