@@ -236,9 +236,9 @@ def main(argv=None) -> int:
     met = lambda ok: "met" if ok else "NOT met"  # noqa: E731
     lines += [
         "",
-        f"- stagecheck none tokens/s >= 1.0 x HF checkpointing off: median ratio {none_ratio['median']:.2f} "
+        f"- stagecheck none tokens/s >= 1.0 x HF checkpointing off: median ratio {none_ratio['median']:.3f} "
         f"(min {none_ratio['min']:.2f}): {met(none_ratio['median'] >= 1.0)}",
-        f"- stagecheck full(1) tokens/s >= 1.0 x HF checkpointing on: median ratio {full_ratio['median']:.2f} "
+        f"- stagecheck full(1) tokens/s >= 1.0 x HF checkpointing on: median ratio {full_ratio['median']:.3f} "
         f"(min {full_ratio['min']:.2f}): {met(full_ratio['median'] >= 1.0)}; at <= activation bytes: "
         f"{full_bytes:,} vs {hf_on_bytes:,} ({full_bytes / hf_on_bytes:.3f}x): {met(full_bytes <= hf_on_bytes)}",
     ]

@@ -154,8 +154,8 @@ def flops_table(cfg: GPTConfig, b: int, modes: dict) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=8, help="blocks (split over 2 stages)")
-    parser.add_argument("--reps", type=int, default=7, help="interleaved timing repetitions")
-    parser.add_argument("--micro-batches", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=21, help="interleaved timing repetitions")
+    parser.add_argument("--micro-batches", type=int, default=1, help="micro-batches per timed step")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--sections", nargs="+", choices=("bytes", "time", "flops"), default=["bytes", "time", "flops"])
     args = parser.parse_args()

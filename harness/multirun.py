@@ -53,10 +53,11 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from harness.faults import EXIT_CONFIG, EXIT_FAILED, EXIT_NONFINITE
+
 FAILED = "FAILED"
 """A failed job's marker in its directory: one line per message (`stagecheck: ...`)."""
 
-EXIT_NONFINITE = 3  # harness/faults.py; repeated here so this module imports neither torch nor deepspeed early
 
 _failures: dict[int, int] = {}
 """This process's failed jobs of the current sweep: job number -> exit code."""
@@ -93,7 +94,7 @@ def startup_failed(run_dir: Path, message: str) -> bool:
     the same way) and return True, so the caller returns and the sweep goes on. Otherwise False."""
     if not in_multirun():
         return False
-    mark_failed(run_dir, message, 2, write=_rank() == 0)
+    mark_failed(run_dir, message, EXIT_CONFIG, write=_rank() == 0)
     if _rank() == 0:
         print(f"stagecheck: sweep job {_job_num()} failed at start-up; marked {run_dir / FAILED}; going on",
               file=sys.stderr, flush=True)
@@ -110,7 +111,7 @@ def guard_job(run_dir: Path, rank: int, body: Callable[[], None]) -> Callable[[]
         try:
             body()
         except SystemExit as stop:
-            code = stop.code if isinstance(stop.code, int) else 1
+            code = stop.code if isinstance(stop.code, int) else EXIT_FAILED
             if code == 0:
                 return
             if code == EXIT_NONFINITE:
@@ -122,7 +123,7 @@ def guard_job(run_dir: Path, rank: int, body: Callable[[], None]) -> Callable[[]
             raise
         except BaseException as error:  # noqa: BLE001 - marked, then handed on to run_guarded
             mark_failed(run_dir, f"stagecheck: rank {rank} failed: {type(error).__name__}: {error}; "
-                                 f"the sweep stopped here", 1)
+                                 f"the sweep stopped here", EXIT_FAILED)
             raise
 
     return job
@@ -213,7 +214,7 @@ class SweepCallback(Callback):
             # An exception outside training (training's own end the process): every rank saw the same.
             error = job_return._return_value
             mark_failed(Path(config.hydra.runtime.output_dir), f"stagecheck: error: {type(error).__name__}: {error}",
-                        1, write=_rank() == 0)
+                        EXIT_FAILED, write=_rank() == 0)
         alive = release_memory()
         if alive:
             print(f"stagecheck: warning: {alive} DeepSpeed engine(s) of finished sweep jobs are still referenced; "

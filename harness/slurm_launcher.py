@@ -121,8 +121,9 @@ def job_return(job, idx: int, overrides: Sequence[str], clock=time.monotonic, sl
             return JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=error)
         # A job that failed at start-up (bad config) or stopped on a non-finite loss returns normally and
         # leaves a FAILED file in its directory (harness/multirun.py); the sweep must not end with 0.
-        marker = Path(str(OmegaConf.select(ret.hydra_cfg, "hydra.runtime.output_dir", default="."))) / FAILED
-        if ret.status == JobStatus.COMPLETED and marker.is_file():
+        job_dir = OmegaConf.select(ret.hydra_cfg, "hydra.runtime.output_dir") if ret.hydra_cfg is not None else None
+        marker = Path(str(job_dir)) / FAILED if job_dir else None
+        if ret.status == JobStatus.COMPLETED and marker is not None and marker.is_file():
             message = marker.read_text(errors="replace").strip()
             return JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=RuntimeError(
                 f"sweep job {idx} (SLURM job {job.job_id}) failed; {marker}:\n{message}"))

@@ -22,8 +22,8 @@ import yaml
 from harness.multirun import FAILED
 
 MIB = 1024 ** 2
-MARKERS = {"none": "o", "full": "s", "selective": "^"}
-"""One marker per recompute mode in report.png."""
+MARKERS = {"none": "o", "full": "s", "selective": "^", "auto": "D"}
+"""One marker per recompute mode in report.png (another mode gets "P")."""
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size", "attention", "dropout", "seq_len", "micro_batch_size",
               "micro_batches", "pipeline_stages", "data_parallel_size", "precision", "device")
 """What must match for a job to be compared with a `none` job."""
@@ -70,6 +70,8 @@ class Job:
             return f"interval {r.get('interval')}"
         if self.mode == "selective":
             return "+".join(r.get("modules") or [])
+        if self.mode == "auto":
+            return f"budget {r.get('budget_gb')} GiB"
         return "-"
 
     @property
@@ -79,7 +81,9 @@ class Job:
             return f"full/{r.get('interval')}"
         if self.mode == "selective":
             return "selective/" + "+".join(r.get("modules") or [])
-        return "none"
+        if self.mode == "auto":
+            return f"auto/{r.get('budget_gb')}GiB"
+        return self.mode
 
     def shape(self) -> dict:
         model = self.config.get("model") or (self.plan or {}).get("model") or {}
@@ -354,11 +358,14 @@ def render_png(jobs: list[Job], path: Path) -> bool:
     if stages == 0:
         return False
     axes_keys = varying_axes(jobs)
-    variants = sorted({j.variant for j in done}, key=lambda v: (list(MARKERS).index(v.split("/")[0]), v))
+    order = list(MARKERS)
+    variants = sorted({j.variant for j in done},
+                      key=lambda v: (order.index(v.split("/")[0]) if v.split("/")[0] in order else len(order), v))
     colors = {v: plt.get_cmap("tab10")(i % 10) for i, v in enumerate(variants)}
     panels = [("peak activation memory per stage (MiB)", Job.measured_peak_activation, Job.predicted_peak_activation),
               ("peak memory per stage (MiB)", Job.measured_peak_memory, Job.predicted_peak_memory)]
-    fig, grid = plt.subplots(len(panels), stages, figsize=(5.2 * stages + 2.6, 4.2 * len(panels)), squeeze=False)
+    fig, grid = plt.subplots(len(panels), stages, figsize=(5.2 * stages + 3.4, 4.2 * len(panels)), squeeze=False,
+                             layout="constrained")
     xs = [j.tokens_per_s for j in done]
     span = (max(xs) - min(xs)) or max(xs) * 0.1
     for row, (title, measured_of, predicted_of) in enumerate(panels):
@@ -366,7 +373,7 @@ def render_png(jobs: list[Job], path: Path) -> bool:
             ax = grid[row][stage]
             for job in done:
                 x = job.tokens_per_s
-                color, marker = colors[job.variant], MARKERS.get(job.mode, "D")
+                color, marker = colors[job.variant], MARKERS.get(job.mode, "P")
                 m = (measured_of(job) or [None] * stages)[stage] if stage < len(measured_of(job) or []) else None
                 p = (predicted_of(job) or [None] * stages)[stage] if stage < len(predicted_of(job) or []) else None
                 dx = span * 0.012  # prediction just beside the measurement
@@ -393,14 +400,14 @@ def render_png(jobs: list[Job], path: Path) -> bool:
     if any((j.summary or {}).get("peak_memory_kind") == "cpu_max_rss" for j in done):
         for stage in range(stages):
             grid[1][stage].set_ylabel("peak memory (MiB; CPU: resident set)")
-    handles = [Line2D([], [], marker=MARKERS.get(v.split("/")[0], "D"), color=colors[v], linestyle="none",
+    handles = [Line2D([], [], marker=MARKERS.get(v.split("/")[0], "P"), color=colors[v], linestyle="none",
                       markersize=8, label=v) for v in variants]
     handles += [Line2D([], [], marker="o", color="0.3", linestyle="none", markersize=8, label="measured (filled)"),
                 Line2D([], [], marker="o", markerfacecolor="none", markeredgecolor="0.3", linestyle="none",
                        markersize=9, label="predicted (hollow)")]
-    fig.legend(handles=handles, loc="center right", fontsize=9, frameon=True, title="mode / setting")
+    # "outside": constrained layout gives the legend its own column, so it never covers a panel.
+    fig.legend(handles=handles, loc="outside right center", fontsize=9, frameon=True, title="mode / setting")
     fig.suptitle("Recompute: memory per stage against throughput", fontsize=12)
-    fig.tight_layout(rect=(0, 0, 1 - 2.4 / (5.2 * stages + 2.6), 0.96))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True

@@ -104,7 +104,8 @@ def test_failing_rank_fails_the_job_without_hanging(slurm_cluster, tmp_path, scr
 
 
 @pytest.mark.slurm
-def test_preempted_job_checkpoints_requeues_and_finishes(slurm_cluster, tmp_path):
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_preempted_job_checkpoints_requeues_and_finishes(slurm_cluster, tmp_path, script):
     steps = 8
     run_dir = tmp_path / "runs"
 
@@ -126,7 +127,7 @@ def test_preempted_job_checkpoints_requeues_and_finishes(slurm_cluster, tmp_path
                 return  # finished (or failed) without a requeue: the assertions below say which
             time.sleep(0.5)
 
-    job = _sbatch_wait(slurm_cluster, tmp_path, "slurm.sbatch", f"train.steps={steps}",
+    job = _sbatch_wait(slurm_cluster, tmp_path, script, f"train.steps={steps}",
                        env=_env(slurm_cluster, tmp_path), while_running=preempt_after_first_step)
     assert job.returncode == 0, _why(job, slurm_cluster)
     assert "exiting 75" in job.log and "requeueing job" in job.log, _why(job, slurm_cluster)
@@ -142,15 +143,17 @@ def test_preempted_job_checkpoints_requeues_and_finishes(slurm_cluster, tmp_path
 
 def _submitit_sweep(cluster, tmp_path: Path, *overrides: str, env: dict) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "train.py", "-m", "hydra/launcher=slurm",
-           # The test cluster: one task per node, no GPUs, its partition; the rest from conf/hydra/launcher/slurm.yaml.
-           "hydra.launcher.tasks_per_node=1", "hydra.launcher.gpus_per_node=null", f"hydra.launcher.partition={cluster.partition}",
-           "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={tmp_path}/multirun/{STAMP}", *TINY, "train.steps=2", *overrides]
+           # The test cluster: one task per node, no GPUs; the rest from conf/hydra/launcher/slurm.yaml.
+           "hydra.launcher.tasks_per_node=1", "hydra.launcher.gpus_per_node=null",
+           f"hydra.launcher.partition={cluster.partition}", "hydra.launcher.timeout_min=10",
+           f"hydra.sweep.dir={tmp_path}/multirun/{STAMP}", *TINY, "train.steps=2", *overrides]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S * 2)
 
 
 @pytest.mark.slurm
 def test_submitit_sweep_runs_three_multi_rank_jobs(slurm_cluster, tmp_path):
-    result = _submitit_sweep(slurm_cluster, tmp_path, "+recompute=none,full,selective", env=_env(slurm_cluster, tmp_path))
+    env = _env(slurm_cluster, tmp_path)
+    result = _submitit_sweep(slurm_cluster, tmp_path, "+recompute=none,full,selective", env=env)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     assert "sacct" not in result.stderr  # never asked (it fails without an accounting database)
 
@@ -175,15 +178,29 @@ def test_submitit_sweep_with_a_failing_rank_fails_instead_of_waiting(slurm_clust
     result = _submitit_sweep(slurm_cluster, tmp_path, "+recompute=none", env=env)
     elapsed = time.monotonic() - start
     assert result.returncode == 1, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    assert "sweep job 0 (SLURM job" in result.stderr and "ended without a result" in result.stderr, result.stderr[-6000:]
+    assert "sweep job 0 (SLURM job" in result.stderr, result.stderr[-6000:]
+    assert "ended without a result" in result.stderr, result.stderr[-6000:]
     assert "task 1: stagecheck: rank 1 failed: RuntimeError: injected failure at step 1" in result.stderr
     assert elapsed < FAIL_WITHIN_S + slurm_launcher.RESULT_GRACE_S + 30, f"took {elapsed:.0f} s"
 
 
+
+@pytest.mark.slurm
+def test_submitit_sweep_reports_a_job_rejected_at_start_up_after_the_others_finish(slurm_cluster, tmp_path):
+    # pipeline_stages=3 does not divide the world size 2: every rank of job 1 rejects it at start-up
+    # (harness/entry.py) and marks the job FAILED; job 0 trains. The sweep must not exit 0.
+    result = _submitit_sweep(slurm_cluster, tmp_path, "parallel.pipeline_stages=2,3", env=_env(slurm_cluster, tmp_path))
+    assert result.returncode == 1, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    assert "sweep job 1 (SLURM job" in result.stderr, result.stderr[-6000:]
+    assert "parallel.pipeline_stages=3 does not divide the world size 2" in result.stderr, result.stderr[-6000:]
+    (sweep,) = (tmp_path / "multirun").iterdir()
+    assert json.loads((sweep / "0" / "summary.json").read_text())["world_size"] == 2  # the other job finished
+
 # ---- without a cluster ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("nodelist, host", [
-    ("n1", "n1"), ("n[1-2]", "n1"), ("gpu[007-008,012],cpu1", "gpu007"), ("a,b", "a"), ("rack[3-4]-node[09-10]", "rack3-node09"),
+    ("n1", "n1"), ("n[1-2]", "n1"), ("gpu[007-008,012],cpu1", "gpu007"), ("a,b", "a"),
+    ("rack[3-4]-node[09-10]", "rack3-node09"),
 ])
 def test_first_host_matches_scontrol_show_hostnames(nodelist, host):
     assert first_host(nodelist) == host
@@ -215,3 +232,22 @@ def test_wait_ends_when_a_job_left_the_queue_without_results(tmp_path):
     with pytest.raises(RuntimeError, match=r"sweep job 0 \(SLURM job 7_0.*task\(s\) 0, 1 of 2 ended without a result"):
         ret.return_value
     assert "task 1: stagecheck: rank 1 failed: RuntimeError: boom" in str(ret._return_value)
+
+
+def test_slurm_launcher_config_names_a_discoverable_hydra_plugin():
+    """Hydra instantiates only launchers found in the `hydra_plugins` namespace: the preset must name one."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.plugins import Plugins
+    from hydra.plugins.launcher import Launcher
+
+    from harness.run_dir import register_run_stamp_resolver
+    from schema import register_schemas
+
+    register_schemas()  # as train.py does
+    register_run_stamp_resolver()
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["hydra/launcher=slurm"], return_hydra_config=True)
+    launchers = {f"{cls.__module__}.{cls.__name__}" for cls in Plugins.instance().discover(Launcher)}
+    assert cfg.hydra.launcher._target_ in launchers
+    assert (cfg.hydra.launcher.nodes, cfg.hydra.launcher.tasks_per_node) == (2, 8)
+    assert "export SLURM_KILL_BAD_EXIT=1" in cfg.hydra.launcher.setup

@@ -7,7 +7,6 @@ import pytest
 import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import OmegaConf
 
 from harness.run_dir import register_run_stamp_resolver
 from schema import register_schemas
@@ -152,19 +151,25 @@ def test_multirun_runs_three_modes_in_the_same_ranks_and_reports(tmp_path):
 
 
 @pytest.mark.multiproc
-def test_a_failing_job_is_marked_and_the_sweep_goes_on(tmp_path):
+def test_failing_jobs_are_marked_and_the_sweep_goes_on(tmp_path):
     sweep = tmp_path / "sweep"
-    # job 0: 3 stages on 2 ranks fails start-up validation on every rank; job 1 runs after it
-    result = launch_multirun(sweep, *TINY, "train.steps=1", "logger=none", "parallel.pipeline_stages=3,2",
-                             check=False)
+    # jobs 0, 1: 3 stages on 2 ranks fail start-up validation on every rank; job 2: a NaN loss at step 1
+    # stops it on every rank together (train.nan_policy=stop); job 3 runs after them
+    result = launch_multirun(sweep, *TINY, "train.steps=2", "logger=none", "parallel.pipeline_stages=3,2",
+                             "train.inject_nan_at_steps=[1],[]", check=False)
     assert result.returncode == 2, result.stderr[-3000:]  # the first failed job's exit code
-    failed = (sweep / "0" / "FAILED").read_text()
-    assert "parallel.pipeline_stages=3 does not divide the world size 2" in failed
-    assert failed.count("\n") == 1  # written once (rank 0), though every rank failed
-    assert not (sweep / "0" / "summary.json").exists()
-    assert summary(sweep / "1")["pipeline_stages"] == 2 and not (sweep / "1" / "FAILED").exists()
+    for job in ("0", "1"):
+        failed = (sweep / job / "FAILED").read_text()
+        assert "parallel.pipeline_stages=3 does not divide the world size 2" in failed
+        assert failed.count("\n") == 1  # written once (rank 0), though every rank failed
+        assert not (sweep / job / "summary.json").exists()
+    assert "non-finite loss or gradients" in (sweep / "2" / "FAILED").read_text()
+    assert not (sweep / "2" / "summary.json").exists()
+    assert summary(sweep / "3")["pipeline_stages"] == 2 and not (sweep / "3" / "FAILED").exists()
+    assert "3 job(s) failed: 0 (exit 2), 1 (exit 2), 2 (exit 3)" in result.stderr
     report = (sweep / "report.md").read_text()
     assert "## Failed jobs" in report and "- job 0 (none): stagecheck: error: parallel.pipeline_stages=3" in report
+    assert "| 3 | none |" in report
 
 
 @pytest.mark.multiproc

@@ -1,0 +1,135 @@
+"""Auto recompute against uniform full and selective, side by side, at a budget between them.
+
+    DS_ACCELERATOR=cpu .venv/bin/python bench/auto_bench.py
+
+2 stages, 6 micro-batches (stage 0 holds 2 in flight, stage 1 one). The budget is three quarters of the
+way from what uniform full recompute needs on stage 0 to what uniform selective needs there. Every plan
+runs all its stages in one process (parallel/local_stages.py, the pipeline's own StagePlan code);
+steps are interleaved (full, auto, selective, none, full, ...) and timed as process CPU time on one
+thread, so other processes on a shared machine do not count. "Measured peak" = the planner's parameter,
+gradient, optimizer and pipe-buffer bytes + in-flight x the activation bytes the meter measured + the
+largest segment's recompute working set. Not a test: timings depend on the machine.
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model import GPTConfig  # noqa: E402
+from parallel.auto_layout import layout_for  # noqa: E402
+from parallel.auto_recompute import GIB, measured_costs  # noqa: E402
+from parallel.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute  # noqa: E402
+from parallel.local_stages import LocalPipeline  # noqa: E402
+from parallel.memory_model import Shape, Target  # noqa: E402
+from parallel.planner import RunShape, plan_run  # noqa: E402
+from parallel.recompute_profile import profile_block  # noqa: E402
+
+STAGES, MICRO_BATCHES = 2, 6
+MiB = 2 ** 20
+
+
+class Plan:
+    def __init__(self, name: str, cfg: GPTConfig, recompute, run: RunShape, costs=None):
+        self.name = name
+        self.layout, self.budgets = layout_for(cfg, recompute, STAGES, "type:Block", 0, run, costs)
+        self.plan = plan_run(cfg, recompute, self.layout, run)
+        self.pipe = LocalPipeline(self.layout, "fp32")
+
+    def working_bytes(self, stage: int, block_bytes: int) -> int:
+        """The largest segment's recompute working set (blocks x what one block keeps without recompute)."""
+        plan = self.layout.plans[stage]
+        return max((stop - start for start, stop in plan.segments), default=0) * block_bytes
+
+    def predicted_peak(self, stage: int, block_bytes: int) -> int:
+        return self.plan["stages"][stage]["predicted_peak_bytes"] + self.working_bytes(stage, block_bytes)
+
+    def measured_peak(self, batches, block_bytes: int) -> list[int]:
+        for stage in self.pipe.stages:
+            stage.meter.reset()
+        self.pipe.step(batches[:1], measure=True)
+        self.zero_grad()
+        peaks = []
+        for i, stage in enumerate(self.pipe.stages):
+            s = self.plan["stages"][i]
+            fixed = s["param_bytes"] + s["grad_bytes"] + s["optimizer_bytes"] + s["pipe_buffer_bytes"]
+            measured = stage.meter.bytes_per_micro_batch()[0]
+            peaks.append(fixed + s["in_flight_microbatches"] * measured + self.working_bytes(i, block_bytes))
+        return peaks
+
+    def zero_grad(self) -> None:
+        for p in self.pipe.parameters():
+            p.grad = None
+
+    def step_cpu_seconds(self, batches) -> float:
+        start = time.process_time()
+        self.pipe.step(batches)
+        self.zero_grad()
+        return time.process_time() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--micro-batch-size", type=int, default=1)
+    parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--reps", type=int, default=7)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    cfg = GPTConfig(n_layer=args.layers, n_head=8, n_embd=256, seq_len=args.seq_len, vocab_size=256,
+                    dropout=args.dropout, attention="math")
+    target = Target("cpu", "fp32")
+    run = RunShape(MICRO_BATCHES, args.micro_batch_size, 1, 0, target)
+    shape = Shape.of(cfg, args.micro_batch_size)
+    block_bytes = plan_run(cfg, NoRecompute(), layout_for(cfg, NoRecompute(), STAGES, "type:Block", 0, run)[0],
+                           run)["block_choices"]["none"]["activation_bytes"]
+
+    full = Plan("full(1)", cfg, FullRecompute(interval="1"), run)
+    selective = Plan("selective", cfg, SelectiveRecompute(), run)
+    need_full, need_sel = full.predicted_peak(0, block_bytes), selective.predicted_peak(0, block_bytes)
+    budget = need_full + 0.75 * (need_sel - need_full)
+    auto_cfg = AutoRecompute(budget_gb=budget / GIB, reserve_gb=0.0)
+    seconds = profile_block(cfg, args.micro_batch_size, "cpu", "fp32")
+    plans = [full, Plan("auto", cfg, auto_cfg, run),
+             Plan("auto(profiled)", cfg, auto_cfg, run, measured_costs(shape, target, seconds)), selective,
+             Plan("none", cfg, NoRecompute(), run)]
+
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 256, (args.micro_batch_size, cfg.seq_len), generator=g),
+                torch.randint(0, 256, (args.micro_batch_size, cfg.seq_len), generator=g)) for _ in range(MICRO_BATCHES)]
+    for plan in plans:
+        plan.step_cpu_seconds(batches)  # warm-up
+    times = {plan.name: [] for plan in plans}
+    for _ in range(args.reps):  # interleaved: every plan sees the same machine state
+        for plan in plans:
+            times[plan.name].append(plan.step_cpu_seconds(batches))
+    tokens = MICRO_BATCHES * args.micro_batch_size * cfg.seq_len
+    full_tps = [tokens / t for t in times["full(1)"]]
+
+    print(f"torch {torch.__version__}; L={cfg.n_layer} h=256 a=8 s={cfg.seq_len} b={args.micro_batch_size} "
+          f"dropout={cfg.dropout} fp32 math attention; {STAGES} stages, {MICRO_BATCHES} micro-batches; "
+          f"{args.reps} interleaved repetitions, CPU time on 1 thread")
+    print(f"stage 0 needs: uniform full(1) {need_full / MiB:.2f} MiB, uniform selective {need_sel / MiB:.2f} MiB "
+          f"-> budget {budget / MiB:.2f} MiB (recompute.budget_gb={budget / GIB:.6f})")
+    print(f"profile (s per block forward part): " + ", ".join(f"{k} {v:.4f}" for k, v in seconds.items()))
+    print()
+    print("| plan | stage 0 choices | stage 1 choices | measured peak MiB (s0, s1) | fits | tokens/s (median) "
+          "| / full(1): min, median, max |")
+    print("|---|---|---|---|---|---|---|")
+    for plan in plans:
+        peaks = plan.measured_peak(batches, block_bytes)
+        tps = [tokens / t for t in times[plan.name]]
+        ratios = sorted(a / b for a, b in zip(tps, full_tps))  # same repetition: same machine state
+        choices = [",".join(sorted(set(st["choices"]))) for st in plan.layout.as_dict()]
+        fits = "yes" if max(peaks) <= budget else "no"
+        print(f"| {plan.name} | {choices[0]} | {choices[1]} | {peaks[0] / MiB:.2f}, {peaks[1] / MiB:.2f} | {fits} | "
+              f"{statistics.median(tps):.0f} | {ratios[0]:.3f}, {statistics.median(ratios):.3f}, {ratios[-1]:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
