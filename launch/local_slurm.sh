@@ -172,6 +172,9 @@ SlurmctldHost=localhost
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# A requeued job waits cred_expire (default 120 s) before it may start again; releasing it earlier
+# (scontrol update StartTime=now) fails it with "Job credential revoked". 30 s keeps requeue tests short.
+AuthInfo=cred_expire=30
 CredType=cred/munge
 MpiDefault=none
 # No cgroups in this VM: track processes via /proc and do no task binding.
