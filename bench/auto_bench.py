@@ -116,7 +116,7 @@ def main() -> None:
           f"{args.reps} interleaved repetitions, CPU time on 1 thread")
     print(f"stage 0 needs: uniform full(1) {need_full / MiB:.2f} MiB, uniform selective {need_sel / MiB:.2f} MiB "
           f"-> budget {budget / MiB:.2f} MiB (recompute.budget_gb={budget / GIB:.6f})")
-    print(f"profile (s per block forward part): " + ", ".join(f"{k} {v:.4f}" for k, v in seconds.items()))
+    print("profile (s per block forward part): " + ", ".join(f"{k} {v:.4f}" for k, v in seconds.items()))
     print()
     print("| plan | stage 0 choices | stage 1 choices | measured peak MiB (s0, s1) | fits | tokens/s (median) "
           "| / full(1): min, median, max |")

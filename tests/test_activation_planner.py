@@ -21,15 +21,6 @@ MODES = [NoRecompute(), FullRecompute(interval="1"), FullRecompute(interval="2")
 VARIANTS = [("math", 0.1, "fp32"), ("math", 0.0, "bf16"), ("sdpa", 0.1, "bf16"), ("sdpa", 0.0, "fp32")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one intra-op thread is faster, and steadier on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def mode_id(recompute) -> str:
     if isinstance(recompute, FullRecompute):
         return f"full-{recompute.interval}"

@@ -3,7 +3,6 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from harness.run_dir import register_run_stamp_resolver
 from schema import GROUP_SCHEMAS, register_schemas

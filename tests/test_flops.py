@@ -16,14 +16,6 @@ MODES = [NoRecompute(), FullRecompute(interval="1"), FullRecompute(interval="2")
          *[SelectiveRecompute(modules=list(combo)) for combo in selective_combinations()]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny(dropout: float, attention: str = "math") -> GPTConfig:
     return GPTConfig(n_layer=4, n_head=4, n_embd=32, seq_len=16, vocab_size=64, dropout=dropout, attention=attention)
 

@@ -12,14 +12,6 @@ from parallel.recompute import apply_plan, plan_stage, run_stage
 COMBOS = selective_combinations()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def loss_and_grads(recompute, attention: str):
     cfg = GPTConfig(n_layer=3, n_head=2, n_embd=32, seq_len=16, vocab_size=64, dropout=0.1, attention=attention)
     model = GPT(cfg, seed=0)

@@ -162,6 +162,17 @@ def _apply(target: dict[str, Any], update: Any, remove: Any) -> None:
         _del_path(target, _key_path(item))
 
 
+def _merged(path: Path | str, part: str) -> dict[str, Any]:
+    """The run record's `part` (config or summary), then its update/remove records, in order."""
+    result: dict[str, Any] = {}
+    for record in read_records(path):
+        kind = record.WhichOneof("record_type")
+        if kind in ("run", part):
+            changes = getattr(record.run if kind == "run" else record, part)
+            _apply(result, changes.update, changes.remove)
+    return result
+
+
 def config(path: Path | str, *, internal: bool = False) -> dict[str, Any]:
     """Run config: the run record's config, then config records, in order.
 
@@ -169,13 +180,7 @@ def config(path: Path | str, *, internal: bool = False) -> dict[str, Any]:
     config.yaml). wandb's bookkeeping key `_wandb` is dropped unless
     `internal` is set.
     """
-    result: dict[str, Any] = {}
-    for record in read_records(path):
-        kind = record.WhichOneof("record_type")
-        if kind == "run":
-            _apply(result, record.run.config.update, record.run.config.remove)
-        elif kind == "config":
-            _apply(result, record.config.update, record.config.remove)
+    result = _merged(path, "config")
     if not internal:
         result.pop("_wandb", None)
     return result
@@ -187,14 +192,7 @@ def summary(path: Path | str) -> dict[str, Any]:
     wandb-core writes a summary update after every history row, so this
     holds the last logged value of each key plus explicit run.summary sets.
     """
-    result: dict[str, Any] = {}
-    for record in read_records(path):
-        kind = record.WhichOneof("record_type")
-        if kind == "run":
-            _apply(result, record.run.summary.update, record.run.summary.remove)
-        elif kind == "summary":
-            _apply(result, record.summary.update, record.summary.remove)
-    return result
+    return _merged(path, "summary")
 
 
 def run_info(path: Path | str) -> dict[str, Any]:
