@@ -1,0 +1,49 @@
+"""The launch contract: `--local_rank` stripped, one run directory per launch agreed on by every rank,
+rank variables from torch or SLURM, and `python train.py` alone as a 1-rank run."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from harness.launcher_args import strip_launcher_args
+from harness.run_dir import run_stamp
+from parallel.dist_env import read_dist_env
+from tests.runs import REPO, TINY, python_run, summary
+
+
+@pytest.mark.parametrize("argv", [["train.py", "--local_rank=1", "a=1"], ["train.py", "--local_rank", "1", "a=1"],
+                                  ["train.py", "a=1", "--local-rank=1"]])
+def test_the_launchers_local_rank_never_reaches_hydra(argv, monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert strip_launcher_args(argv) == ["train.py", "a=1"]
+    assert os.environ["LOCAL_RANK"] == "1"
+
+
+def test_ranks_started_by_one_launcher_agree_on_the_run_directory():
+    """Two children of one parent, as the deepspeed launcher or torchrun start them, a second apart."""
+    code = "import time, sys; time.sleep(float(sys.argv[1])); from harness.run_dir import run_stamp; print(run_stamp())"
+    env = {"LOCAL_RANK": "0", "PATH": "/usr/bin:/bin"}
+    first = subprocess.Popen([sys.executable, "-c", code, "0"], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    second = subprocess.Popen([sys.executable, "-c", code, "1.2"], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    assert first.communicate(timeout=60)[0] == second.communicate(timeout=60)[0]
+
+
+def test_a_slurm_job_finds_its_own_run_directory_again():
+    assert run_stamp({"SLURM_JOB_ID": "4242"}) == "slurm-4242"
+    assert run_stamp({"SLURM_JOB_ID": "9", "SLURM_ARRAY_JOB_ID": "8", "SLURM_ARRAY_TASK_ID": "3"}) == "slurm-8_3"
+
+
+def test_rank_variables_come_from_torch_then_slurm():
+    torch_env = read_dist_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "123"})
+    assert (torch_env.rank, torch_env.world_size, torch_env.local_rank, torch_env.source) == (1, 2, 1, "torch")
+    slurm = read_dist_env({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "MASTER_ADDR": "n1",
+                           "MASTER_PORT": "2000"})
+    assert (slurm.rank, slurm.world_size, slurm.local_rank, slurm.source) == (3, 4, 1, "slurm")
+    assert read_dist_env({}).world_size == 1
+
+
+def test_python_train_py_alone_is_a_one_rank_run(tmp_path):
+    python_run(tmp_path / "run", *TINY, "train.steps=2", "train.micro_batches=2")
+    s = summary(tmp_path / "run")
+    assert (s["world_size"], s["pipeline_stages"], len(s["losses"])) == (1, 1, 2)
