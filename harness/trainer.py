@@ -57,6 +57,9 @@ def train(run: RunConfig, run_dir: Path, env: DistEnv, topo: Topology, rt: Runti
     init_process_group(env, rt.device, run.train.collective_timeout_s)
     if budgets is not None and run.recompute.profile:
         layout, budgets = replan_with_profile(run, topo, rt, env)
+        if env.rank == 0:
+            for line in ["plan with the profiled costs:"] + layout.describe():
+                print("stagecheck: " + line, flush=True)
     if budgets is not None and env.rank == 0:
         for line in budget_lines(run.recompute, budgets):
             print("stagecheck: " + line, flush=True)
