@@ -1,7 +1,8 @@
 """The recompute report of a sweep directory: report.md (a table) and report.png (memory per stage against
 throughput, one marker per mode, the planner's prediction beside the measurement), also logged to W&B.
 
-Input: every job directory `<sweep>/<n>/` (Hydra's `${hydra.job.num}`) with `summary.json` (a trained job),
+Input: every job directory `<sweep>/<n>/` (Hydra's `${hydra.job.num}`; any subdirectory holding a job's files,
+such as a second multirun's `auto_<n>/`) with `summary.json` (a trained job),
 `plan.json` (the planner's, where a run wrote one: a dry-run sweep has only that) and `FAILED`
 (harness/multirun.py). Predictions come from plan.json when present, else from the plan the trainer put
 in summary.json (`planned_activation_bytes_per_stage`). Each mode is compared with the `none` job of the
@@ -153,29 +154,41 @@ def plan_from_config(job: Job) -> Optional[dict]:
     try:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # only DeepSpeed's pure partition code is used
         from model import GPTConfig
-        from parallel.config import FullRecompute, NoRecompute, SelectiveRecompute
-        from parallel.layout import pipeline_layout
+        from parallel.auto_layout import layout_for
         from parallel.memory_model import Target
         from parallel.planner import RunShape, plan_run
+        from schema.run import GROUP_SCHEMAS
 
         model = GPTConfig(**cfg["model"])
-        schema = {"none": NoRecompute, "full": FullRecompute, "selective": SelectiveRecompute}[job.mode]
-        recompute = schema(**job.recompute)
-        layout = pipeline_layout(model, recompute, s["pipeline_stages"], cfg["parallel"]["partition_method"],
-                                 cfg["seed"])
-        return plan_run(model, recompute, layout, RunShape(s["micro_batches"], s["micro_batch_size"],
-                                                           s["data_parallel_size"], cfg["parallel"]["zero_stage"],
-                                                           Target(s["device"], s["precision"])))
+        recompute = GROUP_SCHEMAS["recompute"][job.mode](**job.recompute)
+        shape = RunShape(s["micro_batches"], s["micro_batch_size"], s["data_parallel_size"],
+                         cfg["parallel"]["zero_stage"], Target(s["device"], s["precision"]))
+        # For auto, the analytic plan: a job planned with recompute.profile=true may have chosen otherwise.
+        layout, _ = layout_for(model, recompute, s["pipeline_stages"], cfg["parallel"]["partition_method"],
+                               cfg["seed"], shape)
+        return plan_run(model, recompute, layout, shape)
     except Exception:  # noqa: BLE001 - an old or partial job: the report shows n/a for the plan
         return None
+
+
+JOB_FILES = ("summary.json", "plan.json", "config.yaml", FAILED)
+
+
+def _job_order(path: Path) -> tuple[str, int]:
+    """Jobs of one multirun (`0`, `1`, ...) in number order; a second multirun into the same directory
+    (`hydra.sweep.subdir=auto_${hydra.job.num}`) after them, in its own order."""
+    prefix = path.name.rstrip("0123456789")
+    suffix = path.name[len(prefix):]
+    return prefix, int(suffix) if suffix else -1
 
 
 def load_jobs(sweep_dir: Path, plan_missing: bool = True) -> list[Job]:
     """Every job directory of the sweep, in job order. `plan_missing`: plan trained jobs that wrote no
     plan.json from their config (their `plan_source` says which)."""
     jobs = []
-    dirs = [p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()]
-    for path in sorted(dirs, key=lambda p: int(p.name)):
+    dirs = [p for p in sweep_dir.iterdir()
+            if p.is_dir() and (p.name.isdigit() or any((p / name).exists() for name in JOB_FILES))]
+    for path in sorted(dirs, key=_job_order):
         job = Job(path.name, path, _read_json(path / "summary.json"), _read_json(path / "plan.json"))
         try:
             job.config = yaml.safe_load((path / "config.yaml").read_text()) or {}

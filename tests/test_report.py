@@ -119,3 +119,16 @@ def test_report_command_line(sweep, tmp_path):
     refused = subprocess.run([sys.executable, "report.py", str(tmp_path / "empty"), "--no-wandb"], cwd=REPO,
                              capture_output=True, text=True)
     assert refused.returncode == 2 and "holds no job directories" in refused.stderr
+
+
+def test_auto_jobs_of_a_second_multirun_join_the_report(sweep):
+    """`-m +recompute=auto recompute.budget_gb=... hydra.sweep.subdir=auto_${hydra.job.num}` into the same
+    sweep directory: the report lists the auto jobs after the uniform ones, with their plan."""
+    shutil.copytree(FIXTURE.parent / "sweep_report_auto" / "auto_0", sweep / "auto_0")
+    jobs = load_jobs(sweep)
+    assert [job.num for job in jobs] == ["0", "1", "2", "3", "auto_0"]
+    auto = jobs[-1]
+    assert auto.mode == "auto" and auto.plan_source == "config.yaml"
+    planned = [s["activation_bytes_per_microbatch"] for s in auto.plan["stages"]]
+    assert planned == auto.summary["activation_bytes_per_stage"]
+    assert table_row(write_report(sweep, wandb=False)["markdown"].read_text(), "auto_0")[1:3] == ["auto", "budget 0.0135 GiB"]
