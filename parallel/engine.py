@@ -3,6 +3,7 @@ import atexit
 from datetime import timedelta
 
 import deepspeed
+from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
 import torch.distributed.distributed_c10d as c10d
 import torch.nn as nn
 
@@ -16,6 +17,7 @@ from parallel.pipeline import PlannedPipelineModule
 
 def init_process_group(env: DistEnv, device: str, timeout_s: float) -> None:
     export_dist_env(env)
+    _skip_shm_inference_allreduce()
     # auto_mpi_discovery=False: a missing variable must fail loudly, not silently import mpi4py.
     deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl", auto_mpi_discovery=False,
                                timeout=timedelta(seconds=timeout_s))
@@ -30,6 +32,16 @@ def init_process_group(env: DistEnv, device: str, timeout_s: float) -> None:
 
 
 _destroy_at_exit = False
+
+
+def _skip_shm_inference_allreduce() -> None:
+    """DeepSpeed's CPU backend JIT-builds `deepspeed_shm_comm` (about 25 s on a first run) and, when all
+    ranks share a node, maps a 66 MB /dev/shm buffer per rank that it never unlinks. Only
+    `inference_all_reduce` (tensor-parallel inference) uses it; training never does. Left on, every CPU
+    launch leaked 132 MB of RAM (/dev/shm is memory) until a full test run filled the 24 GiB and the OOM
+    killer ended it. Marking the op incompatible is the switch `build_shm_op` reads; other accelerators
+    have no such op, so this changes nothing there."""
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
 
 
 def _destroy_process_group() -> None:
