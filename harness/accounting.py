@@ -13,7 +13,6 @@ from model import GPTConfig
 from parallel.activation_meter import ActivationMeter, attach_to_pipeline, peak_memory_bytes
 from parallel.flops import lookup_peak_tflops
 from parallel.layout import PipelineLayout
-from parallel.memory_model import Target
 from parallel.planner import RunShape, plan_run
 from parallel.schedule import in_flight_micro_batches
 
@@ -28,20 +27,18 @@ def peak_tflops(configured: Optional[float], device: str, precision: str) -> Opt
 
 
 class Accounting:
-    def __init__(self, model: GPTConfig, recompute, layout: PipelineLayout, train, parallel,
-                 data_parallel: int, device: str, precision: str, engine, world_size: int):
+    def __init__(self, model: GPTConfig, recompute, layout: PipelineLayout, train, shape: RunShape, engine,
+                 world_size: int):
         self.engine = engine
-        self.device = device
+        self.device = shape.target.device
         self.world_size = world_size
         self.measure_step = train.measure_step
         self.measured_step: Optional[int] = None
         self.meter = ActivationMeter(engine.module.parameters)
         attach_to_pipeline(engine.module, self.meter)
-        self.plan = plan_run(model, recompute, layout, RunShape(train.micro_batches, train.micro_batch_size,
-                                                                data_parallel, parallel.zero_stage,
-                                                                Target(device, precision)))
+        self.plan = plan_run(model, recompute, layout, shape)
         self.stage_plan = self.plan["stages"][engine.stage_id]
-        self.peak_tflops = peak_tflops(train.peak_tflops, device, precision)
+        self.peak_tflops = peak_tflops(train.peak_tflops, shape.target.device, shape.target.precision)
         self.step_times: list[float] = []
 
     def before_step(self, step: int) -> None:

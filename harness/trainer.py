@@ -9,13 +9,13 @@ from omegaconf import OmegaConf
 
 from data import open_token_source
 from harness.metrics import MetricsLog, median_after_warmup
-from harness.plan import budget_lines, plan_layout
+from harness.plan import budget_lines, plan_layout, run_shape
 from harness.run_control import RunControl
 from harness.wandb_logger import open_wandb
 from parallel.auto_recompute import StageBudget, measured_costs
 from parallel.dist_env import DistEnv, node_name
 from parallel.layout import PipelineLayout
-from parallel.memory_model import Shape, Target
+from parallel.memory_model import Shape
 from parallel.recompute_profile import profile_block
 from schema.checks import Runtime, Topology
 from schema.run import RunConfig
@@ -38,7 +38,7 @@ def replan_with_profile(run: RunConfig, topo: Topology, rt: Runtime, env: DistEn
     if env.rank == 0:
         print("stagecheck: recompute profile (s per block forward part): "
               + ", ".join(f"{k} {v:.4g}" for k, v in seconds[0].items()), flush=True)
-    costs = measured_costs(Shape.of(run.model, run.train.micro_batch_size), Target(rt.device, rt.precision), seconds[0])
+    costs = measured_costs(Shape.of(run.model, run.train.micro_batch_size), run_shape(run, topo, rt).target, seconds[0])
     return plan_layout(run, topo, rt, costs)
 
 
@@ -69,8 +69,8 @@ def train(run: RunConfig, run_dir: Path, env: DistEnv, topo: Topology, rt: Runti
     # Resume (weights, optimizer, scheduler, RNG states) or start fresh; checkpoints, preemption, NaN policy.
     control = RunControl(run, run_dir, env, topo, rt, engine)
     # Activation bytes (metered on train.measure_step only), in-flight micro-batches, FLOP/s, MFU, peak memory.
-    accounting = Accounting(run.model, run.recompute, layout, run.train, run.parallel, topo.data_parallel_size,
-                            rt.device, rt.precision, engine, topo.world_size)
+    accounting = Accounting(run.model, run.recompute, layout, run.train, run_shape(run, topo, rt), engine,
+                            topo.world_size)
 
     dp_rank = engine.grid.get_data_parallel_rank()
     needs_data = engine.is_first_stage() or engine.is_last_stage()

@@ -22,16 +22,7 @@ def deepspeed_config(train: TrainConfig, parallel: ParallelConfig, data_parallel
                 "torch_adam": device == "cpu",
             },
         },
-        "scheduler": {
-            "type": "WarmupCosineLR",
-            "params": {
-                "total_num_steps": train.steps,
-                "warmup_num_steps": train.warmup_steps,
-                "warmup_min_ratio": 0.0,
-                "cos_min_ratio": train.min_lr_ratio,
-                "warmup_type": "linear",
-            },
-        },
+        # The LR schedule is passed to deepspeed.initialize: parallel/lr_schedule.py.
         "gradient_clipping": train.grad_clip,
         "bf16": {"enabled": precision == "bf16"},
         "fp16": {"enabled": precision == "fp16"},

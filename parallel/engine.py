@@ -1,6 +1,7 @@
 """Process group and DeepSpeed pipeline engine."""
 import atexit
 from datetime import timedelta
+from functools import partial
 
 import deepspeed
 from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
@@ -12,6 +13,7 @@ from parallel.config import ParallelConfig
 from parallel.dist_env import DistEnv, export_dist_env
 from parallel.ds_config import deepspeed_config
 from parallel.layout import PipelineLayout
+from parallel.lr_schedule import warmup_cosine
 from parallel.pipeline import PlannedPipelineModule
 
 
@@ -69,5 +71,5 @@ def build_engine(layout: PipelineLayout, train: TrainConfig, parallel: ParallelC
     module = PlannedPipelineModule(layout.recipes, layout.stages, layout.plans, parallel.partition_method)
     config = deepspeed_config(train, parallel, data_parallel_size, precision, device)
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=_param_groups(module, train.weight_decay),
-                                           config=config)
+                                           config=config, lr_scheduler=partial(warmup_cosine, train=train))
     return engine

@@ -44,6 +44,8 @@ def test_summary_and_metrics_hold_the_run(mode_runs):
     assert [r["loss"] for r in rows] == s["losses"]
     for row in rows:
         assert {"step", "loss", "lr", "tokens_per_s", "step_time_s"} <= row.keys()
+    # defaults lr 6e-4, 2 warm-up steps, decay to 0.1 x at the last step: no step trains with lr 0
+    assert [r["lr"] for r in rows] == pytest.approx([3e-4, 6e-4, 6e-5])
     assert (run_dir / "config.yaml").exists()
 
 
