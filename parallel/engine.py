@@ -4,6 +4,7 @@ from datetime import timedelta
 from functools import partial
 
 import deepspeed
+from deepspeed.accelerator import get_accelerator
 from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
 import torch.distributed.distributed_c10d as c10d
 import torch.nn as nn
@@ -41,9 +42,10 @@ def _skip_shm_inference_allreduce() -> None:
     ranks share a node, maps a 66 MB /dev/shm buffer per rank that it never unlinks. Only
     `inference_all_reduce` (tensor-parallel inference) uses it; training never does. Left on, every CPU
     launch leaked 132 MB of RAM (/dev/shm is memory) until a full test run filled the 24 GiB and the OOM
-    killer ended it. Marking the op incompatible is the switch `build_shm_op` reads; other accelerators
-    have no such op, so this changes nothing there."""
-    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
+    killer ended it. Marking the op incompatible is the switch `build_shm_op` reads. Other accelerators
+    have no such op (and reading the table would run DeepSpeed's compiler probes for nothing)."""
+    if get_accelerator().device_name() == "cpu":
+        deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
 
 
 def _destroy_process_group() -> None:
