@@ -15,7 +15,7 @@ from harness.wandb_logger import open_wandb
 from parallel.auto_recompute import StageBudget, measured_costs
 from parallel.dist_env import DistEnv, node_name
 from parallel.layout import PipelineLayout
-from parallel.memory_model import Shape
+from parallel.memory_model import Shape, Target
 from parallel.recompute_profile import profile_block
 from schema.checks import Runtime, Topology
 from schema.run import RunConfig
@@ -38,7 +38,7 @@ def replan_with_profile(run: RunConfig, topo: Topology, rt: Runtime, env: DistEn
     if env.rank == 0:
         print("stagecheck: recompute profile (s per block forward part): "
               + ", ".join(f"{k} {v:.4g}" for k, v in seconds[0].items()), flush=True)
-    costs = measured_costs(Shape.of(run.model, run.train.micro_batch_size), run_shape(run, topo, rt).target, seconds[0])
+    costs = measured_costs(Shape.of(run.model, run.train.micro_batch_size), Target(rt.device, rt.precision), seconds[0])
     return plan_layout(run, topo, rt, costs)
 
 

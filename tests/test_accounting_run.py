@@ -11,8 +11,6 @@ from tests.runs import TINY, cpu_env, launch, metrics, summary
 
 pytestmark = pytest.mark.multiproc
 KEYS = ("activation_bytes_per_stage", "peak_activation_bytes_per_stage", "peak_memory_bytes_per_stage")
-
-
 SHARED_MEMORY = Path("/dev/shm")
 
 

@@ -128,12 +128,19 @@ def test_auto_run_applies_a_per_stage_plan_exact_against_none(tmp_path):
 
     common = [*TINY, "model.attention=math", "model.dropout=0.1", "train.micro_batches=6", "train.steps=2"]
     # Between what uniform full and uniform selective need on stage 0 (dry runs of this shape).
-    launch(tmp_path / "auto", *common, "+recompute=auto", "recompute.budget_gb=0.0135", "recompute.reserve_gb=0")
+    auto_args = ["+recompute=auto", "recompute.budget_gb=0.0135", "recompute.reserve_gb=0"]
+    launch(tmp_path / "auto", *common, *auto_args)
+    # recompute.profile: rank 0 times the choices on this device, every rank re-plans with those costs
+    profiled_run = launch(tmp_path / "profiled", *common, *auto_args, "recompute.profile=true")
     launch(tmp_path / "none", *common)
-    auto, none = summary(tmp_path / "auto"), summary(tmp_path / "none")
-    choices = [stage["choices"] for stage in auto["layout"]]
-    assert choices[0] != choices[1] and any(c != "none" for c in choices[0])
-    assert auto["losses"] == none["losses"]
-    for measured, planned in zip(auto["activation_bytes_per_stage"], auto["planned_activation_bytes_per_stage"]):
-        assert measured == pytest.approx(planned, rel=0.05)
-    assert all(peak <= 0.0135 * GIB for peak in auto["predicted_peak_bytes_per_stage"])
+    none = summary(tmp_path / "none")
+    assert "stagecheck: recompute profile (s per block forward part): " in profiled_run.stdout
+    assert "stagecheck: plan with the profiled costs:" in profiled_run.stdout
+    for name in ("auto", "profiled"):
+        auto = summary(tmp_path / name)
+        choices = [stage["choices"] for stage in auto["layout"]]
+        assert choices[0] != choices[1] and any(c != "none" for c in choices[0])
+        assert auto["losses"] == none["losses"]
+        for measured, planned in zip(auto["activation_bytes_per_stage"], auto["planned_activation_bytes_per_stage"]):
+            assert measured == pytest.approx(planned, rel=0.05)
+        assert all(peak <= 0.0135 * GIB for peak in auto["predicted_peak_bytes_per_stage"])
