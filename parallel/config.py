@@ -1,10 +1,51 @@
-"""Schemas of the `parallel` node and of the `recompute` group (one class per mode)."""
+"""Schemas of the `parallel` node, of the `recompute` group (one class per mode), and of the part of the
+`train` node that DeepSpeed is configured with (`OptimConfig`, extended by harness/config.py's TrainConfig)."""
 from dataclasses import dataclass, field
 from typing import Optional
 
 PARTITION_METHODS = ("parameters", "uniform", "type:Block")
 RECOMPUTE_MODULES = ("core_attn", "mlp_act", "layernorm", "mlp")
 INTERVAL_WORDS = ("stage", "sqrt")
+
+
+@dataclass
+class OptimConfig:
+    """Batch shape, AdamW, learning-rate schedule and clipping: what parallel/ds_config.py and
+    parallel/lr_schedule.py build DeepSpeed's engine from. The `train` node's schema extends it."""
+    steps: int = 20
+    """Optimizer steps (one pipeline batch each)."""
+    micro_batches: int = 4
+    """Micro-batches per step and data-parallel rank (gradient accumulation through the 1F1B schedule)."""
+    micro_batch_size: int = 2
+    """Sequences per micro-batch."""
+    lr: float = 6e-4
+    """Peak learning rate after warm-up."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine decay, as a fraction of `lr`."""
+    warmup_steps: int = 2
+    """Linear warm-up steps: step s (1-based) trains with lr * s / warmup_steps (parallel/lr_schedule.py)."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay, applied to weight matrices and embeddings only (not to biases or
+    LayerNorm gains)."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    """Global gradient-norm clipping threshold; 0 disables it."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "micro_batches", "micro_batch_size"):
+            value = getattr(self, name)
+            if value <= 0:
+                raise ValueError(f"train.{name}={value} is invalid: it must be a positive integer")
+        if self.warmup_steps < 0:
+            raise ValueError(f"train.warmup_steps={self.warmup_steps} is invalid: it must be >= 0")
+        if self.lr <= 0:
+            raise ValueError(f"train.lr={self.lr} is invalid: it must be > 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"train.min_lr_ratio={self.min_lr_ratio} is invalid: it must be in [0, 1]")
+        if self.grad_clip < 0:
+            raise ValueError(f"train.grad_clip={self.grad_clip} is invalid: it must be >= 0 (0 disables it)")
 
 
 @dataclass

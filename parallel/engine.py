@@ -9,8 +9,7 @@ from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
 import torch.distributed.distributed_c10d as c10d
 import torch.nn as nn
 
-from harness.config import TrainConfig
-from parallel.config import ParallelConfig
+from parallel.config import OptimConfig, ParallelConfig
 from parallel.dist_env import DistEnv, export_dist_env
 from parallel.ds_config import deepspeed_config
 from parallel.layout import PipelineLayout
@@ -68,7 +67,7 @@ def _param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_engine(layout: PipelineLayout, train: TrainConfig, parallel: ParallelConfig,
+def build_engine(layout: PipelineLayout, train: OptimConfig, parallel: ParallelConfig,
                  data_parallel_size: int, precision: str, device: str):
     module = PlannedPipelineModule(layout.recipes, layout.stages, layout.plans, parallel.partition_method)
     config = deepspeed_config(train, parallel, data_parallel_size, precision, device)

@@ -9,7 +9,7 @@ import math
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-from harness.config import TrainConfig
+from parallel.config import OptimConfig
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -20,7 +20,7 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) 
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def warmup_cosine(optimizer: Optimizer, train: TrainConfig) -> LambdaLR:
+def warmup_cosine(optimizer: Optimizer, train: OptimConfig) -> LambdaLR:
     """The scheduler DeepSpeed steps after every applied update (not after a skipped one); LambdaLR passes
     the number of updates applied so far, so the next step is one more."""
     return LambdaLR(optimizer, lambda applied: lr_factor(applied + 1, train.warmup_steps, train.steps,
