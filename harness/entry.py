@@ -11,7 +11,7 @@ from harness import preemption
 from harness.checkpoint import check_compatible, resume_point
 from harness.dry_run import dry_run, dry_run_world_size
 from harness.faults import check_output_dir, run_guarded
-from harness.multirun import guard_job, startup_failed
+from harness.multirun import finished_earlier, guard_job, startup_failed
 from harness.run_dir import check_run_dir, remove_if_empty
 from parallel.dist_env import read_dist_env
 from schema.checks import check_data, runtime, to_run_config, topology
@@ -19,6 +19,8 @@ from schema.checks import check_data, runtime, to_run_config, topology
 
 def run_from_hydra(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if finished_earlier(run_dir, cfg):  # a relaunched sweep: this job is done
+        return
     try:
         env = read_dist_env()
         run = to_run_config(cfg)

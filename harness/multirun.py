@@ -37,8 +37,10 @@ What fails how (ranks must stay in lockstep: a rank that skips a collective its 
   connection and exit too; preemption saves a checkpoint and exits 75). Each failing rank appends its
   message to the job's `FAILED`; jobs already done keep their outputs; `python report.py SWEEP_DIR`
   reports them. Going on would need every peer to leave the collective it is blocked in and a fresh
-  process group, which a gloo/NCCL group cannot do short of its timeout: relaunch the remaining
-  combinations instead.
+  process group, which a gloo/NCCL group cannot do short of its timeout. To finish the sweep, relaunch
+  the same command with `hydra.sweep.dir=<that sweep dir>`: jobs that finished there are skipped
+  (`finished_earlier`), the failed job runs again (add `train.overwrite=true` if it left outputs and no
+  checkpoint to resume from; its earlier FAILED is kept as FAILED.1), and the report covers every job.
 """
 import ctypes
 import gc
@@ -51,7 +53,7 @@ from typing import Any, Callable, Optional
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from harness.faults import EXIT_CONFIG, EXIT_FAILED, EXIT_NONFINITE
 
@@ -87,6 +89,36 @@ def mark_failed(run_dir: Path, message: str, code: int, write: bool = True) -> N
     if write:
         with open(run_dir / FAILED, "a") as f:  # one write per line: ranks appending never interleave
             f.write(message.rstrip("\n") + "\n")
+
+
+RELAUNCH_KEYS = ("resume", "overwrite")
+"""`train` keys that say how a launch treats existing outputs, not what a job computes."""
+
+
+def _job_config(config: dict) -> dict:
+    return {**config, "train": {k: v for k, v in config.get("train", {}).items() if k not in RELAUNCH_KEYS}}
+
+
+def finished_earlier(run_dir: Path, cfg: DictConfig) -> bool:
+    """A sweep relaunched into its own directory (the same `hydra.sweep.dir`) to finish what a failure
+    ended: a job that already finished there with this config (summary.json, no FAILED, the same
+    config.yaml but for RELAUNCH_KEYS) is skipped, so only the others run; any other job in a directory
+    that holds a run is refused at start-up as usual. A job that runs again keeps an earlier launch's
+    FAILED as FAILED.<n> (rank 0 moves it before any rank can mark this launch's failure: those come
+    after a collective, or from rank 0 itself)."""
+    if not in_multirun():
+        return False
+    failed = run_dir / FAILED
+    finished = (run_dir / "summary.json").is_file() and (run_dir / "config.yaml").is_file() and not failed.exists()
+    if finished and (_job_config(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml")))
+                     == _job_config(OmegaConf.to_container(cfg, resolve=True))):
+        if _rank() == 0:
+            print(f"stagecheck: sweep job {_job_num()} already finished in {run_dir}: skipped", flush=True)
+        return True
+    if failed.exists() and _rank() == 0:
+        earlier = next(run_dir / f"{FAILED}.{n}" for n in range(1, 10**6) if not (run_dir / f"{FAILED}.{n}").exists())
+        failed.rename(earlier)
+    return False
 
 
 def startup_failed(run_dir: Path, message: str) -> bool:

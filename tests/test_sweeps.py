@@ -173,7 +173,7 @@ def test_failing_jobs_are_marked_and_the_sweep_goes_on(tmp_path):
 
 
 @pytest.mark.multiproc
-def test_a_failure_inside_training_ends_the_sweep_with_the_job_marked(tmp_path):
+def test_a_failure_inside_training_ends_the_sweep_and_a_relaunch_finishes_it(tmp_path):
     from tests.runs import cpu_env
 
     sweep = tmp_path / "sweep"
@@ -183,3 +183,24 @@ def test_a_failure_inside_training_ends_the_sweep_with_the_job_marked(tmp_path):
     assert result.returncode != 0
     assert "rank 1 failed: RuntimeError: injected failure" in (sweep / "0" / "FAILED").read_text()
     assert not (sweep / "1").exists()  # documented limit: the sweep stops (harness/multirun.py)
+
+    # Relaunched into the same sweep directory, the sweep finishes: the failed job runs again (its partial
+    # outputs need train.overwrite; its earlier FAILED is kept) and job 1 runs.
+    again = launch_multirun(sweep, *TINY, "train.steps=2", "logger=none", "+recompute=none,full",
+                            "train.overwrite=true", timeout=300)
+    assert "injected failure" in (sweep / "0" / "FAILED.1").read_text()
+    assert not (sweep / "0" / "FAILED").exists()
+    assert [summary(sweep / job)["recompute"] for job in ("0", "1")] == ["none", "full"]
+    assert "job(s) failed" not in again.stderr
+    # A third launch finds both jobs finished and skips them; the report covers both.
+    done = {job: (sweep / job / "summary.json").stat().st_mtime_ns for job in ("0", "1")}
+    third = launch_multirun(sweep, *TINY, "train.steps=2", "logger=none", "+recompute=none,full", timeout=300)
+    for job in ("0", "1"):
+        assert f"stagecheck: sweep job {job} already finished in {sweep / job}: skipped" in third.stdout
+        assert (sweep / job / "summary.json").stat().st_mtime_ns == done[job]
+    assert "| 0 | none |" in (sweep / "report.md").read_text() and "| 1 | full" in (sweep / "report.md").read_text()
+    # Another config is not taken for a finished job: as in any run directory, train.resume=auto continues
+    # the job from its last checkpoint (here: one more step).
+    longer = launch_multirun(sweep, *TINY, "train.steps=3", "logger=none", "+recompute=none", timeout=300)
+    assert "already finished" not in longer.stdout and "resuming from" in longer.stdout + longer.stderr
+    assert len(summary(sweep / "0")["losses"]) == 3
