@@ -102,20 +102,24 @@ def _job_config(config: dict) -> dict:
 def finished_earlier(run_dir: Path, cfg: DictConfig) -> bool:
     """A sweep relaunched into its own directory (the same `hydra.sweep.dir`) to finish what a failure
     ended: a job that already finished there with this config (summary.json, no FAILED, the same
-    config.yaml but for RELAUNCH_KEYS) is skipped, so only the others run; any other job in a directory
-    that holds a run is refused at start-up as usual. A job that runs again keeps an earlier launch's
-    FAILED as FAILED.<n> (rank 0 moves it before any rank can mark this launch's failure: those come
-    after a collective, or from rank 0 itself)."""
+    config.yaml but for RELAUNCH_KEYS) is skipped, so only the others run. Any other job there starts as
+    in any run directory: train.resume=auto continues it from its checkpoint, else start-up refuses it.
+
+    A job that did not finish keeps an earlier launch's FAILED as FAILED.<n>, moved by rank 0 before any
+    rank can mark this launch's failure (those come after a collective, or from rank 0 itself). Where
+    summary.json exists FAILED is left alone, so every rank takes the same decision here."""
     if not in_multirun():
         return False
     failed = run_dir / FAILED
-    finished = (run_dir / "summary.json").is_file() and (run_dir / "config.yaml").is_file() and not failed.exists()
-    if finished and (_job_config(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml")))
-                     == _job_config(OmegaConf.to_container(cfg, resolve=True))):
-        if _rank() == 0:
-            print(f"stagecheck: sweep job {_job_num()} already finished in {run_dir}: skipped", flush=True)
-        return True
-    if failed.exists() and _rank() == 0:
+    if (run_dir / "summary.json").is_file():
+        if failed.exists() or not (run_dir / "config.yaml").is_file():
+            return False
+        if (_job_config(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml")))
+                == _job_config(OmegaConf.to_container(cfg, resolve=True))):
+            if _rank() == 0:
+                print(f"stagecheck: sweep job {_job_num()} already finished in {run_dir}: skipped", flush=True)
+            return True
+    elif failed.exists() and _rank() == 0:
         earlier = next(run_dir / f"{FAILED}.{n}" for n in range(1, 10**6) if not (run_dir / f"{FAILED}.{n}").exists())
         failed.rename(earlier)
     return False
