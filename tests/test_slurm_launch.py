@@ -135,13 +135,13 @@ def test_preempted_job_checkpoints_requeues_and_finishes(slurm_cluster, tmp_path
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{steps:08d}"
 
 
-def _submitit_sweep(cluster, tmp_path: Path, *overrides: str, env: dict,
-                    launcher: str = "slurm") -> subprocess.CompletedProcess:
+def _submitit_sweep(cluster, tmp_path: Path, *overrides: str, env: dict, launcher: str = "slurm",
+                    sweep_dir: str = "") -> subprocess.CompletedProcess:
     cmd = [sys.executable, "train.py", "-m", f"hydra/launcher={launcher}",
            # The test cluster: 2 nodes, one task per node, no GPUs (conf/hydra/launcher/slurm.yaml asks for 8).
            "hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=1", "hydra.launcher.gpus_per_node=null",
            f"hydra.launcher.partition={cluster.partition}", "hydra.launcher.timeout_min=10",
-           f"hydra.sweep.dir={tmp_path}/multirun/{STAMP}", *TINY, "train.steps=2", *overrides]
+           f"hydra.sweep.dir={sweep_dir or f'{tmp_path}/multirun/{STAMP}'}", *TINY, "train.steps=2", *overrides]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S * 2)
 
 
@@ -168,6 +168,14 @@ def test_submitit_sweep_runs_three_multi_rank_jobs(slurm_cluster, tmp_path, laun
         assert (job_dir / "config.yaml").is_file() and (job_dir / "metrics.jsonl").is_file()
         assert list((job_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert (sweep / "report.md").is_file()  # the sweep's end (harness/multirun.py) ran in the submitting process
+
+    if launcher == "slurm":  # submitted again into its directory (to finish a sweep), finished jobs are skipped
+        done = {num: (sweep / str(num) / "summary.json").stat().st_mtime_ns for num in range(3)}
+        (sweep / "report.md").unlink()
+        again = _submitit_sweep(slurm_cluster, tmp_path, "+recompute=none,full,selective", env=env, sweep_dir=str(sweep))
+        assert again.returncode == 0, f"{again.stdout[-3000:]}\n{again.stderr[-6000:]}"
+        assert {num: (sweep / str(num) / "summary.json").stat().st_mtime_ns for num in range(3)} == done
+        assert (sweep / "report.md").is_file()
 
 
 @pytest.mark.slurm
