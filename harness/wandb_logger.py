@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from harness.config import WandbLoggerConfig
+from schema.logger import WandbLoggerConfig
 from harness.multirun import sweep_wandb_fields
 
 

@@ -1,5 +1,5 @@
 """Schemas of the `parallel` node, of the `recompute` group (one class per mode), and of the part of the
-`train` node that DeepSpeed is configured with (`OptimConfig`, extended by harness/config.py's TrainConfig)."""
+`train` node that DeepSpeed is configured with (`OptimConfig`, extended by schema/training.py's TrainConfig)."""
 from dataclasses import dataclass, field
 from typing import Optional
 

@@ -9,7 +9,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from data import MemmapDataConfig, SyntheticDataConfig, TextDataConfig
-from harness.config import NoLoggerConfig, TrainConfig, WandbLoggerConfig
+from schema.logger import NoLoggerConfig, WandbLoggerConfig
+from schema.training import TrainConfig
 from model import GPTConfig
 from parallel.config import AutoRecompute, FullRecompute, NoRecompute, ParallelConfig, SelectiveRecompute
 

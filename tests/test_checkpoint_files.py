@@ -9,7 +9,7 @@ import torch
 
 from harness.checkpoint import (LATEST, META, latest_checkpoint, prune, read_checkpoint, resume_point,
                                 rng_state, set_rng_state, tag_for)
-from harness.config import TrainConfig
+from schema.training import TrainConfig
 from harness.metrics import MetricsLog
 from harness.run_dir import check_run_dir
 

@@ -13,7 +13,7 @@ import pytest
 
 from harness import faults
 from harness.checkpoint import LATEST, META
-from harness.config import TrainConfig
+from schema.training import TrainConfig
 from tests.live_runs import start
 from tests.runs import REPO, TINY, launch, metrics, python_run
 

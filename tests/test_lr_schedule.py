@@ -3,7 +3,7 @@ the last step, and a skipped update does not advance it."""
 import pytest
 import torch
 
-from harness.config import TrainConfig
+from schema.training import TrainConfig
 from parallel.lr_schedule import lr_factor, warmup_cosine
 
 

@@ -1,4 +1,4 @@
-"""Schemas of the `train` node and of the `logger` group."""
+"""Schema of the `train` node: DeepSpeed's batch and optimizer settings (OptimConfig), then the run's own."""
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -6,7 +6,6 @@ from parallel.config import OptimConfig
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
-WANDB_MODES = ("offline", "online", "disabled")
 NAN_POLICIES = ("stop", "skip")
 RESUME_OFF = ("false", "no", "off", "none", "")
 
@@ -89,28 +88,3 @@ class TrainConfig(OptimConfig):
         bad = [s for s in self.inject_nan_at_steps if s <= 0]
         if bad:
             raise ValueError(f"train.inject_nan_at_steps={list(self.inject_nan_at_steps)} is invalid: steps start at 1")
-
-
-@dataclass
-class WandbLoggerConfig:
-    name: str = "wandb"
-    project: str = "stagecheck"
-    entity: Optional[str] = None
-    mode: str = "offline"
-    """offline (default: no network, `wandb sync` later), online, or disabled."""
-    group: Optional[str] = None
-    """W&B group; sweeps set it so their jobs appear together."""
-    tags: list[str] = field(default_factory=list)
-    init_timeout_s: float = 30.0
-    """Online only: how long to wait for the W&B server before falling back to offline."""
-
-    def __post_init__(self) -> None:
-        if self.mode not in WANDB_MODES:
-            raise ValueError(f"logger.mode={self.mode!r} is unknown: allowed values are {', '.join(WANDB_MODES)}")
-
-
-@dataclass
-class NoLoggerConfig:
-    """Only metrics.jsonl and summary.json."""
-
-    name: str = "none"

@@ -1,0 +1,30 @@
+"""Schemas of the `logger` group: W&B (offline by default) or none."""
+from dataclasses import dataclass, field
+from typing import Optional
+
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass
+class WandbLoggerConfig:
+    name: str = "wandb"
+    project: str = "stagecheck"
+    entity: Optional[str] = None
+    mode: str = "offline"
+    """offline (default: no network, `wandb sync` later), online, or disabled."""
+    group: Optional[str] = None
+    """W&B group; sweeps set it so their jobs appear together."""
+    tags: list[str] = field(default_factory=list)
+    init_timeout_s: float = 30.0
+    """Online only: how long to wait for the W&B server before falling back to offline."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in WANDB_MODES:
+            raise ValueError(f"logger.mode={self.mode!r} is unknown: allowed values are {', '.join(WANDB_MODES)}")
+
+
+@dataclass
+class NoLoggerConfig:
+    """Only metrics.jsonl and summary.json."""
+
+    name: str = "none"
