@@ -13,9 +13,10 @@ sys.argv = strip_launcher_args(sys.argv)
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from harness.entry import run_from_hydra  # noqa: E402
 from harness.run_dir import register_run_stamp_resolver  # noqa: E402
+from harness.startup import run_from_hydra  # noqa: E402
 from schema import register_schemas  # noqa: E402
+from sweeps.job import job_hooks  # noqa: E402
 
 register_schemas()
 register_run_stamp_resolver()
@@ -23,7 +24,7 @@ register_run_stamp_resolver()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run_from_hydra(cfg)
+    run_from_hydra(cfg, job_hooks())
 
 
 if __name__ == "__main__":

@@ -9,11 +9,10 @@ from typing import Optional
 
 import torch
 
-from model import GPTConfig
+from harness.context import RunContext
 from parallel.activation_meter import ActivationMeter, attach_to_pipeline, peak_memory_bytes
 from parallel.flops import lookup_peak_tflops
-from parallel.layout import PipelineLayout
-from parallel.planner import RunShape, plan_run
+from parallel.run_plan import RunPlan
 from parallel.schedule import in_flight_micro_batches
 
 
@@ -27,18 +26,17 @@ def peak_tflops(configured: Optional[float], device: str, precision: str) -> Opt
 
 
 class Accounting:
-    def __init__(self, model: GPTConfig, recompute, layout: PipelineLayout, train, shape: RunShape, engine,
-                 world_size: int):
+    def __init__(self, ctx: RunContext, plan: RunPlan, engine):
         self.engine = engine
-        self.device = shape.target.device
-        self.world_size = world_size
-        self.measure_step = train.measure_step
+        self.device = ctx.target.device
+        self.world_size = ctx.topology.world_size
+        self.measure_step = ctx.run.train.measure_step
         self.measured_step: Optional[int] = None
         self.meter = ActivationMeter(engine.module.parameters)
         attach_to_pipeline(engine.module, self.meter)
-        self.plan = plan_run(model, recompute, layout, shape)
-        self.stage_plan = self.plan["stages"][engine.stage_id]
-        self.peak_tflops = peak_tflops(train.peak_tflops, shape.target.device, shape.target.precision)
+        self.plan = plan
+        self.stage_plan = plan.stages[engine.stage_id]
+        self.peak_tflops = peak_tflops(ctx.run.train.peak_tflops, ctx.target.device, ctx.target.precision)
         self.step_times: list[float] = []
 
     def before_step(self, step: int) -> None:
@@ -53,15 +51,15 @@ class Accounting:
 
     def step_record(self, step_time: float) -> dict:
         """Mean achieved model TFLOP/s per rank over the step, and MFU / HFU when the peak is known."""
-        flops = self.plan["flops"]
-        per_rank = flops["model_flops_per_step"] / self.world_size / step_time / 1e12
+        flops = self.plan.flops
+        per_rank = flops.model_flops_per_step / self.world_size / step_time / 1e12
         record = {"tflops_per_rank": per_rank}
         if self.peak_tflops:
             record["mfu"] = per_rank / self.peak_tflops
-            record["hfu"] = record["mfu"] * flops["hardware_over_model"]
+            record["hfu"] = record["mfu"] * flops.hardware_over_model
         return record
 
-    def _mine(self) -> dict:
+    def _this_rank(self) -> dict:
         recorded = self.meter.bytes_per_micro_batch()
         step_time = statistics.median(self.step_times) if self.step_times else None
         stage = self.stage_plan
@@ -74,31 +72,31 @@ class Accounting:
                                                  self.engine.stage_id),
             "peak_memory_bytes": peak_memory_bytes(self.device),
             "step_time_s": step_time,
-            "tflops": stage["model_flops_per_step"] / step_time / 1e12 if step_time else None,
-            "hardware_tflops": stage["hardware_flops_per_step"] / step_time / 1e12 if step_time else None,
+            "tflops": stage.model_flops_per_step / step_time / 1e12 if step_time else None,
+            "hardware_tflops": stage.hardware_flops_per_step / step_time / 1e12 if step_time else None,
         }
 
     def gather(self) -> dict:
         """Collective over all ranks. Returns the summary entries (meaningful on the loss rank)."""
         ranks = [None] * self.world_size
-        torch.distributed.all_gather_object(ranks, self._mine())
-        stages = len(self.plan["stages"])
+        torch.distributed.all_gather_object(ranks, self._this_rank())
+        stages = len(self.plan.stages)
         first = [next(r for r in ranks if r["stage"] == s and r["dp_rank"] == 0) for s in range(stages)]
         activation = [r["activation_bytes"] for r in first]
         out = {
             "activation_measured_at_step": self.measured_step,
             "activation_bytes_per_stage": activation,
             "stage_input_bytes_per_stage": [r["stage_input_bytes"] for r in first],
-            "planned_activation_bytes_per_stage": [s["activation_bytes_per_microbatch"] for s in self.plan["stages"]],
+            "planned_activation_bytes_per_stage": [s.activation_bytes_per_microbatch for s in self.plan.stages],
             "in_flight_microbatches_per_stage": [r["in_flight"] for r in first],
-            "predicted_peak_bytes_per_stage": [s["predicted_peak_bytes"] for s in self.plan["stages"]],
+            "predicted_peak_bytes_per_stage": [s.predicted_peak_bytes for s in self.plan.stages],
             "peak_activation_bytes_per_stage": [None if a is None else a * r["in_flight"]
                                                 for a, r in zip(activation, first)],
             "peak_memory_bytes_per_stage": [max(r["peak_memory_bytes"] for r in ranks if r["stage"] == s)
                                             for s in range(stages)],
             "peak_memory_kind": "cuda_max_allocated" if self.device == "cuda" else "cpu_max_rss",
-            "model_flops_per_step": self.plan["flops"]["model_flops_per_step"],
-            "hardware_flops_per_step": self.plan["flops"]["hardware_flops_per_step"],
+            "model_flops_per_step": self.plan.flops.model_flops_per_step,
+            "hardware_flops_per_step": self.plan.flops.hardware_flops_per_step,
             "tflops_per_rank": [r["tflops"] for r in ranks],
             "peak_tflops": self.peak_tflops,
         }

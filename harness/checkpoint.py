@@ -35,7 +35,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from harness.context import RunContext
 from harness.faults import save_delay_for_test
+from harness.files import atomic_write, atomic_write_json, atomic_write_text, fsync_path
+from parallel.shapes import Topology
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -110,9 +113,10 @@ def resume_point(train, run_dir: Path) -> Optional[ResumePoint]:
     return read_checkpoint(Path(train.resume))
 
 
-def check_compatible(point: ResumePoint, world_size: int, pipeline_stages: int) -> None:
+def check_compatible(point: ResumePoint, topology: Topology) -> None:
     """Exact resume needs the same ranks: DeepSpeed's files are per stage and the RNG states per rank."""
     saved = (point.meta["world_size"], point.meta["pipeline_stages"])
+    world_size, pipeline_stages = topology.world_size, topology.pipeline_stages
     if saved != (world_size, pipeline_stages):
         raise ValueError(
             f"the checkpoint {point.path} was written by {saved[0]} ranks in {saved[1]} pipeline stages, this "
@@ -138,36 +142,6 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-# ---- durable files ---------------------------------------------------------------------------------------
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Readers see the old content or the new, never a mix or nothing (rename is atomic)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    _fsync_path(path.parent)
-
-
-def _torch_save_durable(obj, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as handle:
-        torch.save(obj, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
 
 
 def checkpoint_tags(root: Path) -> list[tuple[int, Path]]:
@@ -201,16 +175,13 @@ def prune(root: Path, keep: int) -> list[Path]:
 class Checkpointer:
     """Saves and loads through the DeepSpeed engine; every method is collective (all ranks call it)."""
 
-    def __init__(self, run_dir: Path, engine, rank: int, world_size: int, pipeline_stages: int,
-                 data_parallel_size: int, seed: int, keep: int, wandb_run_id: Optional[str]):
-        self.root = checkpoints_dir(run_dir)
+    def __init__(self, ctx: RunContext, engine, wandb_run_id: Optional[str]):
+        self.root = checkpoints_dir(ctx.run_dir)
         self.engine = engine
-        self.rank = rank
-        self.world_size = world_size
-        self.pipeline_stages = pipeline_stages
-        self.data_parallel_size = data_parallel_size
-        self.seed = seed
-        self.keep = keep
+        self.rank = ctx.env.rank
+        self.topology = ctx.topology
+        self.seed = ctx.run.seed
+        self.keep = ctx.run.train.keep_checkpoints
         self.wandb_run_id = wandb_run_id
 
     def save(self, step: int) -> Path:
@@ -228,7 +199,7 @@ class Checkpointer:
         start = time.perf_counter()
         self.engine.save_checkpoint(str(self.root), tag=tag, client_state={"stagecheck_step": step},
                                     save_latest=False)
-        _torch_save_durable(rng_state(), path / rank_state_name(self.rank))
+        atomic_write(path / rank_state_name(self.rank), lambda handle: torch.save(rng_state(), handle), binary=True)
         delay = save_delay_for_test(self.rank, step)
         if delay:
             time.sleep(delay)
@@ -236,8 +207,8 @@ class Checkpointer:
         if self.rank == 0:
             for child in path.iterdir():
                 if child.is_file():
-                    _fsync_path(child)  # a power cut must not leave `latest` naming unwritten pages
-            atomic_write_text(path / META, json.dumps(self._meta(step), indent=2) + "\n")
+                    fsync_path(child)  # a power cut must not leave `latest` naming unwritten pages
+            atomic_write_json(path / META, self._meta(step))
             atomic_write_text(self.root / LATEST, tag + "\n")
             prune(self.root, self.keep)
             print(f"stagecheck: saved checkpoint {path} ({time.perf_counter() - start:.1f} s)", flush=True)
@@ -251,11 +222,11 @@ class Checkpointer:
             "data": {"next_step": step + 1,
                      "sampling": "each batch is a pure function of (seed, step, dp_rank, micro)"},
             "seed": self.seed,
-            "world_size": self.world_size,
-            "pipeline_stages": self.pipeline_stages,
-            "data_parallel_size": self.data_parallel_size,
+            "world_size": self.topology.world_size,
+            "pipeline_stages": self.topology.pipeline_stages,
+            "data_parallel_size": self.topology.data_parallel_size,
             "wandb_run_id": self.wandb_run_id,
-            "rank_states": [rank_state_name(r) for r in range(self.world_size)],
+            "rank_states": [rank_state_name(r) for r in range(self.topology.world_size)],
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
 

@@ -22,7 +22,6 @@ from typing import Callable, Optional
 
 import torch
 
-EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
 EXIT_NONFINITE = 3
@@ -247,29 +246,9 @@ def check_free_space(run_dir: Path, n_params: int, precision: str, keep: int,
     return None
 
 
-def count_parameters(model_config, seed: int) -> int:
-    """Trainable parameters of the model (the tied embedding once), counted on the meta device."""
-    from model import gpt_layers  # model/ imports only torch
-
-    seen, per_class, total = set(), {}, 0
-    with torch.device("meta"):
-        for recipe in gpt_layers(model_config, seed):
-            if recipe.tie_key is not None:
-                if recipe.tie_key in seen:
-                    continue
-                seen.add(recipe.tie_key)
-            # Layers of one class share one config, hence one size: build each class once (96 blocks of
-            # gpt3-175b would take seconds even on the meta device).
-            if recipe.module_class not in per_class:
-                per_class[recipe.module_class] = sum(p.numel() for p in recipe.build().parameters() if p.requires_grad)
-            total += per_class[recipe.module_class]
-    return total
-
-
-def check_output_dir(run, run_dir: Path, precision: str, rank: int) -> None:
+def check_output_dir(run_dir: Path, n_params: int, precision: str, keep: int, rank: int) -> None:
     """Start-up check that checkpoints can be written: raises ValueError (exit 2), warns on tight space."""
     probe_writable(run_dir)
-    warning = check_free_space(run_dir, count_parameters(run.model, run.seed), precision,
-                               run.train.keep_checkpoints)
+    warning = check_free_space(run_dir, n_params, precision, keep)
     if warning and rank == 0:
         print(f"stagecheck: warning: {warning}", file=sys.stderr, flush=True)

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from harness.files import atomic_write_json, atomic_write_text
 from harness.wandb_logger import WandbLogger
 
 
@@ -32,9 +33,7 @@ class MetricsLog:
             # Resumed after `resume_step`: keep the records up to it, drop those logged after the checkpoint
             # (they are trained again), and append from there: no step appears twice.
             self.records = _records_up_to(path, resume_step)
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
-            tmp.replace(path)
+            atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in self.records))
             self._file = open(path, "a", buffering=1)
         self._live = sys.stdout.isatty()
 
@@ -51,10 +50,7 @@ class MetricsLog:
             print(line, end=end, flush=True)
 
     def write_summary(self, summary: dict) -> None:
-        path = self.run_dir / "summary.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        tmp.replace(path)  # a crash mid-write never leaves half a summary
+        atomic_write_json(self.run_dir / "summary.json", summary)  # a crash mid-write never leaves half a summary
         if self.wandb:
             self.wandb.update_summary({k: v for k, v in summary.items() if k != "losses"})
 

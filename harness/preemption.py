@@ -56,8 +56,3 @@ def ignore_from_now() -> None:
 def requested() -> Optional[int]:
     """The first preemption signal received by this rank, or None."""
     return _requested
-
-
-def reset() -> None:
-    global _requested
-    _requested = None

@@ -3,7 +3,7 @@ of all ranks (preemption request, non-finite loss or gradients), checkpoint cade
 
 The trainer calls, on every rank:
 
-    control = RunControl(run, run_dir, env, topo, rt, engine)   # after building the engine
+    control = RunControl(ctx, engine)           # after building the engine
     control.attach(metrics)                                    # the loss rank's MetricsLog, or None
     for step in range(control.start_step + 1, steps + 1):
         loss = engine.train_batch(...)
@@ -15,6 +15,7 @@ Logging comes before saving, so a checkpoint at step k always has step k in metr
 """
 import os
 import shutil
+import signal
 import socket
 import sys
 from dataclasses import dataclass, field
@@ -25,8 +26,10 @@ import torch
 import torch.distributed as dist
 
 from harness import faults, preemption
-from harness.checkpoint import (CHECKPOINTS, LATEST, Checkpointer, atomic_write_text, check_compatible,
-                                checkpoints_dir, new_wandb_run_id, resume_point)
+from harness.checkpoint import (CHECKPOINTS, LATEST, Checkpointer, check_compatible, checkpoints_dir,
+                                new_wandb_run_id, resume_point)
+from harness.context import RunContext
+from harness.files import atomic_write_text
 
 # What `train.overwrite=true` deletes before a fresh start (config.yaml is rewritten anyway).
 PREVIOUS_OUTPUTS = ("metrics.jsonl", "summary.json", CHECKPOINTS)
@@ -44,20 +47,21 @@ class StepVerdict:
 
 
 class RunControl:
-    def __init__(self, run, run_dir: Path, env, topo, rt, engine):
-        self.train = run.train
-        self.run_dir = run_dir
-        self.rank = env.rank
+    def __init__(self, ctx: RunContext, engine):
+        self.train = ctx.run.train
+        self.run_dir = run_dir = ctx.run_dir
+        self.rank = ctx.env.rank
         self.engine = engine
-        self.fp16 = rt.precision == "fp16"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if rt.device == "cuda" else torch.device("cpu")
+        self.fp16 = ctx.target.precision == "fp16"
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if ctx.target.device == "cuda"
+                       else torch.device("cpu"))
         self.metrics = None
         self.skipped = 0
 
-        # Start-up validated train.resume already (harness/entry.py); the files have not changed since.
+        # Start-up validated train.resume already (harness/startup.py); the files have not changed since.
         point = resume_point(self.train, run_dir)
         if point is not None:
-            check_compatible(point, topo.world_size, topo.pipeline_stages)
+            check_compatible(point, ctx.topology)
         in_place = point is not None and point.inside(run_dir)
         dist.barrier()  # every rank has read the run directory before rank 0 changes it
         if self.rank == 0:
@@ -73,14 +77,12 @@ class RunControl:
             wandb_run_id = new_wandb_run_id()
         # One exchange, which is also the barrier after rank 0's file changes: rank 0's W&B id, and every
         # rank's (host, pid), so a rank whose peer dies can name it.
-        gathered = [None] * topo.world_size
+        gathered = [None] * ctx.topology.world_size
         dist.all_gather_object(gathered, (socket.gethostname(), os.getpid(), wandb_run_id))
         faults.register_peers([(host, pid) for host, pid, _ in gathered])
         self.wandb_run_id: str = gathered[0][2]
 
-        self.checkpointer = Checkpointer(run_dir, engine, env.rank, topo.world_size, topo.pipeline_stages,
-                                         topo.data_parallel_size, run.seed, self.train.keep_checkpoints,
-                                         self.wandb_run_id)
+        self.checkpointer = Checkpointer(ctx, engine, self.wandb_run_id)
         self.resumed_from = point
         self.start_step = self.checkpointer.load(point) if point is not None else 0
         self.last_saved: Optional[int] = self.start_step if in_place else None
@@ -136,8 +138,6 @@ class RunControl:
             self.checkpointer.save(step)
             self.last_saved = step
         if verdict.preempt_signal:
-            import signal
-
             name = signal.Signals(verdict.preempt_signal).name
             self._exit(faults.EXIT_PREEMPTED,
                        f"stagecheck: preempted ({name} on rank {verdict.preempt_rank}): checkpoint of step {step} "

@@ -1,76 +1,71 @@
 """The training run: process group, pipeline engine, the step loop and its outputs."""
 import time
 import warnings
-from pathlib import Path
-from typing import Optional
 
 import torch
 from omegaconf import OmegaConf
 
 from data import open_token_source
+from harness.accounting import Accounting
+from harness.context import RunContext
 from harness.metrics import MetricsLog, median_after_warmup
-from harness.plan import budget_lines, plan_layout, run_shape
 from harness.run_control import RunControl
+from harness.run_layout import plan_layout
 from harness.wandb_logger import open_wandb
-from parallel.auto_recompute import StageBudget, measured_costs
-from parallel.dist_env import DistEnv, node_name
+from parallel.auto_recompute import measured_costs
+from parallel.dist_env import node_name
+from parallel.engine import build_engine, init_process_group
 from parallel.layout import PipelineLayout
-from parallel.memory_model import Shape, Target
 from parallel.recompute_profile import profile_block
-from schema.checks import Runtime, Topology
-from schema.run import RunConfig
+from parallel.run_plan import plan_run
+from parallel.shapes import Shape
 
 # DeepSpeed's pipeline sends activations with c10d broadcasts inside autograd; torch warns once per
 # rank that the op has no autograd kernel. DeepSpeed handles those gradients itself: noise.
 warnings.filterwarnings("ignore", message="c10d::broadcast_: an autograd kernel was not registered")
 
 
-def recompute_label(run: RunConfig) -> str:
-    return run.recompute.mode
-
-
-def replan_with_profile(run: RunConfig, topo: Topology, rt: Runtime, env: DistEnv):
+def replan_with_profile(ctx: RunContext) -> PipelineLayout:
     """recompute.profile: rank 0 times each choice on one block of this device and every rank plans with
     those seconds, so all ranks agree on one plan (the budget check already passed at start-up: fitting
     depends on bytes only, never on costs)."""
-    seconds = [profile_block(run.model, run.train.micro_batch_size, rt.device, rt.precision) if env.rank == 0 else None]
+    run, target = ctx.run, ctx.target
+    seconds = [profile_block(run.model, run.train.micro_batch_size, target.device, target.precision)
+               if ctx.env.rank == 0 else None]
     torch.distributed.broadcast_object_list(seconds, src=0)
-    if env.rank == 0:
+    if ctx.env.rank == 0:
         print("stagecheck: recompute profile (s per block forward part): "
               + ", ".join(f"{k} {v:.4g}" for k, v in seconds[0].items()), flush=True)
-    costs = measured_costs(Shape.of(run.model, run.train.micro_batch_size), Target(rt.device, rt.precision), seconds[0])
-    return plan_layout(run, topo, rt, costs)
+    return plan_layout(ctx, measured_costs(Shape.of(run.model, run.train.micro_batch_size), target, seconds[0]))
 
 
-def train(run: RunConfig, run_dir: Path, env: DistEnv, topo: Topology, rt: Runtime, resolved: dict,
-          layout: PipelineLayout, budgets: Optional[list[StageBudget]]) -> None:
-    from harness.accounting import Accounting  # imports DeepSpeed, whose accelerator entry.py chose
-    from parallel.engine import build_engine, init_process_group
-
-    if env.rank == 0:
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
-        print(f"stagecheck: {topo.world_size} ranks = {topo.pipeline_stages} stages x {topo.data_parallel_size} "
-              f"data-parallel | recompute={run.recompute} | {rt.device} {rt.precision} | run dir {run_dir}")
+def train(ctx: RunContext, layout: PipelineLayout) -> None:
+    run, run_dir, rank, topology, target = ctx.run, ctx.run_dir, ctx.env.rank, ctx.topology, ctx.target
+    if rank == 0:
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(ctx.resolved))
+        print(f"stagecheck: {topology.world_size} ranks = {topology.pipeline_stages} stages x "
+              f"{topology.data_parallel_size} data-parallel | recompute={run.recompute} | {target.device} "
+              f"{target.precision} | run dir {run_dir}")
         for line in layout.describe():
             print("stagecheck: " + line, flush=True)
 
-    init_process_group(env, rt.device, run.train.collective_timeout_s)
-    if budgets is not None and run.recompute.profile:
-        layout, budgets = replan_with_profile(run, topo, rt, env)
-        if env.rank == 0:
+    init_process_group(ctx.env, target.device, run.train.collective_timeout_s)
+    if layout.budgets is not None and run.recompute.profile:
+        layout = replan_with_profile(ctx)
+        if rank == 0:
             for line in ["plan with the profiled costs:"] + layout.describe():
                 print("stagecheck: " + line, flush=True)
-    if budgets is not None and env.rank == 0:
-        for line in budget_lines(run.recompute, budgets):
+    if layout.budgets is not None and rank == 0:
+        for line in layout.describe_budgets(run.recompute):
             print("stagecheck: " + line, flush=True)
-    engine = build_engine(layout, run.train, run.parallel, topo.data_parallel_size, rt.precision, rt.device)
+    engine = build_engine(layout, run.train, run.parallel, topology.data_parallel_size, target.precision,
+                          target.device)
     # Dropout draws from this stream; every recompute mode consumes it identically.
-    torch.manual_seed(run.seed * 1009 + env.rank)
+    torch.manual_seed(run.seed * 1009 + rank)
     # Resume (weights, optimizer, scheduler, RNG states) or start fresh; checkpoints, preemption, NaN policy.
-    control = RunControl(run, run_dir, env, topo, rt, engine)
+    control = RunControl(ctx, engine)
     # Activation bytes (metered on train.measure_step only), in-flight micro-batches, FLOP/s, MFU, peak memory.
-    accounting = Accounting(run.model, run.recompute, layout, run.train, run_shape(run, topo, rt), engine,
-                            topo.world_size)
+    accounting = Accounting(ctx, plan_run(run.model, run.recompute, layout, ctx.shape), engine)
 
     dp_rank = engine.grid.get_data_parallel_rank()
     needs_data = engine.is_first_stage() or engine.is_last_stage()
@@ -78,16 +73,19 @@ def train(run: RunConfig, run_dir: Path, env: DistEnv, topo: Topology, rt: Runti
     holds_loss = engine.is_last_stage() and dp_rank == 0
     metrics = None
     if holds_loss:
-        run_config = {**resolved, "layout": layout.as_dict(), "topology": vars(topo), "runtime": vars(rt)}
-        wandb = open_wandb(run.logger, run_dir, run_config, job_type=recompute_label(run),
-                           extra_tags=[f"model:{run.model.n_layer}L-{run.model.n_embd}h", f"stages:{topo.pipeline_stages}"],
+        run_config = {**ctx.resolved, "layout": layout.as_dict(), "topology": topology.as_dict(),
+                      "runtime": vars(target)}
+        wandb = open_wandb(run.logger, run_dir, run_config, job_type=run.recompute.mode,
+                           extra_tags=[f"model:{run.model.n_layer}L-{run.model.n_embd}h",
+                                       f"stages:{topology.pipeline_stages}"],
+                           job_fields=ctx.job.wandb_fields(run_dir, getattr(run.logger, "group", None)),
                            run_id=control.wandb_run_id)
         metrics = MetricsLog(run_dir, run.train.steps, run.train.log_every, wandb,
                              resume_step=control.start_step if control.resumed else None)
     control.attach(metrics)
 
     t = run.train
-    tokens_per_step = t.micro_batches * t.micro_batch_size * run.model.seq_len * topo.data_parallel_size
+    tokens_per_step = ctx.shape.tokens_per_step(run.model.seq_len)
     for step in range(control.start_step + 1, t.steps + 1):
         batches = None
         if source is not None:
@@ -111,25 +109,23 @@ def train(run: RunConfig, run_dir: Path, env: DistEnv, topo: Topology, rt: Runti
         control.finish_step(step, verdict)  # checkpoint when due; exits on preemption or a non-finite step
 
     # Every rank takes part; only the first and last stages hold a copy of the tied weight.
-    gathered = [None] * topo.world_size  # (tied-weight digest, node name) of every rank
+    gathered = [None] * topology.world_size  # (tied-weight digest, node name) of every rank
     torch.distributed.all_gather_object(gathered, (engine.module.tied_weight_digest(), node_name()))
     digests = [digest for digest, _ in gathered]
     accounted = accounting.gather()  # collective too
     if metrics:
         records = metrics.records
         metrics.write_summary({
-            "recompute": recompute_label(run),
+            "recompute": run.recompute.mode,
             "recompute_config": vars(run.recompute),
             "layout": layout.as_dict(),
-            "world_size": topo.world_size,
-            "pipeline_stages": topo.pipeline_stages,
-            "data_parallel_size": topo.data_parallel_size,
+            **topology.as_dict(),
             "micro_batches": t.micro_batches,
             "micro_batch_size": t.micro_batch_size,
             "seq_len": run.model.seq_len,
             "steps": t.steps,
-            "device": rt.device,
-            "precision": rt.precision,
+            "device": target.device,
+            "precision": target.precision,
             "losses": [r["loss"] for r in records],
             "tokens_per_s": median_after_warmup([r["tokens_per_s"] for r in records]),
             "step_time_s": median_after_warmup([r["step_time_s"] for r in records]),

@@ -10,37 +10,44 @@ from pathlib import Path
 from typing import Optional
 
 from schema.logger import WandbLoggerConfig
-from harness.multirun import sweep_wandb_fields
+
+
+def init_wandb_run(mode: str, timeout_s: float, **kwargs):
+    """`wandb.init`, falling back to offline when an online init fails: a network or server failure must
+    never stop training, nor a sweep's report."""
+    os.environ.setdefault("WANDB_SILENT", "true")
+    import wandb  # only the process that logs pays for the import
+
+    try:
+        return wandb.init(mode=mode, settings=wandb.Settings(init_timeout=timeout_s), **kwargs)
+    except Exception as error:  # noqa: BLE001 - any failure of the online service
+        if mode != "online":
+            raise
+        print(f"stagecheck: W&B online init failed ({error}); logging offline instead", file=sys.stderr)
+        return wandb.init(mode="offline", **kwargs)
+
+
+def wandb_agent_fields(group: Optional[str]) -> dict:
+    """Under a W&B sweep agent, the run joins the group `wandb-sweep-<id>` unless logger.group is set."""
+    sweep_id = os.environ.get("WANDB_SWEEP_ID")
+    return {"group": group or f"wandb-sweep-{sweep_id}"} if sweep_id else {}
 
 
 class WandbLogger:
     def __init__(self, config: WandbLoggerConfig, run_dir: Path, run_config: dict, job_type: str,
-                 extra_tags: list[str], run_id: Optional[str] = None):
-        os.environ.setdefault("WANDB_SILENT", "true")
-        import wandb  # only the rank that logs pays for the import
-
-        self._wandb = wandb
+                 extra_tags: list[str], job_fields: dict, run_id: Optional[str] = None):
+        """`job_fields`: W&B fields the job sets (a sweep job's group and name)."""
         kwargs = dict(
             project=config.project, entity=config.entity, dir=str(run_dir), config=run_config,
             group=config.group, job_type=job_type, tags=list(config.tags) + extra_tags,
             name=run_dir.name,
         )
-        kwargs.update(sweep_wandb_fields(run_dir, config.group))  # a sweep's jobs share one group
+        kwargs.update(job_fields)
         if run_id is not None:
             # A resumed run continues the same W&B run. Offline, wandb writes a new offline-run-* directory
             # per launch (its _step restarting at 0): records carry explicit steps, `wandb sync` each piece.
             kwargs.update(id=run_id, resume="allow")
-        self.run = self._init(config.mode, config.init_timeout_s, kwargs)
-
-    def _init(self, mode: str, timeout_s: float, kwargs: dict):
-        wandb = self._wandb
-        try:
-            return wandb.init(mode=mode, settings=wandb.Settings(init_timeout=timeout_s), **kwargs)
-        except Exception as error:  # a network or server failure must never stop training
-            if mode != "online":
-                raise
-            print(f"stagecheck: W&B online init failed ({error}); logging offline instead", file=sys.stderr)
-            return wandb.init(mode="offline", **kwargs)
+        self.run = init_wandb_run(config.mode, config.init_timeout_s, **kwargs)
 
     def log(self, record: dict, step: int) -> None:
         self.run.log(record, step=step)
@@ -52,8 +59,8 @@ class WandbLogger:
         self.run.finish(exit_code=exit_code)
 
 
-def open_wandb(config, run_dir: Path, run_config: dict, job_type: str, extra_tags: list[str],
+def open_wandb(config, run_dir: Path, run_config: dict, job_type: str, extra_tags: list[str], job_fields: dict,
                run_id: Optional[str] = None) -> Optional[WandbLogger]:
     if not isinstance(config, WandbLoggerConfig) or config.mode == "disabled":
         return None
-    return WandbLogger(config, run_dir, run_config, job_type, extra_tags, run_id)
+    return WandbLogger(config, run_dir, run_config, job_type, extra_tags, job_fields, run_id)

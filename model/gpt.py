@@ -4,7 +4,8 @@ Flat sequence: [token embedding, position embedding, block 0 .. block N-1, final
 The LM head is the token embedding module again (tied), called through `lm_head`.
 """
 from dataclasses import dataclass
-from typing import Callable, Optional
+from functools import partial
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -28,8 +29,33 @@ class LayerRecipe:
     forward_fn: Optional[Callable] = None
     """Called as forward_fn(module, x) instead of module(x)."""
 
+    @property
+    def name(self) -> str:
+        """The layer's name in print-outs and plans: its class, or LMHead for the tied head."""
+        return "LMHead" if self.forward_fn else self.module_class.__name__
+
     def build(self) -> nn.Module:
         return self.module_class(*self.args)
+
+
+LayerFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def build_layers(recipes: Sequence[LayerRecipe]) -> tuple[nn.ModuleList, list[LayerFn]]:
+    """The modules of `recipes` (entries with the same tie key share one module, built once) and one
+    forward function per entry, in order."""
+    modules = nn.ModuleList()
+    funcs: list[LayerFn] = []
+    tied: dict[str, nn.Module] = {}
+    for recipe in recipes:
+        module = tied.get(recipe.tie_key) if recipe.tie_key else None
+        if module is None:
+            module = recipe.build()
+            modules.append(module)
+            if recipe.tie_key:
+                tied[recipe.tie_key] = module
+        funcs.append(module if recipe.forward_fn is None else partial(recipe.forward_fn, module))
+    return modules, funcs
 
 
 def gpt_layers(config: GPTConfig, seed: int) -> list[LayerRecipe]:
@@ -43,6 +69,32 @@ def gpt_layers(config: GPTConfig, seed: int) -> list[LayerRecipe]:
     ]
 
 
+def layer_param_counts(recipes: Sequence[LayerRecipe]) -> list[int]:
+    """Trainable parameters of each entry, counted on the meta device; a tied module counts at each of its
+    positions, as in DeepSpeed's `parameters` partition method."""
+    per_class: dict[type, int] = {}
+    with torch.device("meta"):
+        for recipe in recipes:
+            # Layers of one class share one config, hence one size: build each class once (the 96 blocks
+            # of gpt3-175b take seconds to build even on the meta device).
+            if recipe.module_class not in per_class:
+                per_class[recipe.module_class] = sum(p.numel() for p in recipe.build().parameters()
+                                                     if p.requires_grad)
+    return [per_class[recipe.module_class] for recipe in recipes]
+
+
+def model_param_count(recipes: Sequence[LayerRecipe]) -> int:
+    """Trainable parameters of the whole model, a tied module once."""
+    seen: set[str] = set()
+    total = 0
+    for recipe, count in zip(recipes, layer_param_counts(recipes)):
+        if recipe.tie_key is None or recipe.tie_key not in seen:
+            total += count
+        if recipe.tie_key is not None:
+            seen.add(recipe.tie_key)
+    return total
+
+
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy: logits (B, T, V), labels (B, T)."""
     return F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.view(-1))
@@ -54,19 +106,7 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig, seed: int):
         super().__init__()
         self.config = config
-        self.layers = nn.ModuleList()
-        self.forward_funcs: list[Callable[[torch.Tensor], torch.Tensor]] = []
-        tied: dict[str, nn.Module] = {}
-        for recipe in gpt_layers(config, seed):
-            if recipe.tie_key in tied:
-                module = tied[recipe.tie_key]
-            else:
-                module = recipe.build()
-                self.layers.append(module)
-                if recipe.tie_key:
-                    tied[recipe.tie_key] = module
-            fn = module if recipe.forward_fn is None else (lambda x, m=module, f=recipe.forward_fn: f(m, x))
-            self.forward_funcs.append(fn)
+        self.layers, self.forward_funcs = build_layers(gpt_layers(config, seed))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = idx  # (B, T) token ids, then (B, T, C), finally (B, T, vocab) logits

@@ -25,26 +25,16 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from parallel.flops import _mlp_output_matmul_flops, block_forward_flops, selective_recompute_flops
-from parallel.memory_model import Shape, Target, attention_kernel, block_full_items, block_items, selective_combinations, total
-from parallel.recompute import StagePlan
+from parallel.flops import block_forward_flops, mlp_output_matmul_flops, selective_recompute_flops
+from parallel.memory_model import attention_kernel, block_full_items, total
+from parallel.shapes import Shape, Target
+from parallel.stage_costs import BlockOption, block_options
+from parallel.stage_plan import StagePlan
 
-GIB = 1024 ** 3
 # FLOPs a device does in the time it moves one byte: elementwise recompute (softmax, dropout, GELU,
 # LayerNorm) is bandwidth-bound, so the analytic cost charges its memory traffic at this rate.
 # H100-class GPUs: ~1000 TFLOP/s over ~3.3 TB/s; a CPU core: ~100 GFLOP/s over ~10 GB/s.
 MACHINE_BALANCE = {"cuda": 300.0, "cpu": 10.0}
-
-
-@dataclass(frozen=True)
-class BlockOption:
-    choice: str
-    """`none` or `selective:<modules>`."""
-    modules: tuple[str, ...]
-    kept_bytes: int
-    """Bytes one block keeps per micro-batch."""
-    cost: float
-    """Recompute cost of one block per micro-batch (FLOP-equivalents, or seconds when profiled)."""
 
 
 @dataclass(frozen=True)
@@ -101,7 +91,7 @@ def analytic_costs(shape: Shape, target: Target) -> CostTable:
                   full_block_cost=block_forward_flops(shape) + balance * (
                       _elementwise_bytes(shape, target, ("core_attn", "mlp", "layernorm"))
                       + (3 * shape.bsh * target.dtype_bytes if shape.dropout else 0)),
-                  segment_discount=0 if shape.dropout else _mlp_output_matmul_flops(shape))
+                  segment_discount=0 if shape.dropout else mlp_output_matmul_flops(shape))
 
 
 def measured_costs(shape: Shape, target: Target, seconds: dict[str, float]) -> CostTable:
@@ -112,9 +102,7 @@ def measured_costs(shape: Shape, target: Target, seconds: dict[str, float]) -> C
 
 
 def _table(shape: Shape, target: Target, cost, full_block_cost: float, segment_discount: float = 0.0) -> CostTable:
-    options = [BlockOption("none", (), total(block_items(shape, target)), 0.0)]
-    options += [BlockOption("selective:" + "+".join(combo), combo, total(block_items(shape, target, combo)),
-                            float(cost(combo))) for combo in selective_combinations()]
+    options = block_options(shape, target, cost)
     return CostTable(tuple(options), total(block_full_items(shape, target, True)), options[0].kept_bytes,
                      float(full_block_cost), float(segment_discount))
 
@@ -188,7 +176,7 @@ def choose_stage(n: int, table: CostTable, in_flight: int, byte_budget: float) -
     return StageChoice(tuple(choices), segments, kept + k * table.segment_input_bytes, size * table.block_bytes if m else 0, cost)
 
 
-def stage_plan(choice: StageChoice, block_positions: Sequence[int], table: CostTable) -> StagePlan:
+def to_stage_plan(choice: StageChoice, block_positions: Sequence[int], table: CostTable) -> StagePlan:
     """The StagePlan (local layer indices) that carries out a StageChoice."""
     modules = {option.choice: option.modules for option in table.options}
     return StagePlan(
@@ -202,6 +190,8 @@ class StageBudget:
     """One stage's side of the budget: what is fixed, and what its blocks chose."""
 
     stage: int
+    budget_bytes: int
+    """What the stage may use: recompute.budget_gb - recompute.reserve_gb."""
     in_flight: int
     fixed_bytes: int
     """Parameters, gradients, optimizer state, pipe buffers and the other layers' in-flight activations."""

@@ -28,8 +28,11 @@ class OptimConfig:
     """AdamW decoupled weight decay, applied to weight matrices and embeddings only (not to biases or
     LayerNorm gains)."""
     beta1: float = 0.9
+    """AdamW decay rate of the running mean of gradients (first moment)."""
     beta2: float = 0.95
+    """AdamW decay rate of the running mean of squared gradients (second moment)."""
     eps: float = 1e-8
+    """AdamW term added to the denominator (square root of the second moment), for numerical stability."""
     grad_clip: float = 1.0
     """Global gradient-norm clipping threshold; 0 disables it."""
 
@@ -89,6 +92,7 @@ class NoRecompute:
     """Store every activation autograd saves."""
 
     mode: str = "none"
+    """Option of the `recompute` config group (`+recompute=none`); must stay "none"."""
 
 
 @dataclass
@@ -96,6 +100,7 @@ class FullRecompute:
     """Store only segment inputs; recompute each segment's forward in backward."""
 
     mode: str = "full"
+    """Option of the `recompute` config group (`+recompute=full`); must stay "full"."""
     interval: str = "1"
     """Blocks per segment: a positive integer, `stage` (one segment per stage: the stage input the
     pipeline already holds is the only thing stored) or `sqrt` (about sqrt(blocks in the stage)).
@@ -117,6 +122,7 @@ class SelectiveRecompute:
     """Recompute, inside each block, only what is cheap to redo but costly to store."""
 
     mode: str = "selective"
+    """Option of the `recompute` config group (`+recompute=selective`); must stay "selective"."""
     modules: list[str] = field(default_factory=lambda: ["core_attn"])
     """What to recompute: `core_attn` (softmax(QK^T)V with its dropout), `mlp_act` (the GELU output
     read by the second MLP matmul), `layernorm` (the LayerNorm outputs read by the QKV and first MLP
@@ -141,6 +147,7 @@ class AutoRecompute:
     """Choose, per stage and per block, the least recompute that fits a memory budget per GPU."""
 
     mode: str = "auto"
+    """Option of the `recompute` config group (`+recompute=auto`); must stay "auto"."""
     budget_gb: float = 80.0
     """Memory one rank may use, in GiB (2^30 bytes): parameters, gradients, optimizer state, pipeline
     buffers and the activations of every micro-batch in flight, plus the working set of the largest

@@ -14,7 +14,7 @@ from parallel.dist_env import DistEnv, export_dist_env
 from parallel.ds_config import deepspeed_config
 from parallel.layout import PipelineLayout
 from parallel.lr_schedule import warmup_cosine
-from parallel.pipeline import PlannedPipelineModule
+from parallel.pipeline import RecomputingPipelineModule
 
 
 def init_process_group(env: DistEnv, device: str, timeout_s: float) -> None:
@@ -69,7 +69,7 @@ def _param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_engine(layout: PipelineLayout, train: OptimConfig, parallel: ParallelConfig,
                  data_parallel_size: int, precision: str, device: str):
-    module = PlannedPipelineModule(layout.recipes, layout.stages, layout.plans, parallel.partition_method)
+    module = RecomputingPipelineModule(layout.recipes, layout.stages, layout.plans, parallel.partition_method)
     config = deepspeed_config(train, parallel, data_parallel_size, precision, device)
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=_param_groups(module, train.weight_decay),
                                            config=config, lr_scheduler=partial(warmup_cosine, train=train))

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from model import Block, GPTConfig, LayerRecipe
-from parallel.memory_model import Shape
-from parallel.recompute import StagePlan
+from parallel.shapes import Shape
+from parallel.stage_plan import StagePlan
 
 
 def block_forward_flops(shape: Shape) -> int:
@@ -43,7 +43,8 @@ def head_forward_flops(shape: Shape) -> int:
     return 2 * shape.b * shape.s * shape.h * shape.vocab
 
 
-def _mlp_output_matmul_flops(shape: Shape) -> int:
+def mlp_output_matmul_flops(shape: Shape) -> int:
+    """The MLP's second matmul: what torch's early stop skips at the end of a region without dropout."""
     return 2 * shape.b * shape.s * 4 * shape.h * shape.h
 
 
@@ -59,14 +60,14 @@ def selective_recompute_flops(shape: Shape, modules: Sequence[str], kernel: str)
         core = attention_core_forward_flops(shape)
         flops += core // 2 if kernel in ("math", "sdpa-math") else core
     if "mlp" in modules:
-        flops += mlp_forward_flops(shape) - (0 if shape.dropout else _mlp_output_matmul_flops(shape))
+        flops += mlp_forward_flops(shape) - (0 if shape.dropout else mlp_output_matmul_flops(shape))
     return flops
 
 
 def segment_recompute_flops(shape: Shape, blocks: int) -> int:
     """Full recompute of a segment of `blocks` blocks: their forward, less the last block's MLP output
     matmul when dropout is off (early stop; see the module docstring)."""
-    return blocks * block_forward_flops(shape) - (0 if shape.dropout else _mlp_output_matmul_flops(shape))
+    return blocks * block_forward_flops(shape) - (0 if shape.dropout else mlp_output_matmul_flops(shape))
 
 
 def non_embedding_params(model: GPTConfig) -> int:

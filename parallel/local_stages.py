@@ -7,38 +7,26 @@ does around each stage forward: the received input is a leaf that requires grad 
 clone of it; the last stage computes the loss; backward goes stage by stage from the last.
 """
 from contextlib import nullcontext
-from functools import partial
 from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
 
-from model import LayerRecipe, lm_loss
+from model import LayerRecipe, build_layers, lm_loss
 from parallel.activation_meter import ActivationMeter
 from parallel.layout import PipelineLayout
 from parallel.partition import StageRange
-from parallel.recompute import StagePlan, apply_plan, run_stage
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from parallel.recompute import apply_plan, run_stage
+from parallel.shapes import TORCH_DTYPES
+from parallel.stage_plan import StagePlan
 
 
 class LocalStage(nn.Module):
     def __init__(self, recipes: Sequence[LayerRecipe], stage: StageRange, plan: StagePlan, precision: str = "fp32"):
         super().__init__()
         self.stage, self.plan = stage, plan
-        self.layers = nn.ModuleList()
-        self.funcs = []
-        tied: dict[str, nn.Module] = {}
-        for flat in stage.layers:
-            recipe = recipes[flat]
-            module = tied.get(recipe.tie_key) if recipe.tie_key else None
-            if module is None:
-                module = recipe.build()
-                self.layers.append(module)
-                if recipe.tie_key:
-                    tied[recipe.tie_key] = module
-            self.funcs.append(module if recipe.forward_fn is None else partial(recipe.forward_fn, module))
-        self.to(DTYPES[precision])
+        self.layers, self.funcs = build_layers([recipes[flat] for flat in stage.layers])
+        self.to(TORCH_DTYPES[precision])
         apply_plan(self.funcs, plan)
         self.meter = ActivationMeter(self.parameters)
 

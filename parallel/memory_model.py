@@ -14,73 +14,13 @@ from dataclasses import dataclass
 from itertools import combinations
 from typing import Sequence
 
-from model import Block, GPTConfig, LayerRecipe
+from model import Block, LayerRecipe
 from model.layers import FinalNorm, PositionEmbedding, TokenEmbedding
 from parallel.config import RECOMPUTE_MODULES
-from parallel.recompute import StagePlan
+from parallel.shapes import DTYPE_BYTES, FP32, Shape, Target
+from parallel.stage_plan import StagePlan
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-PLAN_DEVICES = ("cpu", "cuda")
 INDEX_BYTES = 8  # int64 token ids, positions and labels
-FP32 = 4
-
-
-@dataclass(frozen=True)
-class Target:
-    """The device and precision a plan is for (what really runs: no `auto` here)."""
-
-    device: str
-    precision: str
-
-    def __post_init__(self) -> None:
-        if self.device not in PLAN_DEVICES:
-            raise ValueError(f"train.device={self.device!r} cannot be planned: allowed values are cpu, cuda")
-        if self.precision not in DTYPE_BYTES:
-            raise ValueError(f"train.precision={self.precision!r} cannot be planned: allowed values are "
-                             f"{', '.join(DTYPE_BYTES)}")
-
-    @property
-    def dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.precision]
-
-    @property
-    def mask_bytes(self) -> int:
-        """Dropout mask: CUDA's fused dropout keeps a bool mask; CPU's multiplies by a noise tensor of
-        the input dtype and keeps that."""
-        return 1 if self.device == "cuda" else self.dtype_bytes
-
-    @property
-    def ln_stat_bytes(self) -> int:
-        """LayerNorm mean and rstd: fp32 on CUDA, the input dtype on CPU (measured)."""
-        return FP32 if self.device == "cuda" else self.dtype_bytes
-
-
-@dataclass(frozen=True)
-class Shape:
-    """One micro-batch through the model: b sequences of s tokens, width h, a heads, vocabulary V."""
-
-    b: int
-    s: int
-    h: int
-    a: int
-    vocab: int
-    dropout: bool
-    attention: str
-
-    @classmethod
-    def of(cls, model: GPTConfig, micro_batch_size: int) -> "Shape":
-        return cls(micro_batch_size, model.seq_len, model.n_embd, model.n_head, model.vocab_size,
-                   model.dropout > 0, model.attention)
-
-    @property
-    def bsh(self) -> int:
-        return self.b * self.s * self.h
-
-    @property
-    def scores(self) -> int:
-        """Attention-score elements b * a * s * s."""
-        return self.b * self.a * self.s * self.s
-
 
 Item = tuple[str, int]  # (what is kept, bytes)
 
@@ -210,9 +150,9 @@ class LayerActivation:
     def bytes(self) -> int:
         return total(self.items)
 
-
-def layer_name(recipe: LayerRecipe) -> str:
-    return "LMHead" if recipe.forward_fn else recipe.module_class.__name__
+    @property
+    def is_block(self) -> bool:
+        return self.choice != "-"
 
 
 def stage_activations(recipes: Sequence[LayerRecipe], layers: range, plan: StagePlan, shape: Shape,
@@ -241,7 +181,7 @@ def stage_activations(recipes: Sequence[LayerRecipe], layers: range, plan: Stage
             items = final_norm_items(shape, target)
         else:
             raise TypeError(f"no activation model for layer {flat} ({cls.__name__})")
-        out.append(LayerActivation(flat, layer_name(recipe), choice, tuple(items)))
+        out.append(LayerActivation(flat, recipe.name, choice, tuple(items)))
     if is_last:
         out.append(LayerActivation(-1, "loss", "-", tuple(loss_items(shape, target))))
     return out

@@ -2,16 +2,15 @@
 
 It calls the same DeepSpeed routines `PipelineModule` uses, so the plan printed at start-up and the
 dry run's stages are the partition training really gets (a test checks `PipelineModule.parts`).
-Layers are built on the meta device to count parameters: no memory, even for gpt3-175b.
+Parameters are counted on the meta device (model.layer_param_counts): no memory, even for gpt3-175b.
 """
 import re
 from dataclasses import dataclass
 from typing import Sequence
 
-import torch
 from deepspeed.runtime.utils import partition_balanced, partition_uniform
 
-from model import Block, LayerRecipe
+from model import LayerRecipe, layer_param_counts
 
 
 @dataclass(frozen=True)
@@ -27,16 +26,6 @@ class StageRange:
         return range(self.start, self.stop)
 
 
-def layer_param_counts(recipes: Sequence[LayerRecipe]) -> list[int]:
-    """Trainable parameters of each entry; a tied module counts at each of its positions, as in
-    DeepSpeed's `parameters` method."""
-    counts = []
-    with torch.device("meta"):
-        for recipe in recipes:
-            counts.append(sum(p.numel() for p in recipe.build().parameters() if p.requires_grad))
-    return counts
-
-
 def partition_layers(recipes: Sequence[LayerRecipe], num_stages: int, method: str) -> list[StageRange]:
     if method == "uniform":
         parts = partition_uniform(num_items=len(recipes), num_parts=num_stages)
@@ -49,8 +38,3 @@ def partition_layers(recipes: Sequence[LayerRecipe], num_stages: int, method: st
     else:
         raise ValueError(f"parallel.partition_method={method!r} is unknown")
     return [StageRange(s, int(parts[s]), int(parts[s + 1])) for s in range(num_stages)]
-
-
-def blocks_in(recipes: Sequence[LayerRecipe], stage: StageRange) -> list[int]:
-    """Flat indices of the transformer blocks of one stage."""
-    return [i for i in stage.layers if recipes[i].module_class is Block]

@@ -7,7 +7,8 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 from model import LayerRecipe, lm_loss
 from parallel.partition import StageRange
-from parallel.recompute import StagePlan, apply_plan, run_stage
+from parallel.recompute import apply_plan, run_stage
+from parallel.stage_plan import StagePlan
 
 
 def layer_specs(recipes: Sequence[LayerRecipe]) -> list[LayerSpec]:
@@ -21,7 +22,7 @@ def layer_specs(recipes: Sequence[LayerRecipe]) -> list[LayerSpec]:
     return specs
 
 
-class PlannedPipelineModule(PipelineModule):
+class RecomputingPipelineModule(PipelineModule):
     """DeepSpeed's PipelineModule, with the stage forward run under our StagePlan.
 
     DeepSpeed's own activation checkpointing counts intervals in layers from the stage's first

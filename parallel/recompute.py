@@ -1,14 +1,11 @@
-"""Recompute policies: a pure plan per stage, and the code that applies it to built layers.
+"""Recompute at run time: a stage's layers run under its StagePlan (parallel/stage_plan.py).
 
 A stage runs its local layers in order. The plan says which runs of consecutive blocks are
 checkpointed as one segment (full recompute) and, for the other blocks, which modules inside them
-are recomputed (selective). Plans never look outside their stage, so stage boundaries are always
-checkpoint boundaries. Everything recomputed is exact: non-reentrant checkpoints restore the RNG
+are recomputed (selective). Everything recomputed is exact: non-reentrant checkpoints restore the RNG
 state, so dropout masks are redrawn identically, and the discarded outputs are deterministic.
 """
-import math
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Sequence
 
@@ -16,10 +13,8 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from model import Block
-from parallel.config import FullRecompute, NoRecompute, RecomputeConfig, SelectiveRecompute
-
-LayerFn = Callable[[torch.Tensor], torch.Tensor]
+from model import Block, LayerFn
+from parallel.stage_plan import StagePlan
 
 # Tensors kept for backward *outside* autograd's saved-tensor hooks: a non-reentrant checkpoint holds
 # its inputs by reference, and inside a checkpoint or an output-discarding consumer the innermost hooks
@@ -38,55 +33,11 @@ def observe_stored(observer: Callable[[torch.Tensor], None]):
         _stored_observers.remove(observer)
 
 
-def _note_stored(*tensors) -> None:
+def note_stored(*tensors) -> None:
     for observer in _stored_observers:
         for t in tensors:
             if isinstance(t, torch.Tensor):
                 observer(t)
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    """What one stage recomputes, by local layer index."""
-
-    segments: tuple[tuple[int, int], ...] = ()
-    """[start, stop) local layer ranges, each run as one checkpointed segment."""
-    selective: dict[int, tuple[str, ...]] = field(default_factory=dict)
-    """Local block index -> modules recomputed inside that block."""
-
-    def choice_of(self, local_index: int) -> str:
-        """`none`, `full` or `selective:<modules>` for one local layer (for print-outs and W&B)."""
-        if any(start <= local_index < stop for start, stop in self.segments):
-            return "full"
-        if local_index in self.selective:
-            return "selective:" + "+".join(self.selective[local_index])
-        return "none"
-
-
-def segment_length(interval: str, blocks_in_stage: int) -> int:
-    if interval == "stage":
-        return max(1, blocks_in_stage)
-    if interval == "sqrt":
-        return max(1, round(math.sqrt(blocks_in_stage)))
-    return int(interval)
-
-
-def plan_stage(is_block: Sequence[bool], recompute: RecomputeConfig) -> StagePlan:
-    """The plan for a stage whose local layers are blocks where `is_block` is true."""
-    block_positions = [i for i, flag in enumerate(is_block) if flag]
-    if isinstance(recompute, NoRecompute) or not block_positions:
-        return StagePlan()
-    if isinstance(recompute, SelectiveRecompute):
-        return StagePlan(selective={i: tuple(recompute.modules) for i in block_positions})
-    if isinstance(recompute, FullRecompute):
-        length = segment_length(recompute.interval, len(block_positions))
-        # Blocks of a stage are contiguous in the flat sequence, so a segment is a plain range.
-        segments = tuple(
-            (block_positions[i], block_positions[min(i + length, len(block_positions)) - 1] + 1)
-            for i in range(0, len(block_positions), length)
-        )
-        return StagePlan(segments=segments)
-    raise TypeError(f"unknown recompute config {recompute!r}")
 
 
 def _run_range(funcs: Sequence[LayerFn], x: torch.Tensor) -> torch.Tensor:
@@ -102,7 +53,7 @@ def run_stage(funcs: Sequence[LayerFn], plan: StagePlan, x: torch.Tensor) -> tor
     while i < len(funcs):
         if i in segment_stop:
             stop = segment_stop[i]
-            _note_stored(x)
+            note_stored(x)
             x = checkpoint(partial(_run_range, funcs[i:stop]), x, use_reentrant=False)
             i = stop
         else:
@@ -116,7 +67,7 @@ def _checkpoint_forward(module: nn.Module) -> None:
     inner = module.forward
 
     def forward(*args):
-        _note_stored(*args)
+        note_stored(*args)
         return checkpoint(inner, *args, use_reentrant=False)
 
     module.forward = forward
@@ -128,7 +79,7 @@ def _checkpoint_pair(first: nn.Module, second: nn.Module) -> None:
     first_forward, second_forward = first.forward, second.forward
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        _note_stored(x)
+        note_stored(x)
         return checkpoint(lambda t: second_forward(first_forward(t)), x, use_reentrant=False)
 
     first.forward, second.forward = (lambda x: x), forward
@@ -151,9 +102,9 @@ def _discard_output(producer: nn.Module, consumer: nn.Module) -> None:
 
         def pack(t: torch.Tensor):
             if t.untyped_storage().data_ptr() != storage:
-                _note_stored(t)
+                note_stored(t)
                 return t
-            _note_stored(x)
+            note_stored(x)
             return x, t.size(), t.stride(), t.storage_offset()
 
         def unpack(packed):

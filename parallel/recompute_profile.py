@@ -10,8 +10,7 @@ from typing import Callable
 import torch
 
 from model import Block, GPTConfig
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from parallel.shapes import TORCH_DTYPES
 
 
 def _median_seconds(fn: Callable[[], object], device: str, repeats: int) -> float:
@@ -32,7 +31,7 @@ def _median_seconds(fn: Callable[[], object], device: str, repeats: int) -> floa
 
 def profile_block(model: GPTConfig, micro_batch_size: int, device: str, precision: str, repeats: int = 5) -> dict[str, float]:
     """Seconds of the forward of the whole block and of each part selective recompute can redo."""
-    dtype = DTYPES[precision]
+    dtype = TORCH_DTYPES[precision]
     block = Block(model, seed=0, layer_index=0).to(device=device, dtype=dtype).train()
     x = torch.randn(micro_batch_size, model.seq_len, model.n_embd, device=device, dtype=dtype)  # (B, T, C)
     B, T, C = x.shape

@@ -3,29 +3,13 @@
 Everything here runs before any process group or file exists, and raises ValueError with one
 message that names the option to change and its allowed values.
 """
-from dataclasses import dataclass
-
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from data import check_vocab
 from parallel.config import NoRecompute
+from parallel.shapes import RunShape, Target, Topology
 from schema.run import RunConfig
-
-
-@dataclass(frozen=True)
-class Topology:
-    world_size: int
-    pipeline_stages: int
-    data_parallel_size: int
-
-
-@dataclass(frozen=True)
-class Runtime:
-    device: str
-    """cpu or cuda."""
-    precision: str
-    """fp32, bf16 or fp16."""
 
 
 def to_run_config(cfg: DictConfig) -> RunConfig:
@@ -39,6 +23,12 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
     if run.recompute is None:
         run.recompute = NoRecompute()
     return run
+
+
+def run_shape(run: RunConfig, world_size: int, cuda_available: bool) -> RunShape:
+    """What the run is planned for: the process grid, device and precision, batch and ZeRO stage."""
+    return RunShape(topology(run, world_size), target(run, cuda_available), run.train.micro_batches,
+                    run.train.micro_batch_size, run.parallel.zero_stage)
 
 
 def topology(run: RunConfig, world_size: int) -> Topology:
@@ -59,10 +49,11 @@ def topology(run: RunConfig, world_size: int) -> Topology:
             f"parallel.pipeline_stages={stages} exceeds model.n_layer={run.model.n_layer}: "
             f"use at most {run.model.n_layer} stages, or more layers"
         )
-    return Topology(world_size, stages, world_size // stages)
+    return Topology(stages, world_size // stages)
 
 
-def runtime(run: RunConfig, cuda_available: bool) -> Runtime:
+def target(run: RunConfig, cuda_available: bool) -> Target:
+    """train.device and train.precision with `auto` resolved."""
     device = run.train.device
     if device == "auto":
         device = "cuda" if cuda_available else "cpu"
@@ -73,7 +64,7 @@ def runtime(run: RunConfig, cuda_available: bool) -> Runtime:
         precision = "bf16" if device == "cuda" else "fp32"
     if precision == "fp16" and device == "cpu":
         raise ValueError("train.precision='fp16' needs train.device=cuda: on cpu use fp32 or bf16")
-    return Runtime(device, precision)
+    return Target(device, precision)
 
 
 def check_data(run: RunConfig) -> None:

@@ -8,13 +8,18 @@ WANDB_MODES = ("offline", "online", "disabled")
 @dataclass
 class WandbLoggerConfig:
     name: str = "wandb"
+    """Option of the `logger` config group; must stay "wandb"."""
     project: str = "stagecheck"
+    """W&B project the runs are logged to."""
     entity: Optional[str] = None
+    """W&B entity (user or team) that owns the project; null: the logged-in user's default entity."""
     mode: str = "offline"
     """offline (default: no network, `wandb sync` later), online, or disabled."""
     group: Optional[str] = None
     """W&B group; sweeps set it so their jobs appear together."""
     tags: list[str] = field(default_factory=list)
+    """W&B tags of the run, besides the two stagecheck adds: the model shape (`model:<n_layer>L-<n_embd>h`)
+    and the stage count (`stages:<n>`)."""
     init_timeout_s: float = 30.0
     """Online only: how long to wait for the W&B server before falling back to offline."""
 
@@ -28,3 +33,4 @@ class NoLoggerConfig:
     """Only metrics.jsonl and summary.json."""
 
     name: str = "none"
+    """Option of the `logger` config group; must stay "none"."""

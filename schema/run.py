@@ -25,8 +25,11 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
 @dataclass
 class RunConfig:
     model: GPTConfig = field(default_factory=GPTConfig)
+    """The GPT shape: a preset of conf/model/ (`model=NAME`), any of whose fields can be overridden."""
     train: TrainConfig = field(default_factory=TrainConfig)
+    """Steps, batch shape, optimizer, precision, device, checkpoints and fault handling of the run."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """How the world is split into pipeline stages and data-parallel replicas, and ZeRO."""
     data: Any = None
     """One of the `data` group schemas."""
     logger: Any = None

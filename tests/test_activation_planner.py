@@ -7,11 +7,12 @@ import torch
 
 from model import GPTConfig
 from parallel.config import FullRecompute, NoRecompute, SelectiveRecompute
-from parallel.layout import pipeline_layout
+from parallel.layout import build_layout
 from parallel.local_stages import LocalPipeline
-from parallel.memory_model import Shape, Target, block_items, selective_combinations, total
-from parallel.planner import RunShape, block_choices, korthikanti, plan_run
+from parallel.memory_model import block_items, selective_combinations, total
+from parallel.run_plan import PaperBytes, block_choices, plan_run
 from parallel.schedule import in_flight_micro_batches, pipe_buffers
+from parallel.shapes import RunShape, Shape, Target, Topology
 
 MODES = [NoRecompute(), FullRecompute(interval="1"), FullRecompute(interval="2"), FullRecompute(interval="3"),
          FullRecompute(interval="stage"), FullRecompute(interval="sqrt"),
@@ -33,8 +34,9 @@ def measured_and_planned(recompute, attention="math", dropout=0.1, precision="fp
                          micro_batch_size=2):
     cfg = GPTConfig(n_layer=n_layer, n_head=4, n_embd=32, seq_len=16, vocab_size=64, dropout=dropout,
                     attention=attention)
-    layout = pipeline_layout(cfg, recompute, stages, "type:Block", seed=0)
-    plan = plan_run(cfg, recompute, layout, RunShape(2, micro_batch_size, 1, 0, Target("cpu", precision)))
+    run = RunShape(Topology(stages), Target("cpu", precision), micro_batches=2, micro_batch_size=micro_batch_size)
+    layout = build_layout(cfg, recompute, run, "type:Block", seed=0)
+    plan = plan_run(cfg, recompute, layout, run)
     pipe = LocalPipeline(layout, precision)
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 64, (micro_batch_size, 16), generator=g),
@@ -47,17 +49,17 @@ def measured_and_planned(recompute, attention="math", dropout=0.1, precision="fp
 @pytest.mark.parametrize("recompute", MODES, ids=mode_id)
 def test_planned_bytes_equal_measured_bytes(recompute, attention, dropout, precision):
     pipe, plan = measured_and_planned(recompute, attention, dropout, precision)
-    for stage, planned in zip(pipe.stages, plan["stages"]):
+    for stage, planned in zip(pipe.stages, plan.stages):
         per_micro_batch = stage.meter.bytes_per_micro_batch()
-        assert per_micro_batch == [planned["activation_bytes_per_microbatch"]] * 2
-        assert stage.meter.stage_input_bytes() == [planned["stage_input_bytes"]] * 2
+        assert per_micro_batch == [planned.activation_bytes_per_microbatch] * 2
+        assert stage.meter.stage_input_bytes() == [planned.stage_input_bytes] * 2
 
 
 def test_three_stages_and_bigger_micro_batches_agree_too():
     for recompute in (NoRecompute(), FullRecompute(interval="2"), SelectiveRecompute()):
         pipe, plan = measured_and_planned(recompute, stages=3, micro_batch_size=3)
         assert [s.meter.bytes_per_micro_batch()[0] for s in pipe.stages] == \
-               [s["activation_bytes_per_microbatch"] for s in plan["stages"]]
+               [s.activation_bytes_per_microbatch for s in plan.stages]
 
 
 def test_stage_interval_stores_nothing_beyond_the_stage_input_on_a_block_only_stage():
@@ -65,8 +67,8 @@ def test_stage_interval_stores_nothing_beyond_the_stage_input_on_a_block_only_st
     pipe, plan = measured_and_planned(FullRecompute(interval="stage"), stages=4, n_layer=8)
     for stage in (1, 2):
         measured = pipe.stages[stage].meter.bytes_per_micro_batch()[0]
-        assert measured == plan["stages"][stage]["stage_input_bytes"] == 2 * 16 * 32 * 4
-        assert plan["stages"][stage]["activation_bytes_per_microbatch"] == measured
+        assert measured == plan.stages[stage].stage_input_bytes == 2 * 16 * 32 * 4
+        assert plan.stages[stage].activation_bytes_per_microbatch == measured
 
 
 @pytest.mark.parametrize("stages, micro_batches", [(2, 4), (4, 8), (4, 2), (8, 4)])
@@ -79,13 +81,13 @@ def test_in_flight_micro_batches_come_from_deepspeeds_schedule(stages, micro_bat
 
 def test_peak_activation_bytes_are_per_micro_batch_bytes_times_in_flight():
     cfg = GPTConfig(n_layer=8, n_head=4, n_embd=32, seq_len=16, vocab_size=64, dropout=0.1, attention="math")
-    layout = pipeline_layout(cfg, NoRecompute(), 4, "type:Block", seed=0)
-    plan = plan_run(cfg, NoRecompute(), layout, RunShape(8, 2, 1, 0, Target("cpu", "fp32")))
-    assert [s["in_flight_microbatches"] for s in plan["stages"]] == [4, 3, 2, 1]
-    for s in plan["stages"]:
-        assert s["peak_activation_bytes"] == s["activation_bytes_per_microbatch"] * s["in_flight_microbatches"]
-        assert s["predicted_peak_bytes"] == (s["param_bytes"] + s["grad_bytes"] + s["optimizer_bytes"]
-                                             + s["peak_activation_bytes"] + s["pipe_buffer_bytes"])
+    run = RunShape(Topology(4), Target("cpu", "fp32"), micro_batches=8, micro_batch_size=2)
+    plan = plan_run(cfg, NoRecompute(), build_layout(cfg, NoRecompute(), run, "type:Block", seed=0), run)
+    assert [s.in_flight_microbatches for s in plan.stages] == [4, 3, 2, 1]
+    for s in plan.stages:
+        assert s.peak_activation_bytes == s.activation_bytes_per_microbatch * s.in_flight_microbatches
+        assert s.predicted_peak_bytes == (s.param_bytes + s.grad_bytes + s.optimizer_bytes
+                                             + s.peak_activation_bytes + s.pipe_buffer_bytes)
 
 
 GPT3 = Shape(b=1, s=2048, h=12288, a=96, vocab=50257, dropout=True, attention="math")
@@ -94,20 +96,20 @@ GPT3 = Shape(b=1, s=2048, h=12288, a=96, vocab=50257, dropout=True, attention="m
 @pytest.mark.parametrize("modules, paper", [((), "none"), (("core_attn",), "selective")])
 def test_gpt3_per_block_bytes_match_korthikanti_in_16_bit_on_cuda(modules, paper):
     planned = total(block_items(GPT3, Target("cuda", "bf16"), modules))
-    assert planned == pytest.approx(korthikanti(GPT3)[paper], rel=0.10)
+    assert planned == pytest.approx(getattr(PaperBytes.of(GPT3), paper), rel=0.10)
 
 
 def test_gpt3_full_recompute_keeps_2sbh_per_block():
     choices = block_choices(GPT3, Target("cuda", "bf16"))
-    assert choices["full"]["activation_bytes"] == korthikanti(GPT3)["full"]
+    assert choices["full"].activation_bytes == PaperBytes.of(GPT3).full
 
 
 def test_sdpa_without_dropout_leaves_selective_almost_nothing_to_save():
     fused = Shape(b=1, s=2048, h=12288, a=96, vocab=50257, dropout=False, attention="sdpa")
     choices = block_choices(fused, Target("cuda", "bf16"))
-    assert choices["selective:core_attn"]["saved_bytes"] < 0.01 * choices["none"]["activation_bytes"]
+    assert choices["selective:core_attn"].saved_bytes < 0.01 * choices["none"].activation_bytes
     explicit = block_choices(Shape(1, 2048, 12288, 96, 50257, False, "math"), Target("cuda", "bf16"))
-    assert explicit["selective:core_attn"]["saved_bytes"] > 0.4 * explicit["none"]["activation_bytes"]
+    assert explicit["selective:core_attn"].saved_bytes > 0.4 * explicit["none"].activation_bytes
 
 
 def test_cpu_dropout_masks_cost_the_input_dtype_and_cuda_masks_one_byte():

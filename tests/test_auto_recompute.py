@@ -7,11 +7,11 @@ import time
 import pytest
 
 from model import GPTConfig
-from parallel.auto_layout import layout_for
-from parallel.auto_recompute import GIB, BlockOption, CostTable, analytic_costs, choose_stage, least_stage_bytes
+from parallel.auto_recompute import CostTable, analytic_costs, choose_stage, least_stage_bytes
 from parallel.config import AutoRecompute, SelectiveRecompute
-from parallel.memory_model import Shape, Target
-from parallel.planner import RunShape
+from parallel.layout import build_layout
+from parallel.shapes import GIB, RunShape, Shape, Target, Topology
+from parallel.stage_costs import BlockOption
 
 TABLE = CostTable(
     options=(BlockOption("none", (), 100, 0.0),
@@ -67,8 +67,11 @@ def test_segments_start_at_the_stage_boundary_and_cover_the_full_blocks():
 
 
 def _tiny_run(stages: int, micro_batches: int) -> RunShape:
-    return RunShape(micro_batches=micro_batches, micro_batch_size=2, data_parallel=1, zero_stage=0,
-                    target=Target("cpu", "fp32"))
+    return RunShape(Topology(stages), Target("cpu", "fp32"), micro_batches=micro_batches, micro_batch_size=2)
+
+
+def _budgets(model: GPTConfig, recompute, run: RunShape):
+    return build_layout(model, recompute, run, "type:Block", 0).budgets
 
 
 TINY = GPTConfig(n_layer=8, n_head=4, n_embd=64, seq_len=64, vocab_size=256, dropout=0.1, attention="math")
@@ -76,39 +79,39 @@ TINY = GPTConfig(n_layer=8, n_head=4, n_embd=64, seq_len=64, vocab_size=256, dro
 
 def test_tight_budget_recomputes_more_on_the_first_stage_than_on_the_last():
     run = _tiny_run(4, 8)
-    _, loose = layout_for(TINY, AutoRecompute(budget_gb=1.0, reserve_gb=0.0), 4, "type:Block", 0, run)
+    loose = _budgets(TINY, AutoRecompute(budget_gb=1.0, reserve_gb=0.0), run)
     least = max(b.least_bytes for b in loose)
-    _, tight = layout_for(TINY, AutoRecompute(budget_gb=1.3 * least / GIB, reserve_gb=0.0), 4, "type:Block", 0, run)
+    tight = _budgets(TINY, AutoRecompute(budget_gb=1.3 * least / GIB, reserve_gb=0.0), run)
     assert [b.in_flight for b in tight] == [4, 3, 2, 1]
     assert tight[0].choice.cost > tight[-1].choice.cost
     assert all(b.predicted_peak_bytes <= 1.3 * least for b in tight)
 
 
 def test_when_none_fits_auto_chooses_no_recompute():
-    _, budgets = layout_for(TINY, AutoRecompute(budget_gb=1.0, reserve_gb=0.0), 2, "type:Block", 0, _tiny_run(2, 6))
+    budgets = _budgets(TINY, AutoRecompute(budget_gb=1.0, reserve_gb=0.0), _tiny_run(2, 6))
     assert all(set(b.choice.choices) == {"none"} for b in budgets)
 
 
 def test_nothing_fits_names_the_smallest_budget_and_what_helps():
     with pytest.raises(ValueError) as error:
-        layout_for(TINY, AutoRecompute(budget_gb=0.001, reserve_gb=0.0), 2, "type:Block", 0, _tiny_run(2, 6))
+        _budgets(TINY, AutoRecompute(budget_gb=0.001, reserve_gb=0.0), _tiny_run(2, 6))
     message = str(error.value)
     assert "recompute.budget_gb=0.001 does not fit stage 0" in message
     smallest = float(message.split("the smallest budget that fits every stage is recompute.budget_gb=")[1].split()[0])
-    layout_for(TINY, AutoRecompute(budget_gb=smallest, reserve_gb=0.0), 2, "type:Block", 0, _tiny_run(2, 6))
+    _budgets(TINY, AutoRecompute(budget_gb=smallest, reserve_gb=0.0), _tiny_run(2, 6))
     assert "parallel.pipeline_stages" in message and "train.micro_batch_size" in message
 
 
 def test_uniform_modes_keep_their_own_layout():
-    layout, budgets = layout_for(TINY, SelectiveRecompute(), 2, "type:Block", 0, _tiny_run(2, 6))
-    assert budgets is None and layout.plans[0].selective
+    layout = build_layout(TINY, SelectiveRecompute(), _tiny_run(2, 6), "type:Block", 0)
+    assert layout.budgets is None and layout.plans[0].selective
 
 
 def test_gpt3_175b_on_16_stages_plans_in_seconds():
     gpt3 = GPTConfig(n_layer=96, n_head=96, n_embd=12288, seq_len=2048, vocab_size=50257, dropout=0.1, attention="math")
-    run = RunShape(micro_batches=32, micro_batch_size=1, data_parallel=64, zero_stage=1, target=Target("cuda", "bf16"))
+    run = RunShape(Topology(16, 64), Target("cuda", "bf16"), micro_batches=32, micro_batch_size=1, zero_stage=1)
     start = time.perf_counter()
-    _, budgets = layout_for(gpt3, AutoRecompute(budget_gb=80.0), 16, "type:Block", 0, run)
+    budgets = _budgets(gpt3, AutoRecompute(budget_gb=80.0), run)
     assert time.perf_counter() - start < 10
     assert all(b.predicted_peak_bytes <= 78 * GIB for b in budgets)
     assert budgets[0].choice.cost >= budgets[-1].choice.cost

@@ -7,7 +7,8 @@ import pytest
 
 from model import GPTConfig
 from parallel.config import NoRecompute
-from parallel.layout import pipeline_layout
+from parallel.layout import build_layout
+from parallel.shapes import RunShape, Target, Topology
 from tests.runs import python_run
 
 STAGE_KEYS = {"stage", "layers", "params", "activation_bytes_per_microbatch", "in_flight_microbatches",
@@ -31,7 +32,8 @@ def test_gpt3_175b_on_8_stages_plans_in_seconds_without_a_launcher(tmp_path):
     assert [s["in_flight_microbatches"] for s in plan["stages"]] == [4, 4, 4, 4, 4, 3, 2, 1]
     # The same partition training would use (DeepSpeed's routine, on the meta device).
     cfg = GPTConfig(n_layer=96, n_head=96, n_embd=12288, seq_len=2048, vocab_size=50257)
-    layout = pipeline_layout(cfg, NoRecompute(), 8, "parameters", seed=1234)
+    run = RunShape(Topology(8), Target("cuda", "bf16"), micro_batches=4, micro_batch_size=2)
+    layout = build_layout(cfg, NoRecompute(), run, "parameters", seed=1234)
     assert [s["layers"] for s in plan["stages"]] == [[r.start, r.stop] for r in layout.stages]
     assert 170e9 < sum(s["params"] for s in plan["stages"]) < 177e9  # the tied embedding counts on both ends
     out = result.stdout

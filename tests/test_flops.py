@@ -7,10 +7,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from model import GPT, GPTConfig
 from parallel.config import FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.flops import head_flops_per_token, lookup_peak_tflops, model_flops_per_token, non_embedding_params
-from parallel.layout import pipeline_layout
+from parallel.layout import build_layout
 from parallel.local_stages import LocalPipeline
-from parallel.memory_model import Target, selective_combinations
-from parallel.planner import RunShape, plan_run
+from parallel.memory_model import selective_combinations
+from parallel.run_plan import plan_run
+from parallel.shapes import RunShape, Target, Topology
 
 MODES = [NoRecompute(), FullRecompute(interval="1"), FullRecompute(interval="2"), FullRecompute(interval="stage"),
          *[SelectiveRecompute(modules=list(combo)) for combo in selective_combinations()]]
@@ -22,8 +23,9 @@ def tiny(dropout: float, attention: str = "math") -> GPTConfig:
 
 def counted_and_planned(recompute, dropout: float, attention: str = "math", micro_batch_size: int = 2):
     cfg = tiny(dropout, attention)
-    layout = pipeline_layout(cfg, recompute, 2, "type:Block", seed=0)
-    plan = plan_run(cfg, recompute, layout, RunShape(1, micro_batch_size, 1, 0, Target("cpu", "fp32")))
+    run = RunShape(Topology(2), Target("cpu", "fp32"), micro_batches=1, micro_batch_size=micro_batch_size)
+    layout = build_layout(cfg, recompute, run, "type:Block", seed=0)
+    plan = plan_run(cfg, recompute, layout, run)
     tokens = torch.randint(0, 64, (micro_batch_size, 16), generator=torch.Generator().manual_seed(0))
     with FlopCounterMode(display=False) as counter:
         LocalPipeline(layout).step([(tokens, tokens)])
@@ -36,17 +38,17 @@ def counted_and_planned(recompute, dropout: float, attention: str = "math", micr
 @pytest.mark.parametrize("recompute", MODES, ids=repr)
 def test_hardware_flops_match_flop_counter_mode(recompute, attention, dropout):
     counted, plan = counted_and_planned(recompute, dropout, attention)
-    assert counted == sum(s["hardware_flops_per_step"] for s in plan["stages"])
-    assert plan["flops"]["matmul_flops_per_step"] == sum(s["model_flops_per_step"] for s in plan["stages"])
+    assert counted == sum(s.hardware_flops_per_step for s in plan.stages)
+    assert plan.flops.matmul_flops_per_step == sum(s.model_flops_per_step for s in plan.stages)
 
 
 def test_model_flops_formula_matches_counted_matmuls_up_to_biases_and_norms():
     counted, plan = counted_and_planned(NoRecompute(), dropout=0.1)
-    assert counted == plan["flops"]["matmul_flops_per_step"]  # no recompute: model FLOPs = what runs
+    assert counted == plan.flops.matmul_flops_per_step  # no recompute: model FLOPs = what runs
     # 6N counts biases and LayerNorm gains as if they were matmul weights: 6 (13 h L + 2 h) per token more.
     cfg = tiny(0.1)
-    extra = 6 * (13 * cfg.n_embd * cfg.n_layer + 2 * cfg.n_embd) * plan["flops"]["tokens_per_step"]
-    assert plan["flops"]["model_flops_per_step"] == counted + extra
+    extra = 6 * (13 * cfg.n_embd * cfg.n_layer + 2 * cfg.n_embd) * plan.flops.tokens_per_step
+    assert plan.flops.model_flops_per_step == counted + extra
 
 
 def test_non_embedding_params_exclude_both_embeddings_and_count_the_tied_head_once():
@@ -63,9 +65,9 @@ def test_non_embedding_params_exclude_both_embeddings_and_count_the_tied_head_on
 def test_full_recompute_costs_one_extra_forward_at_the_benchmark_shape(interval, lo, hi):
     cfg = GPTConfig(n_layer=8, n_head=8, n_embd=256, seq_len=512, vocab_size=256, dropout=0.1, attention="math")
     recompute = FullRecompute(interval=interval)
-    plan = plan_run(cfg, recompute, pipeline_layout(cfg, recompute, 2, "type:Block", 0),
-                    RunShape(1, 1, 1, 0, Target("cpu", "fp32")))
-    assert lo <= plan["flops"]["hardware_over_model"] <= hi
+    run = RunShape(Topology(2), Target("cpu", "fp32"), micro_batches=1, micro_batch_size=1)
+    plan = plan_run(cfg, recompute, build_layout(cfg, recompute, run, "type:Block", 0), run)
+    assert lo <= plan.flops.hardware_over_model <= hi
 
 
 def test_early_stop_skips_the_last_matmul_of_a_segment_without_dropout():

@@ -7,7 +7,8 @@ import torch
 from model import GPT, Block, GPTConfig, lm_loss
 from parallel.config import FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.memory_model import selective_combinations
-from parallel.recompute import apply_plan, plan_stage, run_stage
+from parallel.recompute import apply_plan, run_stage
+from parallel.stage_plan import plan_stage
 
 COMBOS = selective_combinations()
 

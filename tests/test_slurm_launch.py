@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness import slurm_launcher
+from sweeps import slurm_launcher
 from parallel.dist_env import first_host, read_dist_env, slurm_master_port
 from tests.runs import REPO, TINY, cpu_env
 
@@ -167,7 +167,7 @@ def test_submitit_sweep_runs_three_multi_rank_jobs(slurm_cluster, tmp_path, laun
         assert summary["node_per_rank"] == ["n1", "n2"]
         assert (job_dir / "config.yaml").is_file() and (job_dir / "metrics.jsonl").is_file()
         assert list((job_dir / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert (sweep / "report.md").is_file()  # the sweep's end (harness/multirun.py) ran in the submitting process
+    assert (sweep / "report.md").is_file()  # the sweep's end (sweeps/callback.py) ran in the submitting process
 
     if launcher == "slurm":  # submitted again into its directory (to finish a sweep), finished jobs are skipped
         done = {num: (sweep / str(num) / "summary.json").stat().st_mtime_ns for num in range(3)}
@@ -195,7 +195,7 @@ def test_submitit_sweep_with_a_failing_rank_fails_instead_of_waiting(slurm_clust
 @pytest.mark.slurm
 def test_submitit_sweep_reports_a_job_rejected_at_start_up_after_the_others_finish(slurm_cluster, tmp_path):
     # pipeline_stages=3 does not divide the world size 2: every rank of job 1 rejects it at start-up
-    # (harness/entry.py) and marks the job FAILED; job 0 trains. The sweep must not exit 0.
+    # (harness/startup.py) and marks the job FAILED; job 0 trains. The sweep must not exit 0.
     result = _submitit_sweep(slurm_cluster, tmp_path, "parallel.pipeline_stages=2,3", env=_env(slurm_cluster, tmp_path))
     assert result.returncode == 1, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     assert "sweep job 1 (SLURM job" in result.stderr, result.stderr[-6000:]

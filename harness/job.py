@@ -1,0 +1,29 @@
+"""What a run does differently when it is one job of a sweep. A plain run uses `JobHooks` as it is; the
+sweep package (sweeps/job.py) overrides it, and train.py picks which. harness/ never imports sweeps/."""
+from pathlib import Path
+from typing import Callable
+
+from omegaconf import DictConfig
+
+from harness.wandb_logger import wandb_agent_fields
+
+
+class JobHooks:
+    """A single run: nothing to skip, nothing to mark, its own W&B run (a W&B agent's group when under one)."""
+
+    def finished_earlier(self, run_dir: Path, cfg: DictConfig, rank: int) -> bool:
+        """True when this job already finished in `run_dir` and must not run again."""
+        return False
+
+    def startup_failed(self, run_dir: Path, message: str, rank: int) -> bool:
+        """Bad input was found at start-up. True when the failure was recorded and the caller should return
+        (the sweep goes on); False when the run should exit with code 2."""
+        return False
+
+    def guard(self, run_dir: Path, rank: int, body: Callable[[], None]) -> Callable[[], None]:
+        """`body` (the training), wrapped in what the job does when it ends badly."""
+        return body
+
+    def wandb_fields(self, run_dir: Path, group: str | None) -> dict:
+        """Fields this job adds to wandb.init (group, name)."""
+        return wandb_agent_fields(group)

@@ -1,0 +1,81 @@
+"""From a composed Hydra config to a run: every input validated once, before any process group or file exists
+(bad input exits 2 with one message naming the option), then a dry run or training."""
+import os
+import sys
+from pathlib import Path
+
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from harness import preemption
+from harness.checkpoint import check_compatible, resume_point
+from harness.context import RunContext
+from harness.faults import EXIT_CONFIG, check_output_dir, run_guarded
+from harness.job import JobHooks
+from harness.run_dir import check_run_dir, remove_if_empty
+from model import gpt_layers, model_param_count
+from parallel.dist_env import DistEnv, read_dist_env
+from schema.checks import check_data, run_shape, to_run_config
+from schema.run import RunConfig
+
+
+def run_from_hydra(cfg: DictConfig, job: JobHooks) -> None:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    rank = 0
+    try:
+        env = read_dist_env()
+        rank = env.rank
+        if job.finished_earlier(run_dir, cfg, rank):  # a relaunched sweep: this job is done
+            return
+        ctx = validate(cfg, run_dir, env, job)
+        # DeepSpeed fixes its accelerator when it is first imported (importing parallel.layout does), so the
+        # modules that import it come only after validate() has chosen one.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu" if ctx.run.dry_run else ctx.target.device)
+        from harness.dry_run import dry_run
+        from harness.run_layout import plan_layout
+        from harness.trainer import train
+
+        layout = plan_layout(ctx)  # recompute=auto may not fit its budget
+    except ValueError as error:
+        message = f"stagecheck: error: {error}"
+        print(message, file=sys.stderr)
+        if job.startup_failed(run_dir, message, rank):
+            return  # a sweep job: marked FAILED in its directory, the sweep goes on (sweeps/job.py)
+        remove_if_empty(run_dir)
+        sys.exit(EXIT_CONFIG)
+
+    if ctx.run.dry_run:
+        dry_run(ctx, layout)  # plan.json and the per-stage table; no process group
+        return
+    # SIGTERM/SIGUSR1 from here on: checkpoint at the next step boundary, exit 75 (harness/faults.py).
+    preemption.install(rank)
+    # An exception ends this rank at once with `stagecheck: rank N failed: ...`, never a hang; the job's guard
+    # decides what a sweep does with it.
+    run_guarded(rank, job.guard(run_dir, rank, lambda: train(ctx, layout)))
+
+
+def validate(cfg: DictConfig, run_dir: Path, env: DistEnv, job: JobHooks) -> RunContext:
+    """Config values, topology, device, data, the checkpoint to resume and the run directory; raises
+    ValueError. (The layout, planned next, checks recompute=auto's budget.)"""
+    run = to_run_config(cfg)
+    world_size = dry_run_world_size(run, env) if run.dry_run else env.world_size
+    # A dry run plans for CUDA (train.device=cuda or auto) whether or not this machine has a GPU.
+    shape = run_shape(run, world_size, torch.cuda.is_available() or run.dry_run)
+    check_data(run)
+    point = resume_point(run.train, run_dir)  # train.resume: auto, false or a checkpoint path
+    if point is not None:
+        check_compatible(point, shape.topology)
+    check_run_dir(run_dir, continuing=point is not None and point.inside(run_dir), overwrite=run.train.overwrite)
+    if not run.dry_run:  # read-only, full, too small for a checkpoint
+        check_output_dir(run_dir, model_param_count(gpt_layers(run.model, run.seed)), shape.target.precision,
+                         run.train.keep_checkpoints, env.rank)
+    return RunContext(run, OmegaConf.to_container(cfg, resolve=True), run_dir, env, shape, job)
+
+
+def dry_run_world_size(run: RunConfig, env: DistEnv) -> int:
+    """Under a launcher, its world size; without one, parallel.pipeline_stages (default 1) x
+    parallel.data_parallel_size (default 1) ranks."""
+    if env.source != "single":
+        return env.world_size
+    return (run.parallel.pipeline_stages or 1) * (run.parallel.data_parallel_size or 1)

@@ -1,0 +1,289 @@
+"""The run plan: per stage, what a run will hold and compute before it runs (plan.json, the dry run's
+table, the planned figures in summary.json). The last step of planning: it reads the layout (which already
+holds auto's choices) through stage_costs and flops, and nothing in planning reads it back.
+
+`plan_run` returns a typed `RunPlan`; `to_json()` gives plan.json's layout, `RunPlan.from_json` reads it back
+(the sweep report), and `lines()` is the dry run's table.
+"""
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Optional
+
+from model import GPTConfig, layer_param_counts
+from parallel.auto_recompute import StageBudget
+from parallel.config import RecomputeConfig
+from parallel.flops import (head_flops_per_token, model_flops_per_token, non_embedding_params,
+                            segment_recompute_flops, selective_recompute_flops, stage_flops)
+from parallel.layout import PipelineLayout
+from parallel.memory_model import attention_kernel, block_full_items, stage_input_bytes, total
+from parallel.shapes import GIB, RunShape, Shape, Target
+from parallel.stage_costs import block_options, stage_memory
+
+
+@dataclass(frozen=True)
+class LayerBytes:
+    layer: int
+    """Flat layer index; -1 for the loss."""
+    name: str
+    choice: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class BudgetEstimate:
+    """`recompute=auto`: one stage against the budget."""
+
+    budget_bytes: int
+    predicted_peak_bytes_with_working_set: int
+    recompute_working_bytes: int
+    least_possible_peak_bytes: int
+    recompute_cost: float
+
+    @classmethod
+    def of(cls, budget: StageBudget) -> "BudgetEstimate":
+        return cls(budget.budget_bytes, budget.predicted_peak_bytes, budget.choice.working_bytes, budget.least_bytes,
+                   budget.choice.cost)
+
+
+@dataclass(frozen=True)
+class StageEstimate:
+    stage: int
+    layers: tuple[int, int]
+    """[first, stop) flat layer indices."""
+    blocks: int
+    choices: tuple[str, ...]
+    """One per block."""
+    params: int
+    activation_bytes_per_microbatch: int
+    stage_input_bytes: int
+    in_flight_microbatches: int
+    pipe_buffers: int
+    peak_activation_bytes: int
+    pipe_buffer_bytes: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    predicted_peak_bytes: int
+    model_flops_per_step: int
+    hardware_flops_per_step: int
+    recompute_flops_per_step: int
+    layer_activation_bytes: tuple[LayerBytes, ...]
+    budget: Optional[BudgetEstimate] = None
+    """Flattened into the stage's JSON object."""
+
+    def to_json(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("layer_activation_bytes", "budget")}
+        out["layer_activation_bytes"] = [asdict(layer) for layer in self.layer_activation_bytes]
+        if self.budget is not None:
+            out.update(asdict(self.budget))
+        return _plain(out)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "StageEstimate":
+        budget_keys = [f.name for f in fields(BudgetEstimate)]
+        simple = {f.name: data[f.name] for f in fields(cls) if f.name not in ("layer_activation_bytes", "budget")}
+        simple.update(layers=tuple(data["layers"]), choices=tuple(data["choices"]))
+        budget = BudgetEstimate(**{k: data[k] for k in budget_keys}) if budget_keys[0] in data else None
+        return cls(**simple, layer_activation_bytes=tuple(LayerBytes(**layer) for layer in data["layer_activation_bytes"]),
+                   budget=budget)
+
+
+@dataclass(frozen=True)
+class PlanTarget:
+    device: str
+    precision: str
+    attention: str
+    """model.attention."""
+    attention_kernel: str
+    """The attention code that really runs (parallel.memory_model.attention_kernel)."""
+    dropout: float
+
+
+@dataclass(frozen=True)
+class ChoiceEstimate:
+    """One recompute choice for one block, per micro-batch."""
+
+    activation_bytes: int
+    saved_bytes: int
+    """Against `none`."""
+    recompute_flops: int
+
+
+@dataclass(frozen=True)
+class PaperBytes:
+    """Korthikanti et al. 2022, bytes per block for 16-bit training with dropout and materialised scores:
+    sbh(34 + 5as/h) without recompute, 34sbh selective (attention core), 2sbh full."""
+
+    none: float
+    selective: float
+    full: float
+
+    @classmethod
+    def of(cls, shape: Shape) -> "PaperBytes":
+        sbh = shape.bsh
+        return cls(sbh * (34 + 5 * shape.a * shape.s / shape.h), 34.0 * sbh, 2.0 * sbh)
+
+
+@dataclass(frozen=True)
+class FlopsEstimate:
+    non_embedding_params: int
+    model_flops_per_token: int
+    head_flops_per_token: int
+    tokens_per_step: int
+    model_flops_per_step: int
+    hardware_flops_per_step: int
+    matmul_flops_per_step: int
+    hardware_over_model: float
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    target: PlanTarget
+    recompute: dict
+    """The recompute config's fields."""
+    pipeline_stages: int
+    data_parallel_size: int
+    world_size: int
+    micro_batches: int
+    micro_batch_size: int
+    seq_len: int
+    stage_input_included: bool
+    """Activation bytes per micro-batch include the stage input."""
+    stages: tuple[StageEstimate, ...]
+    per_block_activation_bytes: tuple[int, ...]
+    block_choices: dict[str, ChoiceEstimate]
+    korthikanti_per_block_bytes: PaperBytes
+    flops: FlopsEstimate
+    model: dict
+    """The model config's fields."""
+
+    def to_json(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out.update(target=asdict(self.target), stages=[s.to_json() for s in self.stages],
+                   block_choices={name: asdict(c) for name, c in self.block_choices.items()},
+                   korthikanti_per_block_bytes=asdict(self.korthikanti_per_block_bytes), flops=asdict(self.flops))
+        return _plain(out)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "RunPlan":
+        simple = {f.name: data[f.name] for f in fields(cls)}
+        return cls(**{**simple, "target": PlanTarget(**data["target"]),
+                      "stages": tuple(StageEstimate.from_json(s) for s in data["stages"]),
+                      "per_block_activation_bytes": tuple(data["per_block_activation_bytes"]),
+                      "block_choices": {k: ChoiceEstimate(**v) for k, v in data["block_choices"].items()},
+                      "korthikanti_per_block_bytes": PaperBytes(**data["korthikanti_per_block_bytes"]),
+                      "flops": FlopsEstimate(**data["flops"])})
+
+    def lines(self) -> list[str]:
+        """The per-stage table the dry run prints (memory in GiB, FLOPs in TFLOP per step)."""
+        t, flops = self.target, self.flops
+        lines = [
+            f"plan for {t.device} {t.precision} | attention {t.attention} ({t.attention_kernel}) | "
+            f"dropout {t.dropout} | recompute {self.recompute} | {self.pipeline_stages} stages x "
+            f"{self.data_parallel_size} data-parallel | {self.micro_batches} micro-batches of "
+            f"{self.micro_batch_size} x {self.seq_len} tokens",
+            "activation bytes per micro-batch include the stage input; memory in GiB",
+            f"{'stage':>5} {'layers':>9} {'blocks':>6} {'params':>14} {'act/mb':>10} {'in-flight':>9} "
+            f"{'peak act':>10} {'param+grad+opt':>14} {'pipe buf':>9} {'pred. peak':>10} {'recomp TFLOP':>12}",
+        ]
+        for s in self.stages:
+            states = s.param_bytes + s.grad_bytes + s.optimizer_bytes
+            lines.append(
+                f"{s.stage:>5} {s.layers[0]:>4}..{s.layers[1] - 1:<3} {s.blocks:>6} {s.params:>14,} "
+                f"{_gib(s.activation_bytes_per_microbatch):>10} {s.in_flight_microbatches:>9} "
+                f"{_gib(s.peak_activation_bytes):>10} {_gib(states):>14} {_gib(s.pipe_buffer_bytes):>9} "
+                f"{_gib(s.predicted_peak_bytes):>10} {s.recompute_flops_per_step / 1e12:>12.3f}")
+        k, blocks = self.korthikanti_per_block_bytes, self.per_block_activation_bytes
+        lines.append(f"per block: {_gib(max(blocks)) if blocks else '-'} GiB kept (largest block) | paper, 16-bit: "
+                     f"none {_gib(k.none)}, selective {_gib(k.selective)}, full {_gib(k.full)} GiB")
+        lines.append(f"model FLOPs/step {flops.model_flops_per_step / 1e12:.3f} TFLOP | hardware FLOPs/step "
+                     f"{flops.hardware_flops_per_step / 1e12:.3f} TFLOP (x{flops.hardware_over_model:.3f})")
+        return lines
+
+
+def block_choices(shape: Shape, target: Target) -> dict[str, ChoiceEstimate]:
+    """Every recompute choice for one block: bytes kept per micro-batch, saving against none, and the
+    forward FLOPs redone in backward. `full` is a one-block segment (its input only)."""
+    kernel = attention_kernel(shape, target)
+    options = block_options(shape, target, lambda modules: selective_recompute_flops(shape, modules, kernel))
+    none = options[0].kept_bytes
+    figures = {"none": (none, 0),
+               "full": (total(block_full_items(shape, target, True)), segment_recompute_flops(shape, 1))}
+    figures.update({o.choice: (o.kept_bytes, int(o.cost)) for o in options[1:]})
+    return {name: ChoiceEstimate(kept, none - kept, flops) for name, (kept, flops) in figures.items()}
+
+
+def plan_run(model: GPTConfig, recompute: RecomputeConfig, layout: PipelineLayout, run: RunShape) -> RunPlan:
+    shape, target = Shape.of(model, run.micro_batch_size), run.target
+    kernel = attention_kernel(shape, target)
+    counts = layer_param_counts(layout.recipes)
+    stages = []
+    for index, (stage, plan) in enumerate(zip(layout.stages, layout.plans)):
+        memory = stage_memory(layout.recipes, stage, plan, shape, run, counts)
+        flops = stage_flops(layout.recipes, stage.layers, plan, shape, kernel)
+        stages.append(StageEstimate(
+            stage=stage.stage,
+            layers=(stage.start, stage.stop),
+            blocks=sum(layer.is_block for layer in memory.layers),
+            choices=tuple(layer.choice for layer in memory.layers if layer.is_block),
+            params=memory.params,
+            activation_bytes_per_microbatch=memory.activation_bytes,
+            stage_input_bytes=stage_input_bytes(stage.stage, shape, target),
+            in_flight_microbatches=memory.in_flight,
+            pipe_buffers=memory.pipe_buffers,
+            peak_activation_bytes=memory.activation_bytes * memory.in_flight,
+            pipe_buffer_bytes=memory.pipe_buffer_bytes,
+            param_bytes=memory.states["params"],
+            grad_bytes=memory.states["grads"],
+            optimizer_bytes=memory.states["optimizer"],
+            predicted_peak_bytes=memory.predicted_peak_bytes,
+            model_flops_per_step=flops.model * run.micro_batches,
+            hardware_flops_per_step=flops.hardware * run.micro_batches,
+            recompute_flops_per_step=flops.recompute * run.micro_batches,
+            layer_activation_bytes=tuple(LayerBytes(layer.flat_index, layer.name, layer.choice, layer.bytes)
+                                         for layer in memory.layers),
+            budget=BudgetEstimate.of(layout.budgets[index]) if layout.budgets else None,
+        ))
+    data_parallel = run.topology.data_parallel_size
+    tokens_per_step = run.tokens_per_step(model.seq_len)
+    model_flops = model_flops_per_token(model) * tokens_per_step
+    recompute_flops = sum(s.recompute_flops_per_step for s in stages) * data_parallel
+    return RunPlan(
+        target=PlanTarget(target.device, target.precision, model.attention, kernel, model.dropout),
+        recompute=vars(recompute),
+        pipeline_stages=len(stages),
+        data_parallel_size=data_parallel,
+        world_size=len(stages) * data_parallel,
+        micro_batches=run.micro_batches,
+        micro_batch_size=run.micro_batch_size,
+        seq_len=model.seq_len,
+        stage_input_included=True,
+        stages=tuple(stages),
+        per_block_activation_bytes=tuple(layer.bytes for s in stages for layer in s.layer_activation_bytes
+                                         if layer.choice != "-"),
+        block_choices=block_choices(shape, target),
+        korthikanti_per_block_bytes=PaperBytes.of(shape),
+        flops=FlopsEstimate(
+            non_embedding_params=non_embedding_params(model),
+            model_flops_per_token=model_flops_per_token(model),
+            head_flops_per_token=head_flops_per_token(model),
+            tokens_per_step=tokens_per_step,
+            model_flops_per_step=model_flops,
+            hardware_flops_per_step=model_flops + recompute_flops,
+            matmul_flops_per_step=sum(s.model_flops_per_step for s in stages) * data_parallel,
+            hardware_over_model=(model_flops + recompute_flops) / model_flops,
+        ),
+        model=vars(model),
+    )
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.3f}" if n < 10 * GIB else f"{n / GIB:.1f}"
+
+
+def _plain(value: Any) -> Any:
+    """JSON's own types: tuples become lists, as json.loads would give them back."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

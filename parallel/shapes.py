@@ -1,0 +1,109 @@
+"""What a plan is for, as values: the device and precision (`Target`), the process grid (`Topology`), the
+batch and optimizer sharding around it (`RunShape`), and one micro-batch through the model (`Shape`).
+
+The first stop of planning: memory_model, flops and schedule read these; nothing here reads them back.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from model import GPTConfig
+
+GIB = 1024**3
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PLAN_DEVICES = ("cpu", "cuda")
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class Target:
+    """The device and precision a run uses (what really runs: no `auto` here)."""
+
+    device: str
+    precision: str
+
+    def __post_init__(self) -> None:
+        if self.device not in PLAN_DEVICES:
+            raise ValueError(f"train.device={self.device!r} cannot be planned: allowed values are cpu, cuda")
+        if self.precision not in DTYPE_BYTES:
+            raise ValueError(f"train.precision={self.precision!r} cannot be planned: allowed values are "
+                             f"{', '.join(DTYPE_BYTES)}")
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.precision]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.precision]
+
+    @property
+    def mask_bytes(self) -> int:
+        """Dropout mask: CUDA's fused dropout keeps a bool mask; CPU's multiplies by a noise tensor of
+        the input dtype and keeps that."""
+        return 1 if self.device == "cuda" else self.dtype_bytes
+
+    @property
+    def ln_stat_bytes(self) -> int:
+        """LayerNorm mean and rstd: fp32 on CUDA, the input dtype on CPU (measured)."""
+        return FP32 if self.device == "cuda" else self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Ranks as pipeline stages x data-parallel replicas."""
+
+    pipeline_stages: int
+    data_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.pipeline_stages * self.data_parallel_size
+
+    def as_dict(self) -> dict[str, int]:
+        """For summary.json and W&B's run config."""
+        return {"world_size": self.world_size, "pipeline_stages": self.pipeline_stages,
+                "data_parallel_size": self.data_parallel_size}
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """Everything outside the model and recompute configs that a plan depends on."""
+
+    topology: Topology
+    target: Target
+    micro_batches: int
+    """Per step and data-parallel rank."""
+    micro_batch_size: int
+    zero_stage: int = 0
+
+    def tokens_per_step(self, seq_len: int) -> int:
+        return self.micro_batches * self.micro_batch_size * seq_len * self.topology.data_parallel_size
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One micro-batch through the model: b sequences of s tokens, width h, a heads, vocabulary V."""
+
+    b: int
+    s: int
+    h: int
+    a: int
+    vocab: int
+    dropout: bool
+    attention: str
+
+    @classmethod
+    def of(cls, model: GPTConfig, micro_batch_size: int) -> "Shape":
+        return cls(micro_batch_size, model.seq_len, model.n_embd, model.n_head, model.vocab_size,
+                   model.dropout > 0, model.attention)
+
+    @property
+    def bsh(self) -> int:
+        return self.b * self.s * self.h
+
+    @property
+    def scores(self) -> int:
+        """Attention-score elements b * a * s * s."""
+        return self.b * self.a * self.s * self.s

@@ -1,0 +1,141 @@
+"""Hydra multirun inside one launch: every rank runs the sweep's jobs one after another, in lockstep.
+
+    deepspeed --num_gpus 2 train.py -m +recompute=none,full,selective
+    deepspeed --num_gpus 2 train.py -m +sweep=recompute_modes model=tiny
+
+Each rank runs Hydra's basic sweeper by itself. The jobs are the same on every rank and in the same order
+(the sweeper expands the same overrides), and the sweep directory agrees because `${stagecheck_stamp:}` does
+(harness/run_dir.py); each job's directory is `<sweep dir>/${hydra.job.num}` and holds what a single run's
+does. Per job:
+
+- the process group is made by the first job that trains and reused by the next ones:
+  `deepspeed.init_distributed` skips initialisation when its backend is already up (so
+  `train.collective_timeout_s` of the first training job holds for the whole sweep);
+- the job builds a fresh engine; `on_job_end` collects the previous one (gc, glibc `malloc_trim`, CUDA
+  cache) and warns if a DeepSpeed engine survives; `on_job_start` resets the peak-memory counters
+  (`torch.cuda.reset_peak_memory_stats`, and peak RSS through `/proc/self/clear_refs`), so each job's
+  `peak_memory_bytes_per_stage` is its own;
+- a job that fails is marked by a `FAILED` file in its directory (sweeps/job.py says what fails how). At the
+  end, after a barrier, rank 0 writes the sweep's report (`report.md`, `report.png`, sweeps/report/) and
+  exits 0 when every job finished, else with the exit code of the first failed job (the other ranks exit 0,
+  so that the launcher does not stop rank 0 while it writes the report; the launcher passes rank 0's code on).
+"""
+import ctypes
+import gc
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from harness.faults import EXIT_FAILED
+from parallel.dist_env import read_dist_env
+from sweeps.job import failures, in_multirun, mark_failed
+from sweeps.report import write_report
+
+
+def _rank() -> int:
+    """This process's global rank; 0 where the launcher's variables do not parse (start-up has reported
+    that already, for every job)."""
+    try:
+        return read_dist_env().rank
+    except ValueError:
+        return 0
+
+
+def reset_peak_memory() -> None:
+    """Peak-memory counters restart for the next job: CUDA's, and on Linux the process's peak RSS
+    (VmHWM, which getrusage's ru_maxrss follows) by writing 5 to /proc/self/clear_refs."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # not Linux, or not permitted: the peak then covers the earlier jobs too
+
+
+def _unpin_engines() -> None:
+    """Break what keeps a finished DeepSpeed engine alive. Each forward registers a backward hook on its
+    output tensors through DeepSpeed's OutputBackwardHookManager, whose callbacks are closures over the
+    engine; the tensors stay referenced (pipe buffers, the loss) and, while the autograd graph also refers
+    to them, torch does not show their hooks to Python's collector. So the cycle engine -> tensor -> hook
+    -> engine is never collected: measured here, one engine with its module and optimizer was left per
+    finished job. Dropping the managers' callbacks (every engine is finished when a job ends) cuts it."""
+    manager_cls = getattr(sys.modules.get("deepspeed.runtime.utils"), "OutputBackwardHookManager", None)
+    if manager_cls is None:
+        return
+    for obj in gc.get_objects():
+        if issubclass(type(obj), manager_cls):
+            obj.remove_hooks()
+            obj.preprocess_once_fn = obj.preprocess_per_tensor_fn = None
+
+
+def release_memory() -> int:
+    """Free what finished jobs left: collect cycles (the engine, its optimizer and module), hand freed heap
+    back to the OS, empty the CUDA cache. Returns how many DeepSpeed engines are still alive."""
+    gc.collect()
+    _unpin_engines()
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    engine_cls = getattr(sys.modules.get("deepspeed.runtime.engine"), "DeepSpeedEngine", None)
+    if engine_cls is None:
+        return 0
+    # type(), not isinstance(): some tracked objects answer __class__ lookups with deprecation warnings.
+    return sum(1 for obj in gc.get_objects() if issubclass(type(obj), engine_cls))
+
+
+def _sweep_dir(config: DictConfig) -> Path:
+    return Path(str(config.hydra.sweep.dir))
+
+
+class SweepCallback(Callback):
+    """Registered in conf/config.yaml (`hydra.callbacks`); does nothing outside a multirun."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        failures.clear()
+        self.started = time.time()
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if in_multirun():
+            reset_peak_memory()
+
+    def on_job_end(self, config: DictConfig, job_return: Any = None, **kwargs: Any) -> None:
+        if not in_multirun():
+            return
+        if job_return is not None and getattr(job_return.status, "name", "") == "FAILED":
+            # An exception outside training (training's own end the process): every rank saw the same.
+            error = job_return._return_value
+            mark_failed(Path(config.hydra.runtime.output_dir), f"stagecheck: error: {type(error).__name__}: {error}",
+                        EXIT_FAILED, write=_rank() == 0)
+        alive = release_memory()
+        if alive:
+            print(f"stagecheck: warning: {alive} DeepSpeed engine(s) of finished sweep jobs are still referenced; "
+                  f"their memory is not freed", file=sys.stderr, flush=True)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # every job's summary.json is written (by whichever rank held the loss)
+        sweep_dir = _sweep_dir(config)
+        if _rank() == 0:
+            try:
+                write_report(sweep_dir, logger=config.get("logger"))
+            except Exception as error:  # noqa: BLE001 - the jobs' outputs are there; the report can be redone
+                print(f"stagecheck: warning: the sweep report failed ({type(error).__name__}: {error}); "
+                      f"run `python report.py {sweep_dir}`", file=sys.stderr, flush=True)
+        # Rank 0 alone carries the sweep's exit code: a launcher stops every rank when one exits non-zero,
+        # and rank 0 may still be writing the report while the others are done.
+        if failures and _rank() == 0:
+            failed = ", ".join(f"{num} (exit {code})" for num, code in sorted(failures.items()))
+            print(f"stagecheck: sweep {sweep_dir}: {len(failures)} job(s) failed: {failed}; see FAILED in "
+                  f"their directories", file=sys.stderr, flush=True)
+            raise SystemExit(next(iter(failures.values())))
