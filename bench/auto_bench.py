@@ -1,6 +1,6 @@
 """Auto recompute against uniform full and selective, side by side, at a budget between them.
 
-    DS_ACCELERATOR=cpu .venv/bin/python bench/auto_bench.py
+    DS_ACCELERATOR=cpu .venv/bin/python -m bench.auto_bench
 
 2 stages, 6 micro-batches (stage 0 holds 2 in flight, stage 1 one). The budget is three quarters of the
 way from what uniform full recompute needs on stage 0 to what uniform selective needs there. Every plan
@@ -12,22 +12,18 @@ largest segment's recompute working set. Not a test: timings depend on the machi
 """
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from model import GPTConfig  # noqa: E402
-from parallel.auto_layout import layout_for  # noqa: E402
-from parallel.auto_recompute import GIB, measured_costs  # noqa: E402
-from parallel.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute  # noqa: E402
-from parallel.local_stages import LocalPipeline  # noqa: E402
-from parallel.memory_model import Shape, Target  # noqa: E402
-from parallel.planner import RunShape, plan_run  # noqa: E402
-from parallel.recompute_profile import profile_block  # noqa: E402
+from model import GPTConfig
+from parallel.auto_recompute import measured_costs
+from parallel.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute
+from parallel.layout import build_layout
+from parallel.local_stages import LocalPipeline
+from parallel.recompute_profile import profile_block
+from parallel.run_plan import block_choices, plan_run
+from parallel.shapes import GIB, RunShape, Shape, Target, Topology
 
 STAGES, MICRO_BATCHES = 2, 6
 MiB = 2 ** 20
@@ -36,7 +32,7 @@ MiB = 2 ** 20
 class Plan:
     def __init__(self, name: str, cfg: GPTConfig, recompute, run: RunShape, costs=None):
         self.name = name
-        self.layout, self.budgets = layout_for(cfg, recompute, STAGES, "type:Block", 0, run, costs)
+        self.layout = build_layout(cfg, recompute, run, "type:Block", 0, costs)
         self.plan = plan_run(cfg, recompute, self.layout, run)
         self.pipe = LocalPipeline(self.layout, "fp32")
 
@@ -46,7 +42,7 @@ class Plan:
         return max((stop - start for start, stop in plan.segments), default=0) * block_bytes
 
     def predicted_peak(self, stage: int, block_bytes: int) -> int:
-        return self.plan["stages"][stage]["predicted_peak_bytes"] + self.working_bytes(stage, block_bytes)
+        return self.plan.stages[stage].predicted_peak_bytes + self.working_bytes(stage, block_bytes)
 
     def measured_peak(self, batches, block_bytes: int) -> list[int]:
         for stage in self.pipe.stages:
@@ -55,10 +51,10 @@ class Plan:
         self.zero_grad()
         peaks = []
         for i, stage in enumerate(self.pipe.stages):
-            s = self.plan["stages"][i]
-            fixed = s["param_bytes"] + s["grad_bytes"] + s["optimizer_bytes"] + s["pipe_buffer_bytes"]
+            s = self.plan.stages[i]
+            fixed = s.param_bytes + s.grad_bytes + s.optimizer_bytes + s.pipe_buffer_bytes
             measured = stage.meter.bytes_per_micro_batch()[0]
-            peaks.append(fixed + s["in_flight_microbatches"] * measured + self.working_bytes(i, block_bytes))
+            peaks.append(fixed + s.in_flight_microbatches * measured + self.working_bytes(i, block_bytes))
         return peaks
 
     def zero_grad(self) -> None:
@@ -84,10 +80,9 @@ def main() -> None:
     cfg = GPTConfig(n_layer=args.layers, n_head=8, n_embd=256, seq_len=args.seq_len, vocab_size=256,
                     dropout=args.dropout, attention="math")
     target = Target("cpu", "fp32")
-    run = RunShape(MICRO_BATCHES, args.micro_batch_size, 1, 0, target)
+    run = RunShape(Topology(STAGES), target, micro_batches=MICRO_BATCHES, micro_batch_size=args.micro_batch_size)
     shape = Shape.of(cfg, args.micro_batch_size)
-    block_bytes = plan_run(cfg, NoRecompute(), layout_for(cfg, NoRecompute(), STAGES, "type:Block", 0, run)[0],
-                           run)["block_choices"]["none"]["activation_bytes"]
+    block_bytes = block_choices(shape, target)["none"].activation_bytes
 
     full = Plan("full(1)", cfg, FullRecompute(interval="1"), run)
     selective = Plan("selective", cfg, SelectiveRecompute(), run)

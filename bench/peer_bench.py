@@ -1,7 +1,7 @@
 """stagecheck's recompute modes against a Hugging Face GPT-2 peer, interleaved in one invocation.
 
     .venv/bin/pip install -r requirements-bench.txt     # transformers (the peer); no torch of its own
-    DS_ACCELERATOR=cpu .venv/bin/python bench/peer_bench.py [--rounds 15] [--steps 1] [--attention math]
+    DS_ACCELERATOR=cpu .venv/bin/python -m bench.peer_bench [--rounds 15] [--steps 1] [--attention math]
 
 Every configuration trains the same GPT shape, single process, on the same batches (the synthetic token
 source), with the same optimizer (torch AdamW): stagecheck's model as one pipeline stage run by
@@ -26,15 +26,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from data import SyntheticDataConfig, open_token_source  # noqa: E402
-from model import GPTConfig, lm_loss  # noqa: E402
-from parallel.activation_meter import ActivationMeter  # noqa: E402
-from parallel.config import FullRecompute, NoRecompute, SelectiveRecompute  # noqa: E402
-from parallel.layout import pipeline_layout  # noqa: E402
-from parallel.local_stages import LocalPipeline  # noqa: E402
-from parallel.recompute import _note_stored  # noqa: E402  (the observers stagecheck's own segments report to)
+from data import SyntheticDataConfig, open_token_source
+from model import GPTConfig, lm_loss
+from parallel.activation_meter import ActivationMeter
+from parallel.config import FullRecompute, NoRecompute, SelectiveRecompute
+from parallel.layout import build_layout
+from parallel.local_stages import LocalPipeline
+from parallel.recompute import note_stored  # the observers stagecheck's own segments report to
+from parallel.shapes import RunShape, Target, Topology
 
 MIB = 2 ** 20
 STAGECHECK_MODES = {
@@ -55,7 +54,8 @@ class Stagecheck:
 
     def __init__(self, cfg: GPTConfig, recompute):
         torch.manual_seed(SEED)
-        self.pipe = LocalPipeline(pipeline_layout(cfg, recompute, 1, "parameters", SEED), "fp32")
+        run = RunShape(Topology(1), Target("cpu", "fp32"), micro_batches=1, micro_batch_size=1)
+        self.pipe = LocalPipeline(build_layout(cfg, recompute, run, "parameters", SEED), "fp32")
         for stage in self.pipe.stages:
             stage.train()
         self.optimizer = adamw(self.pipe.parameters())
@@ -125,7 +125,7 @@ def _observed(checkpoint_func):
     """HF's checkpoint function, reporting the inputs a non-reentrant checkpoint keeps to the meter."""
 
     def func(function, *args, **kwargs):
-        _note_stored(*args)
+        note_stored(*args)
         return checkpoint_func(function, *args, **kwargs)
 
     return func

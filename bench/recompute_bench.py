@@ -1,6 +1,6 @@
 """Recompute modes side by side: measured vs planned activation bytes per stage, step time, FLOPs.
 
-    DS_ACCELERATOR=cpu .venv/bin/python bench/recompute_bench.py
+    DS_ACCELERATOR=cpu .venv/bin/python -m bench.recompute_bench
 
 Runs every stage of a 2-stage layout in one process (parallel/local_stages.py: the same StagePlan and
 run_stage code as the DeepSpeed pipeline, with the engine's clone of the stage input), so all modes are
@@ -20,14 +20,12 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from model import GPTConfig  # noqa: E402
-from parallel.config import FullRecompute, NoRecompute, SelectiveRecompute  # noqa: E402
-from parallel.layout import pipeline_layout  # noqa: E402
-from parallel.local_stages import LocalPipeline  # noqa: E402
-from parallel.memory_model import Target  # noqa: E402
-from parallel.planner import RunShape, plan_run  # noqa: E402
+from model import GPTConfig
+from parallel.config import FullRecompute, NoRecompute, SelectiveRecompute
+from parallel.layout import build_layout
+from parallel.local_stages import LocalPipeline
+from parallel.run_plan import plan_run
+from parallel.shapes import RunShape, Target, Topology
 
 MODES = {
     "none": NoRecompute(),
@@ -46,10 +44,11 @@ def model_config(n_layer: int, seq_len: int, dropout: float, attention: str) -> 
 
 class Mode:
     def __init__(self, cfg: GPTConfig, recompute, micro_batch_size: int, micro_batches: int, precision: str):
-        self.layout = pipeline_layout(cfg, recompute, 2, "type:Block", seed=0)
+        run = RunShape(Topology(2), Target("cpu", precision), micro_batches=micro_batches,
+                       micro_batch_size=micro_batch_size)
+        self.layout = build_layout(cfg, recompute, run, "type:Block", seed=0)
         self.pipe = LocalPipeline(self.layout, precision)
-        self.plan = plan_run(cfg, recompute, self.layout,
-                             RunShape(micro_batches, micro_batch_size, 1, 0, Target("cpu", precision)))
+        self.plan = plan_run(cfg, recompute, self.layout, run)
 
     def zero_grad(self) -> None:
         for p in self.pipe.parameters():
@@ -63,7 +62,7 @@ class Mode:
         return [stage.meter.bytes_per_micro_batch()[0] for stage in self.pipe.stages]
 
     def planned(self) -> list[int]:
-        return [s["activation_bytes_per_microbatch"] for s in self.plan["stages"]]
+        return [s.activation_bytes_per_microbatch for s in self.plan.stages]
 
     def step_time(self, batches) -> tuple[float, float]:
         """(process CPU seconds, wall-clock seconds) of one step."""
@@ -143,11 +142,11 @@ def flops_table(cfg: GPTConfig, b: int, modes: dict) -> list[str]:
     batches = batches_for(cfg, b, 1)
     for name, recompute in modes.items():
         mode = Mode(cfg, recompute, b, 1, "fp32")
-        flops = mode.plan["flops"]
-        planned = sum(s["hardware_flops_per_step"] for s in mode.plan["stages"])
+        flops = mode.plan.flops
+        planned = sum(s.hardware_flops_per_step for s in mode.plan.stages)
         counted = mode.counted_flops(batches)
-        lines.append(f"| {name} | {flops['model_flops_per_step'] / 1e9:.2f} | {planned / 1e9:.2f} | "
-                     f"{counted / 1e9:.2f} | {flops['hardware_over_model']:.3f} |")
+        lines.append(f"| {name} | {flops.model_flops_per_step / 1e9:.2f} | {planned / 1e9:.2f} | "
+                     f"{counted / 1e9:.2f} | {flops.hardware_over_model:.3f} |")
     return lines
 
 

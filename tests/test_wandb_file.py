@@ -16,8 +16,7 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-import wandb_file as wf  # noqa: E402
+from tests import wandb_file as wf
 
 STEPS, KEYS = 50, 40  # ~100 KiB of records: spans several 32 KiB blocks
 

@@ -1,0 +1,136 @@
+"""The import contract of docs/ARCHITECTURE.md, checked on the source: which package may import which, the
+one-way order of the planning modules, no import cycle anywhere, DeepSpeed only in parallel/, model/ pure
+PyTorch. Every import counts, wherever it stands: one placed inside a function cannot dodge the contract."""
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("model", "data", "parallel", "schema", "harness", "sweeps", "hydra_plugins", "bench")
+ENTRY_POINTS = ("train", "report")
+
+MAY_IMPORT = {
+    "model": set(),
+    "data": set(),
+    "parallel": {"model"},
+    "schema": {"model", "data", "parallel"},
+    "harness": {"model", "data", "parallel", "schema"},
+    "sweeps": {"model", "data", "parallel", "schema", "harness"},
+    "hydra_plugins": {"sweeps"},
+    "bench": {"model", "data", "parallel"},
+    "train": {"harness", "schema", "sweeps"},
+    "report": {"sweeps"},
+}
+"""Project packages each part may import (its own modules aside); tests/ may import anything."""
+
+PLANNING = [
+    {"parallel.config", "parallel.shapes"},
+    {"parallel.stage_plan", "parallel.partition", "parallel.schedule"},
+    {"parallel.memory_model", "parallel.flops"},
+    {"parallel.stage_costs"},
+    {"parallel.auto_recompute"},
+    {"parallel.layout"},
+    {"parallel.run_plan"},
+]
+"""Planning flows one way: shapes, then bytes / FLOPs / schedule, then per-stage costs, then auto, then the
+layout and the plan. A planning module imports only from steps before its own."""
+
+
+def project_modules() -> dict[str, Path]:
+    modules = {name: REPO / f"{name}.py" for name in ENTRY_POINTS}
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def imports_of(path: Path, modules: dict[str, Path]) -> tuple[set[str], set[str]]:
+    """(project modules, top-level names of everything else) that `path` imports anywhere in it."""
+    project, external = set(), set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            # `from harness import faults` imports the module harness.faults; `from model import GPT`, the package.
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                     for a in node.names]
+        else:
+            continue
+        for name in names:
+            (project if name in modules else external).add(name if name in modules else name.split(".")[0])
+    return project, external
+
+
+MODULES = project_modules()
+GRAPH = {name: imports_of(path, MODULES) for name, path in MODULES.items()}
+
+
+def part_of(module: str) -> str:
+    return module.split(".")[0]
+
+
+def test_packages_import_only_what_the_contract_allows():
+    wrong = [f"{module} imports {target}" for module, (project, _) in GRAPH.items() for target in sorted(project)
+             if part_of(target) != part_of(module) and part_of(target) not in MAY_IMPORT[part_of(module)]]
+    assert not wrong, "imports against docs/ARCHITECTURE.md's contract:\n" + "\n".join(wrong)
+
+
+def test_planning_modules_import_only_earlier_steps():
+    step = {module: i for i, modules in enumerate(PLANNING) for module in modules}
+    assert set(step) <= set(MODULES), f"PLANNING names modules that do not exist: {set(step) - set(MODULES)}"
+    wrong = [f"{module} (step {step[module]}) imports {target}" for module in step
+             for target in sorted(GRAPH[module][0])
+             if part_of(target) == "parallel" and (target not in step or step[target] >= step[module])]
+    assert not wrong, "planning must flow one way:\n" + "\n".join(wrong)
+
+
+def test_there_is_no_import_cycle():
+    """Tarjan's strongly connected components over the module graph: any component of two or more modules
+    (or a module importing itself) is a cycle."""
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for target in GRAPH[module][0]:
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in on_stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while not component or component[-1] != module:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1 or module in GRAPH[module][0]:
+                cycles.append(sorted(component))
+
+    for module in sorted(GRAPH):
+        if module not in index:
+            visit(module)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_only_parallel_imports_deepspeed():
+    users = sorted(m for m, (_, external) in GRAPH.items() if "deepspeed" in external and part_of(m) != "parallel")
+    assert not users, f"only parallel/ may import deepspeed: {users}"
+
+
+@pytest.mark.parametrize("package", ["model", "data"])
+def test_leaf_packages_import_only_the_standard_library_torch_and_numpy(package):
+    allowed = set(sys.stdlib_module_names) | {"torch", "numpy"}
+    foreign = {m: sorted(external - allowed) for m, (_, external) in GRAPH.items()
+               if part_of(m) == package and external - allowed}
+    assert not foreign, f"{package}/ must stay free of other libraries: {foreign}"
+
+
+def test_every_package_says_what_it_does():
+    # hydra_plugins is a namespace package (Hydra scans it for launchers): it has no __init__.py by design.
+    undocumented = [p for p in PACKAGES if p != "hydra_plugins"
+                    and not ast.get_docstring(ast.parse((REPO / p / "__init__.py").read_text()))]
+    assert not undocumented, f"packages whose __init__.py has no docstring: {undocumented}"
