@@ -4,13 +4,13 @@ Reads every job's summary.json (and plan.json, FAILED) under SWEEP_DIR, writes S
 SWEEP_DIR/report.png, and logs both to W&B (a Table and an Image, job_type `report`) in the sweep's group,
 with the sweep's logger settings (offline unless the sweep ran with logger.mode=online). A multirun
 (`train.py -m ...`) writes the same report when it ends; this redoes it, e.g. after a sweep stopped early.
-See harness/sweep_report.py.
+See sweeps/report/.
 """
 import argparse
 import sys
 from pathlib import Path
 
-from harness.sweep_report import write_report
+from sweeps.report import sweep_logger, write_report
 
 
 def main(argv=None) -> int:
@@ -25,8 +25,6 @@ def main(argv=None) -> int:
         return 2
     logger = None
     if args.wandb_mode:
-        from harness.sweep_report import sweep_logger
-
         logger = {**(sweep_logger(args.sweep_dir) or {"name": "wandb"}), "mode": args.wandb_mode}
     try:
         write_report(args.sweep_dir, logger=logger, wandb=not args.no_wandb)

@@ -2,6 +2,7 @@
 one-way order of the planning modules, no import cycle anywhere, DeepSpeed only in parallel/, model/ pure
 PyTorch. Every import counts, wherever it stands: one placed inside a function cannot dodge the contract."""
 import ast
+import subprocess
 import sys
 from pathlib import Path
 
@@ -134,3 +135,13 @@ def test_every_package_says_what_it_does():
     undocumented = [p for p in PACKAGES if p != "hydra_plugins"
                     and not ast.get_docstring(ast.parse((REPO / p / "__init__.py").read_text()))]
     assert not undocumented, f"packages whose __init__.py has no docstring: {undocumented}"
+
+
+def test_start_up_imports_no_deepspeed_before_the_accelerator_is_chosen():
+    """DeepSpeed fixes its accelerator when first imported, and harness/startup.py sets DS_ACCELERATOR from
+    train.device only after validation: what train.py and Hydra's sweep callback import up to then must not
+    pull DeepSpeed in."""
+    code = ("import sys; import harness.startup, harness.run_dir, schema, sweeps.job, sweeps.callback; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'deepspeed'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

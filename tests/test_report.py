@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.sweep_report import MIB, load_jobs, rows, write_report
+from sweeps.report import write_report
+from sweeps.report.loading import load_jobs
+from sweeps.report.table import MIB, rows
 from tests import wandb_file
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "sweep_report"
@@ -89,6 +91,18 @@ def test_plan_only_and_incomplete_jobs_are_reported(sweep):
     assert planned[1:4] == ["selective", "core_attn", "n/a"] and planned[6] != "n/a"
 
 
+def test_a_plan_json_that_is_no_plan_counts_as_none(sweep):
+    """A plan.json of another layout (or not JSON) leaves the job without a plan: no crash, no predictions."""
+    (sweep / "4").mkdir()
+    (sweep / "4" / "plan.json").write_text(json.dumps({"stages": [{"activation_bytes_per_microbatch": 1}]}))
+    (sweep / "5").mkdir()
+    (sweep / "5" / "plan.json").write_text("{not json")
+    jobs = {job.num: job for job in load_jobs(sweep)}
+    assert jobs["4"].plan is None and jobs["4"].status == "incomplete"
+    assert jobs["5"].plan is None and jobs["5"].status == "incomplete"
+    assert "0 planned only (dry run), 2 incomplete" in write_report(sweep, wandb=False)["markdown"].read_text()
+
+
 def finished(run_file: Path) -> bool:
     try:
         return "exit" in {r.WhichOneof("record_type") for r in wandb_file.read_records(run_file)}
@@ -129,6 +143,7 @@ def test_auto_jobs_of_a_second_multirun_join_the_report(sweep):
     assert [job.num for job in jobs] == ["0", "1", "2", "3", "auto_0"]
     auto = jobs[-1]
     assert auto.mode == "auto" and auto.plan_source == "config.yaml"
-    planned = [s["activation_bytes_per_microbatch"] for s in auto.plan["stages"]]
+    planned = [s.activation_bytes_per_microbatch for s in auto.plan.stages]
     assert planned == auto.summary["activation_bytes_per_stage"]
-    assert table_row(write_report(sweep, wandb=False)["markdown"].read_text(), "auto_0")[1:3] == ["auto", "budget 0.0135 GiB"]
+    markdown = write_report(sweep, wandb=False)["markdown"].read_text()
+    assert table_row(markdown, "auto_0")[1:3] == ["auto", "budget 0.0135 GiB"]

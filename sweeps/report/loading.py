@@ -1,0 +1,213 @@
+"""A sweep's job directories as `Job`s: each job's summary.json, plan.json, config.yaml and FAILED, read back in
+job order, with the planner's plan for trained jobs that wrote no plan.json.
+
+Per-stage figures are lists, one entry per stage, None where unknown; bytes throughout.
+"""
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import yaml
+
+from sweeps.job import FAILED
+
+if TYPE_CHECKING:  # imported where used: parallel/ imports DeepSpeed (see _deepspeed_on_cpu)
+    from parallel.run_plan import RunPlan
+
+JOB_FILES = ("summary.json", "plan.json", "config.yaml", FAILED)
+MODEL_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size", "attention", "dropout")
+RUN_KEYS = ("seq_len", "micro_batch_size", "micro_batches", "pipeline_stages", "data_parallel_size")
+
+
+@dataclass
+class Job:
+    num: str
+    path: Path
+    summary: Optional[dict] = None
+    plan: Optional["RunPlan"] = None
+    config: dict = field(default_factory=dict)
+    failure: Optional[str] = None
+    plan_source: str = "summary.json"
+    """Where the predictions come from: plan.json, config.yaml (planned by this report) or summary.json."""
+
+    @property
+    def status(self) -> str:
+        if self.failure is not None:
+            return "failed"
+        if self.summary is not None:
+            return "done"
+        if self.plan is not None:
+            return "planned"
+        return "incomplete"
+
+    @property
+    def recompute(self) -> dict:
+        found = None
+        if self.summary:
+            found = self.summary.get("recompute_config") or self.summary.get("recompute")
+        elif self.plan is not None:
+            found = self.plan.recompute
+        found = found or self.config.get("recompute")
+        return found if isinstance(found, dict) else {"mode": found or "none"}
+
+    @property
+    def mode(self) -> str:
+        return self.recompute.get("mode", "none")
+
+    @property
+    def setting(self) -> str:
+        """interval (full) or modules (selective)."""
+        r = self.recompute
+        if self.mode == "full":
+            return f"interval {r.get('interval')}"
+        if self.mode == "selective":
+            return "+".join(r.get("modules") or [])
+        if self.mode == "auto":
+            return f"budget {r.get('budget_gb')} GiB"
+        return "-"
+
+    @property
+    def variant(self) -> str:
+        r = self.recompute
+        if self.mode == "full":
+            return f"full/{r.get('interval')}"
+        if self.mode == "selective":
+            return "selective/" + "+".join(r.get("modules") or [])
+        if self.mode == "auto":
+            return f"auto/{r.get('budget_gb')}GiB"
+        return self.mode
+
+    def shape(self) -> dict:
+        """The model, batch, pipeline, precision and device of the job: the summary's where it has one, else the
+        plan's."""
+        plan = self.plan
+        model = self.config.get("model") or (plan.model if plan is not None else None) or {}
+        if self.summary:
+            run = self.summary
+        else:
+            run = {k: getattr(plan, k) for k in RUN_KEYS} if plan is not None else {}
+        out = {k: model.get(k) for k in MODEL_KEYS}
+        out.update({k: run.get(k) for k in RUN_KEYS})
+        out["precision"] = run.get("precision", plan.target.precision if plan is not None else None)
+        out["device"] = run.get("device", plan.target.device if plan is not None else None)
+        return out
+
+    def measured_activation(self) -> Optional[list]:
+        return (self.summary or {}).get("activation_bytes_per_stage")
+
+    def measured_peak_activation(self) -> Optional[list]:
+        return (self.summary or {}).get("peak_activation_bytes_per_stage")
+
+    def measured_peak_memory(self) -> Optional[list]:
+        return (self.summary or {}).get("peak_memory_bytes_per_stage")
+
+    def predicted_activation(self) -> Optional[list]:
+        if self.plan is not None:
+            return [s.activation_bytes_per_microbatch for s in self.plan.stages]
+        return (self.summary or {}).get("planned_activation_bytes_per_stage")
+
+    def predicted_peak_activation(self) -> Optional[list]:
+        if self.plan is not None:
+            return [s.peak_activation_bytes for s in self.plan.stages]
+        planned = self.predicted_activation()
+        in_flight = (self.summary or {}).get("in_flight_microbatches_per_stage")
+        if planned and in_flight and len(planned) == len(in_flight):
+            return [None if p is None else p * n for p, n in zip(planned, in_flight)]
+        return None
+
+    def predicted_peak_memory(self) -> Optional[list]:
+        if self.plan is not None:
+            return [s.predicted_peak_bytes for s in self.plan.stages]
+        return None
+
+    @property
+    def tokens_per_s(self) -> Optional[float]:
+        return (self.summary or {}).get("tokens_per_s")
+
+    @property
+    def step_time_s(self) -> Optional[float]:
+        return (self.summary or {}).get("step_time_s")
+
+
+def _deepspeed_on_cpu() -> None:
+    """Call before importing parallel/: it imports DeepSpeed, which picks its accelerator when first imported,
+    and the report uses only DeepSpeed's pure partition code. A training process writing the report at a
+    sweep's end has imported DeepSpeed already and keeps its choice."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def _read_json(path: Path) -> Optional[dict]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _read_plan(path: Path) -> Optional["RunPlan"]:
+    """plan.json as a RunPlan; None where it is missing, unreadable or not a plan."""
+    data = _read_json(path)
+    if data is None:
+        return None
+    _deepspeed_on_cpu()
+    from parallel.run_plan import RunPlan  # imported only now: it imports DeepSpeed
+
+    try:
+        return RunPlan.from_json(data)
+    except (KeyError, TypeError, AttributeError, ValueError):  # another layout, or not an object
+        return None
+
+
+def plan_from_config(job: Job) -> Optional["RunPlan"]:
+    """The planner's plan for a trained job without plan.json, from its config.yaml and summary.json (what
+    `dry_run=true` would write). None when the planner cannot be run on it."""
+    s, cfg = job.summary or {}, job.config
+    try:
+        _deepspeed_on_cpu()  # parallel/ below imports DeepSpeed, which picks its accelerator at first import
+        from model import GPTConfig
+        from parallel.layout import build_layout
+        from parallel.run_plan import plan_run
+        from parallel.shapes import RunShape, Target, Topology
+        from schema.run import GROUP_SCHEMAS
+
+        model = GPTConfig(**cfg["model"])
+        recompute = GROUP_SCHEMAS["recompute"][job.mode](**job.recompute)
+        run = RunShape(Topology(s["pipeline_stages"], s["data_parallel_size"]), Target(s["device"], s["precision"]),
+                       s["micro_batches"], s["micro_batch_size"], cfg["parallel"]["zero_stage"])
+        # For auto, the analytic plan (no costs): a job planned with recompute.profile=true may have chosen otherwise.
+        layout = build_layout(model, recompute, run, cfg["parallel"]["partition_method"], cfg["seed"])
+        return plan_run(model, recompute, layout, run)
+    except Exception:  # noqa: BLE001 - an old or partial job: the report shows n/a for the plan
+        return None
+
+
+def _job_order(path: Path) -> tuple[str, int]:
+    """Jobs of one multirun (`0`, `1`, ...) in number order; a second multirun into the same directory
+    (`hydra.sweep.subdir=auto_${hydra.job.num}`) after them, in its own order."""
+    prefix = path.name.rstrip("0123456789")
+    suffix = path.name[len(prefix):]
+    return prefix, int(suffix) if suffix else -1
+
+
+def load_jobs(sweep_dir: Path, plan_missing: bool = True) -> list[Job]:
+    """Every job directory of the sweep, in job order. `plan_missing`: plan trained jobs that wrote no
+    plan.json from their config (their `plan_source` says which)."""
+    jobs = []
+    dirs = [p for p in sweep_dir.iterdir()
+            if p.is_dir() and (p.name.isdigit() or any((p / name).exists() for name in JOB_FILES))]
+    for path in sorted(dirs, key=_job_order):
+        job = Job(path.name, path, _read_json(path / "summary.json"), _read_plan(path / "plan.json"))
+        try:
+            job.config = yaml.safe_load((path / "config.yaml").read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            pass
+        if (path / FAILED).exists():
+            job.failure = (path / FAILED).read_text().strip() or "failed"
+        if job.plan is not None:
+            job.plan_source = "plan.json"
+        elif plan_missing and job.summary is not None:
+            job.plan = plan_from_config(job)
+            job.plan_source = "config.yaml" if job.plan is not None else "summary.json"
+        jobs.append(job)
+    return jobs
