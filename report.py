@@ -4,13 +4,13 @@ Reads every job's summary.json (and plan.json, FAILED) under SWEEP_DIR, writes S
 SWEEP_DIR/report.png, and logs both to W&B (a Table and an Image, job_type `report`) in the sweep's group,
 with the sweep's logger settings (offline unless the sweep ran with logger.mode=online). A multirun
 (`train.py -m ...`) writes the same report when it ends; this redoes it, e.g. after a sweep stopped early.
-See sweeps/report/.
+See sweep/report/.
 """
 import argparse
 import sys
 from pathlib import Path
 
-from sweeps.report import sweep_logger, write_report
+from sweep.report import sweep_logger, write_report
 
 
 def main(argv=None) -> int:

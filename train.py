@@ -16,7 +16,7 @@ from omegaconf import DictConfig  # noqa: E402
 from harness.run_dir import register_run_stamp_resolver  # noqa: E402
 from harness.startup import run_from_hydra  # noqa: E402
 from schema import register_schemas  # noqa: E402
-from sweeps.job import job_hooks  # noqa: E402
+from sweep.job import job_hooks  # noqa: E402
 
 register_schemas()
 register_run_stamp_resolver()

@@ -1,5 +1,5 @@
 """What a run does differently when it is one job of a sweep. A plain run uses `JobHooks` as it is; the
-sweep package (sweeps/job.py) overrides it, and train.py picks which. harness/ never imports sweeps/."""
+sweep package (sweep/job.py) overrides it, and train.py picks which. harness/ never imports sweep/."""
 from pathlib import Path
 from typing import Callable
 

@@ -41,7 +41,7 @@ def run_from_hydra(cfg: DictConfig, job: JobHooks) -> None:
         message = f"stagecheck: error: {error}"
         print(message, file=sys.stderr)
         if job.startup_failed(run_dir, message, rank):
-            return  # a sweep job: marked FAILED in its directory, the sweep goes on (sweeps/job.py)
+            return  # a sweep job: marked FAILED in its directory, the sweep goes on (sweep/job.py)
         remove_if_empty(run_dir)
         sys.exit(EXIT_CONFIG)
 

@@ -1,7 +1,7 @@
 """stagecheck's SLURM launcher for Hydra: `hydra/launcher=slurm` (conf/hydra/launcher/slurm.yaml).
 
 Hydra instantiates launchers only from this namespace package, so the class lives here; what it changes
-(the wait for the jobs) and why is in sweeps/slurm_launcher.py.
+(the wait for the jobs) and why is in sweep/slurm_launcher.py.
 """
 import logging
 import os
@@ -32,7 +32,7 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
         executor.update_parameters(**{k if k in base else f"{self._EXECUTOR}_{k}": v
                                       for k, v in params.items() if k not in init_keys})
 
-        sweep_dir = Path(str(self.config.hydra.sweep.dir))  # resolved once, here (sweeps/slurm_launcher.py)
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))  # resolved once, here (sweep/slurm_launcher.py)
         log.info(f"Submitit '{self._EXECUTOR}' sweep output dir : {sweep_dir}")
         sweep_dir.mkdir(parents=True, exist_ok=True)
         if "mode" in self.config.hydra.sweep:
@@ -45,7 +45,7 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
         jobs = executor.map_array(self, *zip(*job_params))
         log.info(f"submitted SLURM job(s) {', '.join(job.job_id for job in jobs)}; logs in {params['submitit_folder']}")
 
-        from sweeps.slurm_launcher import job_return, wait_until_ended  # not at Hydra's plugin scan
+        from sweep.slurm_launcher import job_return, wait_until_ended  # not at Hydra's plugin scan
 
         wait_until_ended(jobs)
         return [job_return(job, idx, overrides)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("model", "data", "parallel", "schema", "harness", "sweeps", "hydra_plugins", "bench")
+PACKAGES = ("model", "data", "parallel", "schema", "harness", "sweep", "hydra_plugins", "bench")
 ENTRY_POINTS = ("train", "report")
 
 MAY_IMPORT = {
@@ -18,11 +18,11 @@ MAY_IMPORT = {
     "parallel": {"model"},
     "schema": {"model", "data", "parallel"},
     "harness": {"model", "data", "parallel", "schema"},
-    "sweeps": {"model", "data", "parallel", "schema", "harness"},
-    "hydra_plugins": {"sweeps"},
+    "sweep": {"model", "data", "parallel", "schema", "harness"},
+    "hydra_plugins": {"sweep"},
     "bench": {"model", "data", "parallel"},
-    "train": {"harness", "schema", "sweeps"},
-    "report": {"sweeps"},
+    "train": {"harness", "schema", "sweep"},
+    "report": {"sweep"},
 }
 """Project packages each part may import (its own modules aside); tests/ may import anything."""
 
@@ -141,7 +141,7 @@ def test_start_up_imports_no_deepspeed_before_the_accelerator_is_chosen():
     """DeepSpeed fixes its accelerator when first imported, and harness/startup.py sets DS_ACCELERATOR from
     train.device only after validation: what train.py and Hydra's sweep callback import up to then must not
     pull DeepSpeed in."""
-    code = ("import sys; import harness.startup, harness.run_dir, schema, sweeps.job, sweeps.callback; "
+    code = ("import sys; import harness.startup, harness.run_dir, schema, sweep.job, sweep.callback; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'deepspeed'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

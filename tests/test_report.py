@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from sweeps.report import write_report
-from sweeps.report.loading import load_jobs
-from sweeps.report.table import MIB, rows
+from sweep.report import write_report
+from sweep.report.loading import load_jobs
+from sweep.report.table import MIB, rows
 from tests import wandb_file
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "sweep_report"

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sweeps import slurm_launcher
+from sweep import slurm_launcher
 from parallel.dist_env import first_host, read_dist_env, slurm_master_port
 from tests.runs import REPO, TINY, cpu_env
 
@@ -167,7 +167,7 @@ def test_submitit_sweep_runs_three_multi_rank_jobs(slurm_cluster, tmp_path, laun
         assert summary["node_per_rank"] == ["n1", "n2"]
         assert (job_dir / "config.yaml").is_file() and (job_dir / "metrics.jsonl").is_file()
         assert list((job_dir / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert (sweep / "report.md").is_file()  # the sweep's end (sweeps/callback.py) ran in the submitting process
+    assert (sweep / "report.md").is_file()  # the sweep's end (sweep/callback.py) ran in the submitting process
 
     if launcher == "slurm":  # submitted again into its directory (to finish a sweep), finished jobs are skipped
         done = {num: (sweep / str(num) / "summary.json").stat().st_mtime_ns for num in range(3)}

@@ -182,7 +182,7 @@ def test_a_failure_inside_training_ends_the_sweep_and_a_relaunch_finishes_it(tmp
                              env=env, timeout=300)
     assert result.returncode != 0
     assert "rank 1 failed: RuntimeError: injected failure" in (sweep / "0" / "FAILED").read_text()
-    assert not (sweep / "1").exists()  # documented limit: the sweep stops (sweeps/job.py)
+    assert not (sweep / "1").exists()  # documented limit: the sweep stops (sweep/job.py)
 
     # Relaunched into the same sweep directory, the sweep finishes: the failed job runs again (its partial
     # outputs need train.overwrite; its earlier FAILED is kept) and job 1 runs.

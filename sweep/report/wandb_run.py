@@ -5,8 +5,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from harness.wandb_logger import init_wandb_run
-from sweeps.report.loading import Job
-from sweeps.report.table import rows
+from sweep.report.loading import Job
+from sweep.report.table import rows
 
 
 def _cell(value: Any) -> Any:

@@ -24,7 +24,7 @@ Here the submitting process polls the result files and `squeue`: a job that has 
 result from every task is reported as failed, naming the job, its exit code and its ranks' messages,
 RESULT_GRACE_S after it ended. The sweep waits for every job before reporting a failure, so no job is
 left unwatched; a failed job then stops the sweep with that message (its `FAILED` file, from
-sweeps/job.py, is in its directory; `python report.py SWEEP_DIR` reports the jobs that finished).
+sweep/job.py, is in its directory; `python report.py SWEEP_DIR` reports the jobs that finished).
 """
 import getpass
 import logging
@@ -36,7 +36,7 @@ from typing import Optional, Sequence
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf
 
-from sweeps.job import FAILED
+from sweep.job import FAILED
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ def job_return(job, idx: int, overrides: Sequence[str], clock=time.monotonic, sl
         except Exception as error:  # noqa: BLE001 - a task raised inside the job (submitit re-raises it here)
             return JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=error)
         # A job that failed at start-up (bad config) or stopped on a non-finite loss returns normally and
-        # leaves a FAILED file in its directory (sweeps/job.py); the sweep must not end with 0.
+        # leaves a FAILED file in its directory (sweep/job.py); the sweep must not end with 0.
         job_dir = OmegaConf.select(ret.hydra_cfg, "hydra.runtime.output_dir") if ret.hydra_cfg is not None else None
         marker = Path(str(job_dir)) / FAILED if job_dir else None
         if ret.status == JobStatus.COMPLETED and marker is not None and marker.is_file():

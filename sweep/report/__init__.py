@@ -4,12 +4,12 @@ throughput, one marker per mode, the planner's prediction beside the measurement
 Input: every job directory `<sweep>/<n>/` (Hydra's `${hydra.job.num}`; any subdirectory holding a job's files,
 such as a second multirun's `auto_<n>/`) with `summary.json` (a trained job),
 `plan.json` (the planner's, where a run wrote one: a dry-run sweep has only that) and `FAILED`
-(sweeps/job.py). Predictions come from plan.json when present, else from the plan the trainer put
+(sweep/job.py). Predictions come from plan.json when present, else from the plan the trainer put
 in summary.json (`planned_activation_bytes_per_stage`). Each mode is compared with the `none` job of the
 same shape (model, sequence length, micro-batch size and count, stages, precision, device).
 
 `loading` reads the job directories, `table` computes the numbers, `markdown`, `figure` and `wandb_run` show
-them. `python report.py SWEEP_DIR` runs this; a multirun writes it at its end (sweeps/callback.py).
+them. `python report.py SWEEP_DIR` runs this; a multirun writes it at its end (sweep/callback.py).
 """
 from pathlib import Path
 from typing import Any, Optional
@@ -17,10 +17,10 @@ from typing import Any, Optional
 import yaml
 from omegaconf import OmegaConf
 
-from sweeps.report.figure import render_png
-from sweeps.report.loading import load_jobs
-from sweeps.report.markdown import render_markdown
-from sweeps.report.wandb_run import log_to_wandb
+from sweep.report.figure import render_png
+from sweep.report.loading import load_jobs
+from sweep.report.markdown import render_markdown
+from sweep.report.wandb_run import log_to_wandb
 
 
 def sweep_logger(sweep_dir: Path) -> Optional[dict]:

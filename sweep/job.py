@@ -41,7 +41,7 @@ RELAUNCH_KEYS = ("resume", "overwrite")
 """`train` keys that say how a launch treats existing outputs, not what a job computes."""
 
 failures: dict[int, int] = {}
-"""This process's failed jobs of the current sweep: job number -> exit code (sweeps/callback.py reads it)."""
+"""This process's failed jobs of the current sweep: job number -> exit code (sweep/callback.py reads it)."""
 
 
 def in_multirun() -> bool:

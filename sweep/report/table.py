@@ -2,7 +2,7 @@
 (one row per job, plain values: bytes, ratios) that the markdown, the figure and W&B show."""
 from typing import Any
 
-from sweeps.report.loading import Job
+from sweep.report.loading import Job
 
 MIB = 1024 ** 2
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size", "attention", "dropout", "seq_len", "micro_batch_size",

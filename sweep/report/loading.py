@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Optional
 
 import yaml
 
-from sweeps.job import FAILED
+from sweep.job import FAILED
 
 if TYPE_CHECKING:  # imported where used: parallel/ imports DeepSpeed (see _deepspeed_on_cpu)
     from parallel.run_plan import RunPlan

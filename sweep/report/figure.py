@@ -3,8 +3,8 @@ marker per recompute mode and one colour per setting; the planner's prediction (
 measurement (filled)."""
 from pathlib import Path
 
-from sweeps.report.loading import Job
-from sweeps.report.table import MIB, axis_label, varying_axes
+from sweep.report.loading import Job
+from sweep.report.table import MIB, axis_label, varying_axes
 
 MARKERS = {"none": "o", "full": "s", "selective": "^", "auto": "D"}
 """One marker per recompute mode (another mode gets "P")."""

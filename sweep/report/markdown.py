@@ -5,9 +5,9 @@ import statistics
 from pathlib import Path
 from typing import Optional
 
-from sweeps.job import FAILED
-from sweeps.report.loading import Job
-from sweeps.report.table import MIB, rows, varying_axes
+from sweep.job import FAILED
+from sweep.report.loading import Job
+from sweep.report.table import MIB, rows, varying_axes
 
 FIGURE = "![memory per stage against tokens/s](report.png)"
 NO_FIGURE = "(no figure: no job has both a throughput and a memory figure)"

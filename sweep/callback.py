@@ -15,8 +15,8 @@ does. Per job:
   cache) and warns if a DeepSpeed engine survives; `on_job_start` resets the peak-memory counters
   (`torch.cuda.reset_peak_memory_stats`, and peak RSS through `/proc/self/clear_refs`), so each job's
   `peak_memory_bytes_per_stage` is its own;
-- a job that fails is marked by a `FAILED` file in its directory (sweeps/job.py says what fails how). At the
-  end, after a barrier, rank 0 writes the sweep's report (`report.md`, `report.png`, sweeps/report/) and
+- a job that fails is marked by a `FAILED` file in its directory (sweep/job.py says what fails how). At the
+  end, after a barrier, rank 0 writes the sweep's report (`report.md`, `report.png`, sweep/report/) and
   exits 0 when every job finished, else with the exit code of the first failed job (the other ranks exit 0,
   so that the launcher does not stop rank 0 while it writes the report; the launcher passes rank 0's code on).
 """
@@ -34,8 +34,8 @@ from omegaconf import DictConfig
 
 from harness.faults import EXIT_FAILED
 from parallel.dist_env import read_dist_env
-from sweeps.job import failures, in_multirun, mark_failed
-from sweeps.report import write_report
+from sweep.job import failures, in_multirun, mark_failed
+from sweep.report import write_report
 
 
 def _rank() -> int:
