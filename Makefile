@@ -5,7 +5,7 @@ INSTALLED := $(VENV)/.installed
 # CPU runs: DeepSpeed's CPU accelerator (gloo), W&B offline.
 CPU_ENV := DS_ACCELERATOR=cpu WANDB_MODE=offline
 
-.PHONY: venv demo test
+.PHONY: venv demo test lint format docs
 venv: $(INSTALLED)
 
 $(INSTALLED): requirements.txt
@@ -21,3 +21,16 @@ demo: venv
 
 test: venv
 	$(CPU_ENV) $(PY) -m pytest -q tests
+
+# ruff's lint and format checks (pyproject.toml); `make format` rewrites the files.
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: venv
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+# docs/configuration.md, generated from the config dataclasses' docstrings (a test checks it is current).
+docs: venv
+	$(PY) -m schema.reference --write

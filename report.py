@@ -6,6 +6,7 @@ with the sweep's logger settings (offline unless the sweep ran with logger.mode=
 (`train.py -m ...`) writes the same report when it ends; this redoes it, e.g. after a sweep stopped early.
 See sweep/report/.
 """
+
 import argparse
 import sys
 from pathlib import Path
@@ -17,8 +18,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("sweep_dir", type=Path, help="a multirun directory holding job directories 0/, 1/, ...")
     parser.add_argument("--no-wandb", action="store_true", help="write report.md and report.png only")
-    parser.add_argument("--wandb-mode", choices=("offline", "online"), default=None,
-                        help="override the sweep's logger.mode for the report run")
+    parser.add_argument(
+        "--wandb-mode",
+        choices=("offline", "online"),
+        default=None,
+        help="override the sweep's logger.mode for the report run",
+    )
     args = parser.parse_args(argv)
     if not args.sweep_dir.is_dir():
         print(f"report.py: error: {args.sweep_dir} is not a directory", file=sys.stderr)

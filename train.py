@@ -1,8 +1,9 @@
 """stagecheck: train a pipelined GPT with a measured recompute mode.
 
-    deepspeed --num_gpus 2 train.py +recompute=selective
-    python train.py model=gpt3-175b parallel.pipeline_stages=8 dry_run=true
+deepspeed --num_gpus 2 train.py +recompute=selective
+python train.py model=gpt3-175b parallel.pipeline_stages=8 dry_run=true
 """
+
 import sys
 
 from harness.launcher_args import strip_launcher_args

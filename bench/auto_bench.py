@@ -10,6 +10,7 @@ thread, so other processes on a shared machine do not count. "Measured peak" = t
 gradient, optimizer and pipe-buffer bytes + in-flight x the activation bytes the meter measured + the
 largest segment's recompute working set. Not a test: timings depend on the machine.
 """
+
 import argparse
 import statistics
 import time
@@ -26,7 +27,7 @@ from parallel.run_plan import block_choices, plan_run
 from parallel.shapes import GIB, RunShape, Shape, Target, Topology
 
 STAGES, MICRO_BATCHES = 2, 6
-MiB = 2 ** 20
+MiB = 2**20
 
 
 class Plan:
@@ -77,8 +78,15 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    cfg = GPTConfig(n_layer=args.layers, n_head=8, n_embd=256, seq_len=args.seq_len, vocab_size=256,
-                    dropout=args.dropout, attention="math")
+    cfg = GPTConfig(
+        n_layer=args.layers,
+        n_head=8,
+        n_embd=256,
+        seq_len=args.seq_len,
+        vocab_size=256,
+        dropout=args.dropout,
+        attention="math",
+    )
     target = Target("cpu", "fp32")
     run = RunShape(Topology(STAGES), target, micro_batches=MICRO_BATCHES, micro_batch_size=args.micro_batch_size)
     shape = Shape.of(cfg, args.micro_batch_size)
@@ -90,13 +98,22 @@ def main() -> None:
     budget = need_full + 0.75 * (need_sel - need_full)
     auto_cfg = AutoRecompute(budget_gb=budget / GIB, reserve_gb=0.0)
     seconds = profile_block(cfg, args.micro_batch_size, "cpu", "fp32")
-    plans = [full, Plan("auto", cfg, auto_cfg, run),
-             Plan("auto(profiled)", cfg, auto_cfg, run, measured_costs(shape, target, seconds)), selective,
-             Plan("none", cfg, NoRecompute(), run)]
+    plans = [
+        full,
+        Plan("auto", cfg, auto_cfg, run),
+        Plan("auto(profiled)", cfg, auto_cfg, run, measured_costs(shape, target, seconds)),
+        selective,
+        Plan("none", cfg, NoRecompute(), run),
+    ]
 
     g = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, 256, (args.micro_batch_size, cfg.seq_len), generator=g),
-                torch.randint(0, 256, (args.micro_batch_size, cfg.seq_len), generator=g)) for _ in range(MICRO_BATCHES)]
+    batches = [
+        (
+            torch.randint(0, 256, (args.micro_batch_size, cfg.seq_len), generator=g),
+            torch.randint(0, 256, (args.micro_batch_size, cfg.seq_len), generator=g),
+        )
+        for _ in range(MICRO_BATCHES)
+    ]
     for plan in plans:
         plan.step_cpu_seconds(batches)  # warm-up
     times = {plan.name: [] for plan in plans}
@@ -106,15 +123,21 @@ def main() -> None:
     tokens = MICRO_BATCHES * args.micro_batch_size * cfg.seq_len
     full_tps = [tokens / t for t in times["full(1)"]]
 
-    print(f"torch {torch.__version__}; L={cfg.n_layer} h=256 a=8 s={cfg.seq_len} b={args.micro_batch_size} "
-          f"dropout={cfg.dropout} fp32 math attention; {STAGES} stages, {MICRO_BATCHES} micro-batches; "
-          f"{args.reps} interleaved repetitions, CPU time on 1 thread")
-    print(f"stage 0 needs: uniform full(1) {need_full / MiB:.2f} MiB, uniform selective {need_sel / MiB:.2f} MiB "
-          f"-> budget {budget / MiB:.2f} MiB (recompute.budget_gb={budget / GIB:.6f})")
+    print(
+        f"torch {torch.__version__}; L={cfg.n_layer} h=256 a=8 s={cfg.seq_len} b={args.micro_batch_size} "
+        f"dropout={cfg.dropout} fp32 math attention; {STAGES} stages, {MICRO_BATCHES} micro-batches; "
+        f"{args.reps} interleaved repetitions, CPU time on 1 thread"
+    )
+    print(
+        f"stage 0 needs: uniform full(1) {need_full / MiB:.2f} MiB, uniform selective {need_sel / MiB:.2f} MiB "
+        f"-> budget {budget / MiB:.2f} MiB (recompute.budget_gb={budget / GIB:.6f})"
+    )
     print("profile (s per block forward part): " + ", ".join(f"{k} {v:.4f}" for k, v in seconds.items()))
     print()
-    print("| plan | stage 0 choices | stage 1 choices | measured peak MiB (s0, s1) | fits | tokens/s (median) "
-          "| / full(1): min, median, max |")
+    print(
+        "| plan | stage 0 choices | stage 1 choices | measured peak MiB (s0, s1) | fits | tokens/s (median) "
+        "| / full(1): min, median, max |"
+    )
     print("|---|---|---|---|---|---|---|")
     for plan in plans:
         peaks = plan.measured_peak(batches, block_bytes)
@@ -122,8 +145,10 @@ def main() -> None:
         ratios = sorted(a / b for a, b in zip(tps, full_tps))  # same repetition: same machine state
         choices = [",".join(sorted(set(st["choices"]))) for st in plan.layout.as_dict()]
         fits = "yes" if max(peaks) <= budget else "no"
-        print(f"| {plan.name} | {choices[0]} | {choices[1]} | {peaks[0] / MiB:.2f}, {peaks[1] / MiB:.2f} | {fits} | "
-              f"{statistics.median(tps):.0f} | {ratios[0]:.3f}, {statistics.median(ratios):.3f}, {ratios[-1]:.3f} |")
+        print(
+            f"| {plan.name} | {choices[0]} | {choices[1]} | {peaks[0] / MiB:.2f}, {peaks[1] / MiB:.2f} | {fits} | "
+            f"{statistics.median(tps):.0f} | {ratios[0]:.3f}, {statistics.median(ratios):.3f}, {ratios[-1]:.3f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ non-reentrant checkpoint keeps by reference (its inputs), reported through paral
 by stagecheck's segments and, here, by a wrapper around each HF layer's checkpoint function.
 Not a test: figures depend on the machine. docs/peer_benchmark.md holds a run.
 """
+
 import argparse
 import json
 import os
@@ -35,7 +36,7 @@ from parallel.local_stages import LocalPipeline
 from parallel.recompute import note_stored  # the observers stagecheck's own segments report to
 from parallel.shapes import RunShape, Target, Topology
 
-MIB = 2 ** 20
+MIB = 2**20
 STAGECHECK_MODES = {
     "stagecheck none": NoRecompute(),
     "stagecheck full(1)": FullRecompute(interval="1"),
@@ -82,10 +83,20 @@ class HuggingFace:
 
         torch.manual_seed(SEED)
         config = GPT2Config(
-            vocab_size=cfg.vocab_size, n_positions=cfg.seq_len, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
-            n_head=cfg.n_head, activation_function="gelu",  # exact GELU, as stagecheck's nn.GELU()
-            resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout, layer_norm_epsilon=1e-5,
-            use_cache=False, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0,  # byte vocabulary
+            vocab_size=cfg.vocab_size,
+            n_positions=cfg.seq_len,
+            n_embd=cfg.n_embd,
+            n_layer=cfg.n_layer,
+            n_head=cfg.n_head,
+            activation_function="gelu",  # exact GELU, as stagecheck's nn.GELU()
+            resid_pdrop=cfg.dropout,
+            embd_pdrop=cfg.dropout,
+            attn_pdrop=cfg.dropout,
+            layer_norm_epsilon=1e-5,
+            use_cache=False,
+            tie_word_embeddings=True,
+            bos_token_id=0,
+            eos_token_id=0,  # byte vocabulary
             # stagecheck's `math` (explicit QK^T, softmax, dropout, x V) is HF's eager path; `sdpa` is sdpa.
             attn_implementation="eager" if cfg.attention == "math" else "sdpa",
         )
@@ -158,27 +169,52 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence s")
     parser.add_argument("--micro-batch-size", type=int, default=2, help="sequences per step b")
     parser.add_argument("--dropout", type=float, default=0.1)
-    parser.add_argument("--attention", choices=("math", "sdpa"), default="math",
-                        help="stagecheck model.attention; HF runs eager for math, sdpa for sdpa")
+    parser.add_argument(
+        "--attention",
+        choices=("math", "sdpa"),
+        default="math",
+        help="stagecheck model.attention; HF runs eager for math, sdpa for sdpa",
+    )
     parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds (ratios are per round)")
     parser.add_argument("--steps", type=int, default=1, help="timed training steps per configuration and round")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads (0: torch's default; 1 keeps CPU time free of thread spinning)")
-    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
-                        help="what tokens/s and the figures are per: process CPU time (robust on a shared "
-                             "machine) or wall time; the other is printed beside")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (0: torch's default; 1 keeps CPU time free of thread spinning)",
+    )
+    parser.add_argument(
+        "--clock",
+        choices=("cpu", "wall"),
+        default="cpu",
+        help="what tokens/s and the figures are per: process CPU time (robust on a shared "
+        "machine) or wall time; the other is printed beside",
+    )
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    cfg = GPTConfig(n_layer=args.layers, n_head=args.heads, n_embd=args.embd, seq_len=args.seq_len,
-                    vocab_size=256, dropout=args.dropout, attention=args.attention)
+    cfg = GPTConfig(
+        n_layer=args.layers,
+        n_head=args.heads,
+        n_embd=args.embd,
+        seq_len=args.seq_len,
+        vocab_size=256,
+        dropout=args.dropout,
+        attention=args.attention,
+    )
     source = open_token_source(SyntheticDataConfig(), cfg.vocab_size)
     configs = {name: Stagecheck(cfg, recompute) for name, recompute in STAGECHECK_MODES.items()}
     configs.update({name: HuggingFace(cfg, on) for name, on in HF_MODES.items()})
-    n_params = {name: sum(p.numel() for p in (c.pipe.parameters() if isinstance(c, Stagecheck) else c.model.parameters())
-                          if p.requires_grad) for name, c in configs.items()}
+    n_params = {
+        name: sum(
+            p.numel()
+            for p in (c.pipe.parameters() if isinstance(c, Stagecheck) else c.model.parameters())
+            if p.requires_grad
+        )
+        for name, c in configs.items()
+    }
     batch = lambda step: source.batch(SEED, step, 0, 0, args.micro_batch_size, cfg.seq_len)  # noqa: E731
 
     x, y = batch(0)
@@ -191,7 +227,7 @@ def main(argv=None) -> int:
         batches = [batch(1 + r * args.steps + i) for i in range(args.steps)]
         # A B C D E, then B C D E A, ...: each configuration takes each position in turn, so neither a
         # position in the round nor a load change on the machine favours one of them.
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             w, c = timed(configs[name], batches)
             wall[name].append(w)
             cpu[name].append(c)
@@ -224,11 +260,16 @@ def main(argv=None) -> int:
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name in configs:
-        lines.append(f"| {name} | {n_params[name]:,} | {act[name]:,} ({act[name] / MIB:.1f} MiB) | "
-                     f"{act[name] / act['HF checkpointing off']:.3f} | {fmt(spread(rounds[name]), 0)} | "
-                     f"{statistics.median(other[name]):,.0f} | {first_loss[name]:.4f} |")
-    lines += ["", f"| ratio of tokens/s (same round) | {args.clock}: min / median / max | {other_clock}: min / median / max |",
-              "|---|---:|---:|"]
+        lines.append(
+            f"| {name} | {n_params[name]:,} | {act[name]:,} ({act[name] / MIB:.1f} MiB) | "
+            f"{act[name] / act['HF checkpointing off']:.3f} | {fmt(spread(rounds[name]), 0)} | "
+            f"{statistics.median(other[name]):,.0f} | {first_loss[name]:.4f} |"
+        )
+    lines += [
+        "",
+        f"| ratio of tokens/s (same round) | {args.clock}: min / median / max | {other_clock}: min / median / max |",
+        "|---|---:|---:|",
+    ]
     lines += [f"| {label} | {fmt(s)} | {fmt(other_ratios[label])} |" for label, s in ratios.items()]
     none_ratio = ratios["stagecheck none / HF checkpointing off"]
     full_ratio = ratios["stagecheck full(1) / HF checkpointing on"]
@@ -244,10 +285,22 @@ def main(argv=None) -> int:
     ]
     print("\n".join(lines))
     if args.json:
-        args.json.write_text(json.dumps({
-            "args": vars(args) | {"json": str(args.json)}, "activation_bytes": act, "tokens_per_s_wall": wall,
-            "tokens_per_s_cpu": cpu, "ratios": ratios, f"ratios_{other_clock}": other_ratios,
-            "parameters": n_params, "first_loss": first_loss}, indent=2) + "\n")
+        args.json.write_text(
+            json.dumps(
+                {
+                    "args": vars(args) | {"json": str(args.json)},
+                    "activation_bytes": act,
+                    "tokens_per_s_wall": wall,
+                    "tokens_per_s_cpu": cpu,
+                    "ratios": ratios,
+                    f"ratios_{other_clock}": other_ratios,
+                    "parameters": n_params,
+                    "first_loss": first_loss,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
     return 0
 
 

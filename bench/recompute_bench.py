@@ -10,12 +10,11 @@ which wall-clock time does not; the minimum over the repetitions is reported, wi
 beside it. Prints markdown tables. Not a test: timings depend on the machine; docs/recompute_benchmark.md
 holds a run.
 """
+
 import argparse
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -34,18 +33,20 @@ MODES = {
     "full(1)": FullRecompute(interval="1"),
     "full(stage)": FullRecompute(interval="stage"),
 }
-MiB = 2 ** 20
+MiB = 2**20
 
 
 def model_config(n_layer: int, seq_len: int, dropout: float, attention: str) -> GPTConfig:
-    return GPTConfig(n_layer=n_layer, n_head=8, n_embd=256, seq_len=seq_len, vocab_size=256, dropout=dropout,
-                     attention=attention)
+    return GPTConfig(
+        n_layer=n_layer, n_head=8, n_embd=256, seq_len=seq_len, vocab_size=256, dropout=dropout, attention=attention
+    )
 
 
 class Mode:
     def __init__(self, cfg: GPTConfig, recompute, micro_batch_size: int, micro_batches: int, precision: str):
-        run = RunShape(Topology(2), Target("cpu", precision), micro_batches=micro_batches,
-                       micro_batch_size=micro_batch_size)
+        run = RunShape(
+            Topology(2), Target("cpu", precision), micro_batches=micro_batches, micro_batch_size=micro_batch_size
+        )
         self.layout = build_layout(cfg, recompute, run, "type:Block", seed=0)
         self.pipe = LocalPipeline(self.layout, precision)
         self.plan = plan_run(cfg, recompute, self.layout, run)
@@ -81,9 +82,13 @@ class Mode:
 
 def batches_for(cfg: GPTConfig, micro_batch_size: int, micro_batches: int):
     g = torch.Generator().manual_seed(0)
-    return [(torch.randint(0, cfg.vocab_size, (micro_batch_size, cfg.seq_len), generator=g),
-             torch.randint(0, cfg.vocab_size, (micro_batch_size, cfg.seq_len), generator=g))
-            for _ in range(micro_batches)]
+    return [
+        (
+            torch.randint(0, cfg.vocab_size, (micro_batch_size, cfg.seq_len), generator=g),
+            torch.randint(0, cfg.vocab_size, (micro_batch_size, cfg.seq_len), generator=g),
+        )
+        for _ in range(micro_batches)
+    ]
 
 
 def mib(n: int) -> str:
@@ -91,10 +96,13 @@ def mib(n: int) -> str:
 
 
 def bytes_table(shapes, dropout: float, attention: str, modes: dict) -> list[str]:
-    lines = [f"### Activation bytes per micro-batch, per stage (MiB), dropout={dropout}, attention={attention}", "",
-             "| shape | mode | stage 0 measured | stage 0 planned | stage 1 measured | stage 1 planned | "
-             "max error | total / none |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"### Activation bytes per micro-batch, per stage (MiB), dropout={dropout}, attention={attention}",
+        "",
+        "| shape | mode | stage 0 measured | stage 0 planned | stage 1 measured | stage 1 planned | "
+        "max error | total / none |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for n_layer, b, s in shapes:
         cfg = model_config(n_layer, s, dropout, attention)
         batches = batches_for(cfg, b, 1)
@@ -104,9 +112,11 @@ def bytes_table(shapes, dropout: float, attention: str, modes: dict) -> list[str
             measured, planned = mode.measure(batches), mode.planned()
             error = max(abs(m - p) / p for m, p in zip(measured, planned))
             none_total = none_total or sum(measured)
-            lines.append(f"| L={n_layer} b={b} s={s} | {name} | {mib(measured[0])} | {mib(planned[0])} | "
-                         f"{mib(measured[1])} | {mib(planned[1])} | {100 * error:.2f}% | "
-                         f"{sum(measured) / none_total:.3f} |")
+            lines.append(
+                f"| L={n_layer} b={b} s={s} | {name} | {mib(measured[0])} | {mib(planned[0])} | "
+                f"{mib(measured[1])} | {mib(planned[1])} | {100 * error:.2f}% | "
+                f"{sum(measured) / none_total:.3f} |"
+            )
             del mode
     return lines
 
@@ -124,10 +134,13 @@ def timing_table(cfg: GPTConfig, b: int, micro_batches: int, reps: int, modes: d
     wall = {name: statistics.median(w for _, w in ts) for name, ts in times.items()}
     base = cpu["none"]
     full_overhead = cpu["full(1)"] - base
-    lines = [f"### Step time, dropout={cfg.dropout}, attention={cfg.attention} "
-             f"(L={cfg.n_layer} b={b} s={cfg.seq_len}, {micro_batches} micro-batches, {reps} interleaved repetitions)",
-             "", "| mode | CPU s/step (min) | overhead vs none | overhead / full(1)'s | wall s/step (median) |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"### Step time, dropout={cfg.dropout}, attention={cfg.attention} "
+        f"(L={cfg.n_layer} b={b} s={cfg.seq_len}, {micro_batches} micro-batches, {reps} interleaved repetitions)",
+        "",
+        "| mode | CPU s/step (min) | overhead vs none | overhead / full(1)'s | wall s/step (median) |",
+        "|---|---|---|---|---|",
+    ]
     for name, t in cpu.items():
         overhead = t - base
         share = overhead / full_overhead if full_overhead > 0 else float("nan")
@@ -136,17 +149,22 @@ def timing_table(cfg: GPTConfig, b: int, micro_batches: int, reps: int, modes: d
 
 
 def flops_table(cfg: GPTConfig, b: int, modes: dict) -> list[str]:
-    lines = [f"### FLOPs per step, dropout={cfg.dropout} (L={cfg.n_layer} b={b} s={cfg.seq_len}, 1 micro-batch), GFLOP", "",
-             "| mode | model (6(N+hV)+12Lhs) | planner matmul+recompute | FlopCounterMode | hardware / model |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"### FLOPs per step, dropout={cfg.dropout} (L={cfg.n_layer} b={b} s={cfg.seq_len}, 1 micro-batch), GFLOP",
+        "",
+        "| mode | model (6(N+hV)+12Lhs) | planner matmul+recompute | FlopCounterMode | hardware / model |",
+        "|---|---|---|---|---|",
+    ]
     batches = batches_for(cfg, b, 1)
     for name, recompute in modes.items():
         mode = Mode(cfg, recompute, b, 1, "fp32")
         flops = mode.plan.flops
         planned = sum(s.hardware_flops_per_step for s in mode.plan.stages)
         counted = mode.counted_flops(batches)
-        lines.append(f"| {name} | {flops.model_flops_per_step / 1e9:.2f} | {planned / 1e9:.2f} | "
-                     f"{counted / 1e9:.2f} | {flops.hardware_over_model:.3f} |")
+        lines.append(
+            f"| {name} | {flops.model_flops_per_step / 1e9:.2f} | {planned / 1e9:.2f} | "
+            f"{counted / 1e9:.2f} | {flops.hardware_over_model:.3f} |"
+        )
     return lines
 
 
@@ -161,26 +179,32 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     shapes = [(args.layers, 1, 512), (args.layers, 2, 256), (args.layers // 2, 1, 1024)]
-    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-          f"{torch.get_num_threads()} threads; n_embd=256 n_head=8 vocab=256 fp32 2 stages; "
-          f"5as/h = {5 * 8 * 512 / 256:.0f} at s=512\n")
+    print(
+        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads; n_embd=256 n_head=8 vocab=256 fp32 2 stages; "
+        f"5as/h = {5 * 8 * 512 / 256:.0f} at s=512\n"
+    )
     main_off = model_config(args.layers, 512, 0.0, "math")
     main_on = model_config(args.layers, 512, 0.1, "math")
     timed = {k: MODES[k] for k in ("none", "selective", "full(1)", "full(stage)")}
     three = {k: MODES[k] for k in ("none", "selective", "full(1)")}
     sections = {
-        "bytes": [lambda: bytes_table(shapes, 0.1, "math", MODES),
-                  lambda: bytes_table(shapes[:1], 0.0, "math", MODES),
-                  lambda: bytes_table(shapes[:1], 0.0, "sdpa", three)],
-        "time": [lambda: timing_table(main_off, 1, args.micro_batches, args.reps, timed),
-                 lambda: timing_table(main_on, 1, args.micro_batches, args.reps, timed),
-                 lambda: timing_table(model_config(args.layers, 512, 0.0, "sdpa"), 1, args.micro_batches,
-                                      args.reps, three)],
+        "bytes": [
+            lambda: bytes_table(shapes, 0.1, "math", MODES),
+            lambda: bytes_table(shapes[:1], 0.0, "math", MODES),
+            lambda: bytes_table(shapes[:1], 0.0, "sdpa", three),
+        ],
+        "time": [
+            lambda: timing_table(main_off, 1, args.micro_batches, args.reps, timed),
+            lambda: timing_table(main_on, 1, args.micro_batches, args.reps, timed),
+            lambda: timing_table(model_config(args.layers, 512, 0.0, "sdpa"), 1, args.micro_batches, args.reps, three),
+        ],
         "flops": [lambda: flops_table(main_on, 1, timed), lambda: flops_table(main_off, 1, timed)],
     }
     for name in args.sections:
         for table in sections[name]:
             print("\n".join(table() + [""]), flush=True)
+
 
 if __name__ == "__main__":
     main()

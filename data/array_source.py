@@ -39,7 +39,4 @@ class ArrayTokenSource:
         return split_inputs_labels(windows)  # (B, T), (B, T)
 
     def __repr__(self) -> str:
-        return (
-            f"ArrayTokenSource(path={self.path!r}, num_tokens={self.num_tokens}, "
-            f"vocab_size={self.vocab_size})"
-        )
+        return f"ArrayTokenSource(path={self.path!r}, num_tokens={self.num_tokens}, vocab_size={self.vocab_size})"

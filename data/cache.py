@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Callable, Optional, Union
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def host_id() -> str:
 
 
 def ensure_file(
-    path: Union[str, "os.PathLike[str]"],
+    path: str | os.PathLike[str],
     build: Callable[[str], None],
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -62,7 +62,7 @@ def ensure_file(
     lock_path = path + ".lock"
     me = host_id()
     deadline = time.monotonic() + timeout_s
-    seen_signature: Optional[tuple[int, int, int]] = None
+    seen_signature: tuple[int, int, int] | None = None
     seen_since = time.monotonic()
     last_log = time.monotonic()
     while True:
@@ -101,7 +101,7 @@ def ensure_file(
         time.sleep(poll_s)
 
 
-def _try_lock(lock_path: str, me: str) -> Optional[str]:
+def _try_lock(lock_path: str, me: str) -> str | None:
     """Create the lock file exclusively; returns our token on success, None if it exists."""
     try:
         fd = os.open(lock_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -150,7 +150,7 @@ def _unlock(lock_path: str, token: str) -> None:
             pass
 
 
-def _read_lock(lock_path: str) -> tuple[Optional[dict], Optional[tuple[int, int, int]]]:
+def _read_lock(lock_path: str) -> tuple[dict | None, tuple[int, int, int] | None]:
     """The holder's info (None if not yet written or unreadable) and the file's identity."""
     try:
         st = os.stat(lock_path)
@@ -167,9 +167,7 @@ def _read_lock(lock_path: str) -> tuple[Optional[dict], Optional[tuple[int, int,
     return (holder if isinstance(holder, dict) else None), signature
 
 
-def _stale_reason(
-    holder: Optional[dict], me: str, unchanged_s: float, stale_after_s: float
-) -> Optional[str]:
+def _stale_reason(holder: dict | None, me: str, unchanged_s: float, stale_after_s: float) -> str | None:
     if holder is not None and holder.get("host") == me and not _pid_alive(holder.get("pid")):
         return f"its builder pid {holder.get('pid')} on this host is gone"
     # Judged by how long *we* have watched it unchanged, on our own monotonic clock: lock
@@ -191,9 +189,7 @@ def _pid_alive(pid: object) -> bool:
     return True
 
 
-def _break_lock(
-    lock_path: str, signature: tuple[int, int, int], holder: Optional[dict], reason: str
-) -> None:
+def _break_lock(lock_path: str, signature: tuple[int, int, int], holder: dict | None, reason: str) -> None:
     # Rename first (atomic, one winner), then confirm we moved the lock we judged and not a
     # fresh one that replaced it meanwhile; if we did, put it back.
     aside = f"{lock_path}.stale.{os.getpid()}.{uuid.uuid4().hex[:8]}"
@@ -218,7 +214,7 @@ def _break_lock(
             pass
 
 
-def _remove_partial(lock_path: str, holder: Optional[dict]) -> None:
+def _remove_partial(lock_path: str, holder: dict | None) -> None:
     """Delete the temp file(s) a dead builder left behind, so they do not pile up."""
     if holder is None:
         return
@@ -235,7 +231,7 @@ def _remove_partial(lock_path: str, holder: Optional[dict]) -> None:
                 pass
 
 
-def _describe(holder: Optional[dict]) -> str:
+def _describe(holder: dict | None) -> str:
     if holder is None:
         return "an unknown process"
     return f"pid {holder.get('pid')} on host {holder.get('host')}"

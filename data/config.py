@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import sysconfig
 from dataclasses import dataclass
-from typing import Optional, Union
 
 # Text is tokenised as raw bytes, so its vocabulary is fixed.
 BYTE_VOCAB_SIZE = 256
@@ -35,7 +34,7 @@ class TextDataConfig:
 
     name: str = "text"
     """Option of the `data` config group; must stay "text"."""
-    path: Optional[str] = None
+    path: str | None = None
     """A text file (used byte for byte), or a folder whose non-hidden UTF-8 files, recursively,
     are concatenated in sorted path order. None: the embedded corpus, this Python's
     standard-library .py sources (no tests, no site-packages)."""
@@ -125,7 +124,7 @@ class MemmapDataConfig:
             )
 
 
-DataConfig = Union[SyntheticDataConfig, TextDataConfig, MemmapDataConfig]
+DataConfig = SyntheticDataConfig | TextDataConfig | MemmapDataConfig
 
 
 def data_vocab_size(config: DataConfig, model_vocab_size: int) -> int:
@@ -143,8 +142,7 @@ def check_vocab(config: DataConfig, model_vocab_size: int) -> None:
     """Refuse data whose token ids could index past the model's embedding table."""
     if model_vocab_size < 1:
         raise ValueError(
-            f"model.vocab_size={model_vocab_size} is out of range: set model.vocab_size to a "
-            f"positive integer"
+            f"model.vocab_size={model_vocab_size} is out of range: set model.vocab_size to a positive integer"
         )
     needed = data_vocab_size(config, model_vocab_size)
     if needed > model_vocab_size:

@@ -6,8 +6,8 @@ import hashlib
 import json
 import os
 import sysconfig
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Optional
 
 import numpy as np
 
@@ -16,9 +16,7 @@ CACHE_FORMAT = "stagecheck-text-v1"
 
 # Standard-library folders that are not ordinary library source: third-party packages and
 # test suites (which hold deliberately odd encodings and huge generated data files).
-_STDLIB_SKIP_DIRS = frozenset(
-    {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
-)
+_STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
 
 
 @dataclass(frozen=True)
@@ -37,7 +35,7 @@ def stdlib_root() -> str:
     return sysconfig.get_paths()["stdlib"]
 
 
-def list_corpus_files(path: Optional[str], exclude_dir: Optional[str] = None) -> CorpusFiles:
+def list_corpus_files(path: str | None, exclude_dir: str | None = None) -> CorpusFiles:
     """Resolve ``data.path`` (None: embedded stdlib corpus) to a sorted list of files.
 
     ``exclude_dir`` is pruned from folder walks: a cache folder inside the corpus would change
@@ -59,9 +57,7 @@ def list_corpus_files(path: Optional[str], exclude_dir: Optional[str] = None) ->
     )
 
 
-def _walk(
-    root: str, exclude_dir: Optional[str], skip_dirs: frozenset[str], suffix: Optional[str]
-) -> tuple[str, ...]:
+def _walk(root: str, exclude_dir: str | None, skip_dirs: frozenset[str], suffix: str | None) -> tuple[str, ...]:
     excluded = os.path.realpath(exclude_dir) if exclude_dir else None
     found: list[str] = []
     # Symlinked folders are not followed, so a link cycle cannot make the walk endless.
@@ -70,9 +66,7 @@ def _walk(
         dirnames[:] = [
             d
             for d in dirnames
-            if not d.startswith(".")
-            and d not in skip_dirs
-            and os.path.realpath(os.path.join(folder, d)) != excluded
+            if not d.startswith(".") and d not in skip_dirs and os.path.realpath(os.path.join(folder, d)) != excluded
         ]
         for name in filenames:
             if name.startswith(".") or (suffix is not None and not name.endswith(suffix)):

@@ -11,9 +11,7 @@ import numpy as np
 import torch
 
 
-def check_batch_args(
-    seed: int, step: int, dp_rank: int, micro: int, micro_batch_size: int, seq_len: int
-) -> None:
+def check_batch_args(seed: int, step: int, dp_rank: int, micro: int, micro_batch_size: int, seq_len: int) -> None:
     # numpy's SeedSequence rejects negative entries with a message that names none of these.
     for label, value in (("seed", seed), ("step", step), ("dp_rank", dp_rank), ("micro", micro)):
         if value < 0:
@@ -39,9 +37,7 @@ def split_inputs_labels(windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor
     return inputs, labels
 
 
-def sample_windows(
-    tokens: np.ndarray, rng: np.random.Generator, micro_batch_size: int, seq_len: int
-) -> np.ndarray:
+def sample_windows(tokens: np.ndarray, rng: np.random.Generator, micro_batch_size: int, seq_len: int) -> np.ndarray:
     """B windows of T+1 consecutive tokens at uniform random offsets, shape (B, T+1)."""
     n = int(tokens.shape[0])
     if n < seq_len + 1:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Protocol
 
 import torch
 
@@ -24,7 +24,7 @@ class TokenSource(Protocol):
     # Number of distinct token ids the source can emit.
     vocab_size: int
     # Corpus length in tokens; None when unbounded (synthetic).
-    num_tokens: Optional[int]
+    num_tokens: int | None
 
     def batch(
         self, seed: int, step: int, dp_rank: int, micro: int, micro_batch_size: int, seq_len: int

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from data.sampling import batch_rng, check_batch_args, split_inputs_labels
@@ -13,7 +11,7 @@ class SyntheticTokenSource:
     """Tokens drawn uniformly from [0, vocab_size) by the per-batch generator."""
 
     # There is no finite corpus behind this source.
-    num_tokens: Optional[int] = None
+    num_tokens: int | None = None
 
     def __init__(self, vocab_size: int) -> None:
         if vocab_size < 1:

@@ -27,7 +27,11 @@ def open_text_source(config: TextDataConfig) -> ArrayTokenSource:
         count = write_tokens(files, tmp)
         log.info(
             "built text cache %s: %d tokens from %d files (%s) in %.1f s",
-            path, count, len(files.paths), files.origin, time.perf_counter() - start,
+            path,
+            count,
+            len(files.paths),
+            files.origin,
+            time.perf_counter() - start,
         )
 
     ensure_file(path, build)

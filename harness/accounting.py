@@ -4,8 +4,8 @@ one step only), micro-batches in flight under 1F1B, peak memory, and FLOP/s, MFU
 The trainer calls `before_step` / `after_step` around each step, adds `step_record` to the logged
 metrics, and merges `gather()` (a collective: every rank calls it) into summary.json and W&B.
 """
+
 import statistics
-from typing import Optional
 
 import torch
 
@@ -16,7 +16,7 @@ from parallel.run_plan import RunPlan
 from parallel.schedule import in_flight_micro_batches
 
 
-def peak_tflops(configured: Optional[float], device: str, precision: str) -> Optional[float]:
+def peak_tflops(configured: float | None, device: str, precision: str) -> float | None:
     """train.peak_tflops when set, else the table entry for this GPU; None on CPU or an unknown GPU."""
     if configured is not None:
         return configured
@@ -31,7 +31,7 @@ class Accounting:
         self.device = ctx.target.device
         self.world_size = ctx.topology.world_size
         self.measure_step = ctx.run.train.measure_step
-        self.measured_step: Optional[int] = None
+        self.measured_step: int | None = None
         self.meter = ActivationMeter(engine.module.parameters)
         attach_to_pipeline(engine.module, self.meter)
         self.plan = plan
@@ -68,8 +68,9 @@ class Accounting:
             "dp_rank": self.engine.grid.get_data_parallel_rank(),
             "activation_bytes": max(recorded) if recorded else None,
             "stage_input_bytes": max(self.meter.stage_input_bytes()) if recorded else None,
-            "in_flight": in_flight_micro_batches(self.engine.micro_batches, self.engine.num_stages,
-                                                 self.engine.stage_id),
+            "in_flight": in_flight_micro_batches(
+                self.engine.micro_batches, self.engine.num_stages, self.engine.stage_id
+            ),
             "peak_memory_bytes": peak_memory_bytes(self.device),
             "step_time_s": step_time,
             "tflops": stage.model_flops_per_step / step_time / 1e12 if step_time else None,
@@ -90,10 +91,12 @@ class Accounting:
             "planned_activation_bytes_per_stage": [s.activation_bytes_per_microbatch for s in self.plan.stages],
             "in_flight_microbatches_per_stage": [r["in_flight"] for r in first],
             "predicted_peak_bytes_per_stage": [s.predicted_peak_bytes for s in self.plan.stages],
-            "peak_activation_bytes_per_stage": [None if a is None else a * r["in_flight"]
-                                                for a, r in zip(activation, first)],
-            "peak_memory_bytes_per_stage": [max(r["peak_memory_bytes"] for r in ranks if r["stage"] == s)
-                                            for s in range(stages)],
+            "peak_activation_bytes_per_stage": [
+                None if a is None else a * r["in_flight"] for a, r in zip(activation, first)
+            ],
+            "peak_memory_bytes_per_stage": [
+                max(r["peak_memory_bytes"] for r in ranks if r["stage"] == s) for s in range(stages)
+            ],
             "peak_memory_kind": "cuda_max_allocated" if self.device == "cuda" else "cpu_max_rss",
             "model_flops_per_step": self.plan.flops.model_flops_per_step,
             "hardware_flops_per_step": self.plan.flops.hardware_flops_per_step,
@@ -102,6 +105,7 @@ class Accounting:
         }
         if self.peak_tflops:
             out["mfu_per_rank"] = [None if r["tflops"] is None else r["tflops"] / self.peak_tflops for r in ranks]
-            out["hfu_per_rank"] = [None if r["hardware_tflops"] is None else r["hardware_tflops"] / self.peak_tflops
-                                   for r in ranks]
+            out["hfu_per_rank"] = [
+                None if r["hardware_tflops"] is None else r["hardware_tflops"] / self.peak_tflops for r in ranks
+            ]
         return out

@@ -19,6 +19,7 @@ it as soon as rank 0's own files are written, before its final barrier, while ot
 writing theirs. A kill then would leave `latest` naming a checkpoint with missing stages. Ours moves
 only after a barrier that every rank reaches once its files are written.
 """
+
 import json
 import os
 import random
@@ -29,7 +30,6 @@ import string
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -62,8 +62,9 @@ def checkpoints_dir(run_dir: Path) -> Path:
 def new_wandb_run_id() -> str:
     """8 characters of [a-z0-9], the form W&B generates; or WANDB_RUN_ID when set (a W&B sweep agent sets
     it to the run it started this process for, and wandb.init would otherwise open another run)."""
-    return os.environ.get("WANDB_RUN_ID") or "".join(secrets.choice(string.ascii_lowercase + string.digits)
-                                                     for _ in range(8))
+    return os.environ.get("WANDB_RUN_ID") or "".join(
+        secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8)
+    )
 
 
 @dataclass(frozen=True)
@@ -91,20 +92,22 @@ def read_checkpoint(path: Path, option: str = "train.resume") -> ResumePoint:
             break
     meta_path = path / META
     if not meta_path.is_file():
-        raise ValueError(f"{option}={str(path)!r} is not a complete stagecheck checkpoint (no {META}): give a "
-                         f"checkpoints/step_NNNNNNNN directory, a checkpoints/ directory, or a run directory")
+        raise ValueError(
+            f"{option}={str(path)!r} is not a complete stagecheck checkpoint (no {META}): give a "
+            f"checkpoints/step_NNNNNNNN directory, a checkpoints/ directory, or a run directory"
+        )
     meta = json.loads(meta_path.read_text())
     return ResumePoint(path.resolve(), meta)
 
 
-def latest_checkpoint(run_dir: Path) -> Optional[ResumePoint]:
+def latest_checkpoint(run_dir: Path) -> ResumePoint | None:
     pointer = checkpoints_dir(run_dir) / LATEST
     if not pointer.is_file():
         return None
     return read_checkpoint(pointer.parent / pointer.read_text().strip(), option=f"{pointer} names")
 
 
-def resume_point(train, run_dir: Path) -> Optional[ResumePoint]:
+def resume_point(train, run_dir: Path) -> ResumePoint | None:
     """Where this launch starts from, per train.resume (auto, false, or a path). Raises ValueError."""
     if train.resume == "false":
         return None
@@ -126,6 +129,7 @@ def check_compatible(point: ResumePoint, topology: Topology) -> None:
 
 
 # ---- RNG states ------------------------------------------------------------------------------------------
+
 
 def rng_state() -> dict:
     return {
@@ -172,10 +176,11 @@ def prune(root: Path, keep: int) -> list[Path]:
 
 # ---- save and load -----------------------------------------------------------------------------------------
 
+
 class Checkpointer:
     """Saves and loads through the DeepSpeed engine; every method is collective (all ranks call it)."""
 
-    def __init__(self, ctx: RunContext, engine, wandb_run_id: Optional[str]):
+    def __init__(self, ctx: RunContext, engine, wandb_run_id: str | None):
         self.root = checkpoints_dir(ctx.run_dir)
         self.engine = engine
         self.rank = ctx.env.rank
@@ -197,8 +202,7 @@ class Checkpointer:
                 shutil.rmtree(path)
         dist.barrier()
         start = time.perf_counter()
-        self.engine.save_checkpoint(str(self.root), tag=tag, client_state={"stagecheck_step": step},
-                                    save_latest=False)
+        self.engine.save_checkpoint(str(self.root), tag=tag, client_state={"stagecheck_step": step}, save_latest=False)
         atomic_write(path / rank_state_name(self.rank), lambda handle: torch.save(rng_state(), handle), binary=True)
         delay = save_delay_for_test(self.rank, step)
         if delay:
@@ -219,8 +223,10 @@ class Checkpointer:
         return {
             "format": FORMAT_VERSION,
             "step": step,
-            "data": {"next_step": step + 1,
-                     "sampling": "each batch is a pure function of (seed, step, dp_rank, micro)"},
+            "data": {
+                "next_step": step + 1,
+                "sampling": "each batch is a pure function of (seed, step, dp_rank, micro)",
+            },
             "seed": self.seed,
             "world_size": self.topology.world_size,
             "pipeline_stages": self.topology.pipeline_stages,
@@ -240,15 +246,18 @@ class Checkpointer:
         # scheduler and counters without the optimizer, then the optimizer (and its fp32 master weights)
         # from the files it was saved to, as ZeRO's own load does.
         bf16_zero0 = engine.bfloat16_enabled() and not engine.zero_optimization()
-        load_path, client = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=not bf16_zero0,
-                                                   load_lr_scheduler_states=True)
+        load_path, client = engine.load_checkpoint(
+            load_dir, tag=tag, load_optimizer_states=not bf16_zero0, load_lr_scheduler_states=True
+        )
         if load_path is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint {point.path}")
         if bf16_zero0 and not engine._load_zero_checkpoint(load_dir, tag, load_optimizer_states=True):
             raise RuntimeError(f"DeepSpeed found no bf16 optimizer state in {point.path}")
         if client.get("stagecheck_step") != point.step:
-            raise RuntimeError(f"the checkpoint {point.path} is inconsistent: DeepSpeed's state says step "
-                               f"{client.get('stagecheck_step')}, {META} says {point.step}")
+            raise RuntimeError(
+                f"the checkpoint {point.path} is inconsistent: DeepSpeed's state says step "
+                f"{client.get('stagecheck_step')}, {META} says {point.step}"
+            )
         # Our own file, written by this code: not an untrusted pickle.
         set_rng_state(torch.load(point.path / rank_state_name(self.rank), weights_only=False))
         return point.step

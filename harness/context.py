@@ -1,5 +1,6 @@
 """The run as start-up validated it, in one frozen value that every part of a run takes (torchtitan's typed
 trainer state): the typed config, where outputs go, this rank, and what the run is planned for."""
+
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -4,6 +4,7 @@ No launcher, no process group, no deepspeed.initialize: the model is only ever b
 (to count parameters), split into stages by the same partition routine training uses, and planned by
 parallel/run_plan.py. Prints the per-stage table and writes plan.json to the run directory.
 """
+
 from harness.context import RunContext
 from harness.files import atomic_write_json
 from parallel.layout import PipelineLayout

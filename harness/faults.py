@@ -11,14 +11,15 @@ Exit codes of a rank (the deepspeed launcher and srun pass the first non-zero on
 A rank killed by a signal has no exit code of its own: the launcher reports -N (exit status 256-N),
 srun reports the signal.
 """
+
 import math
 import os
 import shutil
 import socket
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 
@@ -59,22 +60,23 @@ def _alive(pid: int) -> bool:
 def gone_ranks() -> list[str]:
     """Ranks on this host whose process has died (others cannot be checked from here)."""
     host = socket.gethostname()
-    return [f"rank {rank} (pid {pid})" for rank, (peer_host, pid) in enumerate(_peers)
-            if peer_host == host and pid != os.getpid() and not _alive(pid)]
+    return [
+        f"rank {rank} (pid {pid})"
+        for rank, (peer_host, pid) in enumerate(_peers)
+        if peer_host == host and pid != os.getpid() and not _alive(pid)
+    ]
 
 
 def _describe(error: BaseException) -> str:
     text = f"{type(error).__name__}: {error}".strip()
     lowered = text.lower()
     timed_out = "timed out" in lowered or "timeout" in lowered
-    if timed_out or any(word in lowered for word in ("connection closed", "connection reset", "broken pipe",
-                                                     "peer")):
+    if timed_out or any(word in lowered for word in ("connection closed", "connection reset", "broken pipe", "peer")):
         gone = gone_ranks()
         if gone:
             text += f" (the connection to another rank broke: {', '.join(gone)} died first)"
         elif timed_out:
-            text += (" (another rank did not answer within train.collective_timeout_s: it hung, or its host is "
-                     "gone)")
+            text += " (another rank did not answer within train.collective_timeout_s: it hung, or its host is gone)"
         else:
             text += " (the connection to another rank broke: it failed first, on another host: see its message)"
     return text
@@ -111,7 +113,7 @@ def _run_cleanups() -> None:
             pass
 
 
-def _env_pair(name: str) -> Optional[tuple[float, float]]:
+def _env_pair(name: str) -> tuple[float, float] | None:
     raw = os.environ.get(name)
     if not raw:
         return None
@@ -134,6 +136,7 @@ def save_delay_for_test(rank: int, step: int) -> float:
 
 
 # ---- non-finite steps ----------------------------------------------------------------------------------
+
 
 def is_finite(value) -> bool:
     if value is None:
@@ -219,8 +222,10 @@ def probe_writable(run_dir: Path) -> None:
         finally:
             os.close(fd)
     except OSError as error:
-        raise ValueError(f"hydra.run.dir={str(run_dir)!r} is not writable ({error.strerror}): "
-                         f"choose a writable hydra.run.dir with free space") from None
+        raise ValueError(
+            f"hydra.run.dir={str(run_dir)!r} is not writable ({error.strerror}): "
+            f"choose a writable hydra.run.dir with free space"
+        ) from None
     finally:
         try:
             probe.unlink()
@@ -228,8 +233,9 @@ def probe_writable(run_dir: Path) -> None:
             pass
 
 
-def check_free_space(run_dir: Path, n_params: int, precision: str, keep: int,
-                     free_bytes: Optional[int] = None) -> Optional[str]:
+def check_free_space(
+    run_dir: Path, n_params: int, precision: str, keep: int, free_bytes: int | None = None
+) -> str | None:
     """Refuse a run whose first checkpoint cannot fit; return a warning when `keep` + 1 of them (the
     kept ones plus the one being written) may not fit."""
     need = checkpoint_bytes(n_params, precision)
@@ -241,8 +247,10 @@ def check_free_space(run_dir: Path, n_params: int, precision: str, keep: int,
             f"choose another hydra.run.dir"
         )
     if free < need * (keep + 1):
-        return (f"hydra.run.dir={str(run_dir)!r} has {free / GB:.1f} GiB free; train.keep_checkpoints={keep} "
-                f"plus the one being written need about {need * (keep + 1) / GB:.1f} GiB")
+        return (
+            f"hydra.run.dir={str(run_dir)!r} has {free / GB:.1f} GiB free; train.keep_checkpoints={keep} "
+            f"plus the one being written need about {need * (keep + 1) / GB:.1f} GiB"
+        )
     return None
 
 

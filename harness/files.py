@@ -1,9 +1,11 @@
 """Files a kill at any moment cannot leave half-written: readers see the old content or the new, never a mix
 or nothing (write a temporary file, fsync it, rename it over the target, fsync the directory)."""
+
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, Any
 
 
 def fsync_path(path: Path) -> None:

@@ -1,7 +1,8 @@
 """What a run does differently when it is one job of a sweep. A plain run uses `JobHooks` as it is; the
 sweep package (sweep/job.py) overrides it, and train.py picks which. harness/ never imports sweep/."""
+
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from omegaconf import DictConfig
 

@@ -1,4 +1,5 @@
 """Launcher arguments Hydra cannot parse."""
+
 import os
 import re
 

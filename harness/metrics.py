@@ -1,9 +1,9 @@
 """Per-step metrics: metrics.jsonl, the progress line, W&B, and summary.json at the end."""
+
 import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Optional
 
 from harness.files import atomic_write_json, atomic_write_text
 from harness.wandb_logger import WandbLogger
@@ -18,8 +18,14 @@ def median_after_warmup(values: list[float]) -> float:
 class MetricsLog:
     """Written by the one rank that holds the loss (last stage, first data-parallel rank)."""
 
-    def __init__(self, run_dir: Path, total_steps: int, print_every: int, wandb: Optional[WandbLogger],
-                 resume_step: Optional[int] = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        total_steps: int,
+        print_every: int,
+        wandb: WandbLogger | None,
+        resume_step: int | None = None,
+    ):
         self.run_dir = run_dir
         self.total_steps = total_steps
         self.print_every = print_every
@@ -44,8 +50,10 @@ class MetricsLog:
             self.wandb.log(record, step=record["step"])
         step = record["step"]
         if step % self.print_every == 0 or step == self.total_steps:
-            line = (f"step {step}/{self.total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-                    f"{record['tokens_per_s']:,.0f} tok/s | {record['step_time_s']:.3f} s/step")
+            line = (
+                f"step {step}/{self.total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+                f"{record['tokens_per_s']:,.0f} tok/s | {record['step_time_s']:.3f} s/step"
+            )
             end = "\r" if self._live and step < self.total_steps else "\n"
             print(line, end=end, flush=True)
 

@@ -9,14 +9,14 @@ Later signals while a request is pending are ignored: SLURM sends SIGTERM at the
 warning USR1, and the deepspeed launcher sends SIGTERM to the other ranks when one rank exits; neither
 may interrupt a save in progress (the launcher and SLURM follow up with SIGKILL on their own).
 """
+
 import os
 import signal
 import threading
-from typing import Optional
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
-_requested: Optional[int] = None
+_requested: int | None = None
 _rank = 0
 
 
@@ -25,8 +25,11 @@ def _handler(signum, frame) -> None:
     if _requested is None:
         _requested = signum
         # os.write, not print: the handler may interrupt a print to the same stream.
-        os.write(2, f"stagecheck: rank {_rank} got {signal.Signals(signum).name}: saving a checkpoint at the "
-                    f"end of this step, then exiting\n".encode())
+        os.write(
+            2,
+            f"stagecheck: rank {_rank} got {signal.Signals(signum).name}: saving a checkpoint at the "
+            f"end of this step, then exiting\n".encode(),
+        )
 
 
 def install(rank: int) -> None:
@@ -53,6 +56,6 @@ def ignore_from_now() -> None:
         signal.signal(signum, signal.SIG_IGN)
 
 
-def requested() -> Optional[int]:
+def requested() -> int | None:
     """The first preemption signal received by this rank, or None."""
     return _requested

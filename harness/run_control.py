@@ -13,6 +13,7 @@ The trainer calls, on every rank:
 
 Logging comes before saving, so a checkpoint at step k always has step k in metrics.jsonl.
 """
+
 import os
 import shutil
 import signal
@@ -20,14 +21,20 @@ import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from harness import faults, preemption
-from harness.checkpoint import (CHECKPOINTS, LATEST, Checkpointer, check_compatible, checkpoints_dir,
-                                new_wandb_run_id, resume_point)
+from harness.checkpoint import (
+    CHECKPOINTS,
+    LATEST,
+    Checkpointer,
+    check_compatible,
+    checkpoints_dir,
+    new_wandb_run_id,
+    resume_point,
+)
 from harness.context import RunContext
 from harness.files import atomic_write_text
 
@@ -53,8 +60,9 @@ class RunControl:
         self.rank = ctx.env.rank
         self.engine = engine
         self.fp16 = ctx.target.precision == "fp16"
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if ctx.target.device == "cuda"
-                       else torch.device("cpu"))
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if ctx.target.device == "cuda" else torch.device("cpu")
+        )
         self.metrics = None
         self.skipped = 0
 
@@ -85,13 +93,18 @@ class RunControl:
         self.checkpointer = Checkpointer(ctx, engine, self.wandb_run_id)
         self.resumed_from = point
         self.start_step = self.checkpointer.load(point) if point is not None else 0
-        self.last_saved: Optional[int] = self.start_step if in_place else None
+        self.last_saved: int | None = self.start_step if in_place else None
         if self.rank == 0 and point is not None:
-            print(f"stagecheck: resuming from {point.path} after step {self.start_step} "
-                  f"(W&B run {self.wandb_run_id})", flush=True)
+            print(
+                f"stagecheck: resuming from {point.path} after step {self.start_step} (W&B run {self.wandb_run_id})",
+                flush=True,
+            )
             if self.start_step >= self.train.steps:
-                print(f"stagecheck: the checkpoint is at step {self.start_step} >= train.steps={self.train.steps}: "
-                      f"nothing left to train", flush=True)
+                print(
+                    f"stagecheck: the checkpoint is at step {self.start_step} >= train.steps={self.train.steps}: "
+                    f"nothing left to train",
+                    flush=True,
+                )
 
         faults.install_nonfinite_guard(engine)
         faults.install_nan_injection(engine, list(self.train.inject_nan_at_steps))
@@ -115,11 +128,15 @@ class RunControl:
         if not self.fp16:  # fp16 skips steps while its loss scale settles: normal, not a fault
             nonfinite = nonfinite or not self.engine.was_step_applied()
         signum = preemption.requested() or 0
-        flags = torch.tensor([float(signum), float(self.rank + 1 if signum else 0), float(nonfinite)],
-                             dtype=torch.float64, device=self.device)
+        flags = torch.tensor(
+            [float(signum), float(self.rank + 1 if signum else 0), float(nonfinite)],
+            dtype=torch.float64,
+            device=self.device,
+        )
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        verdict = StepVerdict(nonfinite=bool(flags[2].item()), preempt_signal=int(flags[0].item()),
-                              preempt_rank=int(flags[1].item()) - 1)
+        verdict = StepVerdict(
+            nonfinite=bool(flags[2].item()), preempt_signal=int(flags[0].item()), preempt_rank=int(flags[1].item()) - 1
+        )
         if verdict.nonfinite and self.train.nan_policy == "skip":
             self.skipped += 1
             verdict.record["skipped"] = True
@@ -132,29 +149,42 @@ class RunControl:
         if verdict.nonfinite and (t.nan_policy == "stop" or self.skipped > t.nan_skip_limit):
             self._exit(faults.EXIT_NONFINITE, self._nonfinite_message(step))
         if verdict.nonfinite and self.rank == 0:
-            print(f"stagecheck: step {step}: non-finite loss or gradients, update skipped "
-                  f"({self.skipped}/{t.nan_skip_limit}, train.nan_policy=skip)", file=sys.stderr, flush=True)
+            print(
+                f"stagecheck: step {step}: non-finite loss or gradients, update skipped "
+                f"({self.skipped}/{t.nan_skip_limit}, train.nan_policy=skip)",
+                file=sys.stderr,
+                flush=True,
+            )
         if step == t.steps or (t.save_every and step % t.save_every == 0) or verdict.preempt_signal:
             self.checkpointer.save(step)
             self.last_saved = step
         if verdict.preempt_signal:
             name = signal.Signals(verdict.preempt_signal).name
-            self._exit(faults.EXIT_PREEMPTED,
-                       f"stagecheck: preempted ({name} on rank {verdict.preempt_rank}): checkpoint of step {step} "
-                       f"saved in {checkpoints_dir(self.run_dir)}; exiting {faults.EXIT_PREEMPTED}. Relaunch in the "
-                       f"same run directory (train.resume=auto) to continue.")
+            self._exit(
+                faults.EXIT_PREEMPTED,
+                f"stagecheck: preempted ({name} on rank {verdict.preempt_rank}): checkpoint of step {step} "
+                f"saved in {checkpoints_dir(self.run_dir)}; exiting {faults.EXIT_PREEMPTED}. Relaunch in the "
+                f"same run directory (train.resume=auto) to continue.",
+            )
 
     def _nonfinite_message(self, step: int) -> str:
         what = "loss" if not faults.is_finite(self._loss) else "gradients"
-        why = ("train.nan_policy=stop" if self.train.nan_policy == "stop"
-               else f"{self.skipped} skipped steps > train.nan_skip_limit={self.train.nan_skip_limit}")
+        why = (
+            "train.nan_policy=stop"
+            if self.train.nan_policy == "stop"
+            else f"{self.skipped} skipped steps > train.nan_skip_limit={self.train.nan_skip_limit}"
+        )
         if self.last_saved is None:
             kept = "no checkpoint of this run was saved yet"
         else:
-            kept = (f"nothing was saved after it; the last good checkpoint is "
-                    f"{checkpoints_dir(self.run_dir) / f'step_{self.last_saved:08d}'} (step {self.last_saved})")
-        return (f"stagecheck: non-finite {what} at step {step} (loss={self._loss}): stopping ({why}); {kept}. "
-                f"Exit code {faults.EXIT_NONFINITE}.")
+            kept = (
+                f"nothing was saved after it; the last good checkpoint is "
+                f"{checkpoints_dir(self.run_dir) / f'step_{self.last_saved:08d}'} (step {self.last_saved})"
+            )
+        return (
+            f"stagecheck: non-finite {what} at step {step} (loss={self._loss}): stopping ({why}); {kept}. "
+            f"Exit code {faults.EXIT_NONFINITE}."
+        )
 
     def _exit(self, code: int, message: str) -> None:
         if self.rank == 0:
@@ -173,7 +203,7 @@ class RunControl:
         raise SystemExit(code)
 
 
-def _latest_tag(run_dir: Path) -> Optional[str]:
+def _latest_tag(run_dir: Path) -> str | None:
     pointer = checkpoints_dir(run_dir) / LATEST
     return pointer.read_text().strip() if pointer.is_file() else None
 

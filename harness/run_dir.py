@@ -4,10 +4,11 @@ Hydra computes `hydra.run.dir` separately in every process, so the stamp must co
 all ranks of one launch share: the SLURM job id (a requeued job finds its own run again), else the
 launcher process (deepspeed, torchrun) that started all local ranks, else this process.
 """
+
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from omegaconf import OmegaConf
 
@@ -18,8 +19,9 @@ RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "checkpoints")
 def _start_time(pid: int) -> float:
     """Wall-clock start time of a process, from /proc (Linux)."""
     ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                if line.startswith("btime"))
+    boot = next(
+        int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
+    )
     return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 

@@ -1,12 +1,11 @@
 """The layout a run trains with: partition and each stage's recompute plan, built at start-up and again when
 `recompute.profile=true` replaces the analytic costs with measured ones."""
-from typing import Optional
 
 from harness.context import RunContext
 from parallel.auto_recompute import CostTable
 from parallel.layout import PipelineLayout, build_layout
 
 
-def plan_layout(ctx: RunContext, costs: Optional[CostTable] = None) -> PipelineLayout:
+def plan_layout(ctx: RunContext, costs: CostTable | None = None) -> PipelineLayout:
     run = ctx.run
     return build_layout(run.model, run.recompute, ctx.shape, run.parallel.partition_method, run.seed, costs)

@@ -1,5 +1,6 @@
 """From a composed Hydra config to a run: every input validated once, before any process group or file exists
 (bad input exits 2 with one message naming the option), then a dry run or training."""
+
 import os
 import sys
 from pathlib import Path
@@ -68,8 +69,13 @@ def validate(cfg: DictConfig, run_dir: Path, env: DistEnv, job: JobHooks) -> Run
         check_compatible(point, shape.topology)
     check_run_dir(run_dir, continuing=point is not None and point.inside(run_dir), overwrite=run.train.overwrite)
     if not run.dry_run:  # read-only, full, too small for a checkpoint
-        check_output_dir(run_dir, model_param_count(gpt_layers(run.model, run.seed)), shape.target.precision,
-                         run.train.keep_checkpoints, env.rank)
+        check_output_dir(
+            run_dir,
+            model_param_count(gpt_layers(run.model, run.seed)),
+            shape.target.precision,
+            run.train.keep_checkpoints,
+            env.rank,
+        )
     return RunContext(run, OmegaConf.to_container(cfg, resolve=True), run_dir, env, shape, job)
 
 

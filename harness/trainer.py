@@ -1,4 +1,5 @@
 """The training run: process group, pipeline engine, the step loop and its outputs."""
+
 import time
 import warnings
 
@@ -30,12 +31,18 @@ def replan_with_profile(ctx: RunContext) -> PipelineLayout:
     those seconds, so all ranks agree on one plan (the budget check already passed at start-up: fitting
     depends on bytes only, never on costs)."""
     run, target = ctx.run, ctx.target
-    seconds = [profile_block(run.model, run.train.micro_batch_size, target.device, target.precision)
-               if ctx.env.rank == 0 else None]
+    seconds = [
+        profile_block(run.model, run.train.micro_batch_size, target.device, target.precision)
+        if ctx.env.rank == 0
+        else None
+    ]
     torch.distributed.broadcast_object_list(seconds, src=0)
     if ctx.env.rank == 0:
-        print("stagecheck: recompute profile (s per block forward part): "
-              + ", ".join(f"{k} {v:.4g}" for k, v in seconds[0].items()), flush=True)
+        print(
+            "stagecheck: recompute profile (s per block forward part): "
+            + ", ".join(f"{k} {v:.4g}" for k, v in seconds[0].items()),
+            flush=True,
+        )
     return plan_layout(ctx, measured_costs(Shape.of(run.model, run.train.micro_batch_size), target, seconds[0]))
 
 
@@ -43,9 +50,11 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
     run, run_dir, rank, topology, target = ctx.run, ctx.run_dir, ctx.env.rank, ctx.topology, ctx.target
     if rank == 0:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(ctx.resolved))
-        print(f"stagecheck: {topology.world_size} ranks = {topology.pipeline_stages} stages x "
-              f"{topology.data_parallel_size} data-parallel | recompute={run.recompute} | {target.device} "
-              f"{target.precision} | run dir {run_dir}")
+        print(
+            f"stagecheck: {topology.world_size} ranks = {topology.pipeline_stages} stages x "
+            f"{topology.data_parallel_size} data-parallel | recompute={run.recompute} | {target.device} "
+            f"{target.precision} | run dir {run_dir}"
+        )
         for line in layout.describe():
             print("stagecheck: " + line, flush=True)
 
@@ -58,8 +67,7 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
     if layout.budgets is not None and rank == 0:
         for line in layout.describe_budgets(run.recompute):
             print("stagecheck: " + line, flush=True)
-    engine = build_engine(layout, run.train, run.parallel, topology.data_parallel_size, target.precision,
-                          target.device)
+    engine = build_engine(layout, run.train, run.parallel, topology.data_parallel_size, target.precision, target.device)
     # Dropout draws from this stream; every recompute mode consumes it identically.
     torch.manual_seed(run.seed * 1009 + rank)
     # Resume (weights, optimizer, scheduler, RNG states) or start fresh; checkpoints, preemption, NaN policy.
@@ -73,15 +81,28 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
     holds_loss = engine.is_last_stage() and dp_rank == 0
     metrics = None
     if holds_loss:
-        run_config = {**ctx.resolved, "layout": layout.as_dict(), "topology": topology.as_dict(),
-                      "runtime": vars(target)}
-        wandb = open_wandb(run.logger, run_dir, run_config, job_type=run.recompute.mode,
-                           extra_tags=[f"model:{run.model.n_layer}L-{run.model.n_embd}h",
-                                       f"stages:{topology.pipeline_stages}"],
-                           job_fields=ctx.job.wandb_fields(run_dir, getattr(run.logger, "group", None)),
-                           run_id=control.wandb_run_id)
-        metrics = MetricsLog(run_dir, run.train.steps, run.train.log_every, wandb,
-                             resume_step=control.start_step if control.resumed else None)
+        run_config = {
+            **ctx.resolved,
+            "layout": layout.as_dict(),
+            "topology": topology.as_dict(),
+            "runtime": vars(target),
+        }
+        wandb = open_wandb(
+            run.logger,
+            run_dir,
+            run_config,
+            job_type=run.recompute.mode,
+            extra_tags=[f"model:{run.model.n_layer}L-{run.model.n_embd}h", f"stages:{topology.pipeline_stages}"],
+            job_fields=ctx.job.wandb_fields(run_dir, getattr(run.logger, "group", None)),
+            run_id=control.wandb_run_id,
+        )
+        metrics = MetricsLog(
+            run_dir,
+            run.train.steps,
+            run.train.log_every,
+            wandb,
+            resume_step=control.start_step if control.resumed else None,
+        )
     control.attach(metrics)
 
     t = run.train
@@ -89,8 +110,12 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
     for step in range(control.start_step + 1, t.steps + 1):
         batches = None
         if source is not None:
-            batches = iter([source.batch(run.seed, step, dp_rank, micro, t.micro_batch_size, run.model.seq_len)
-                            for micro in range(t.micro_batches)])
+            batches = iter(
+                [
+                    source.batch(run.seed, step, dp_rank, micro, t.micro_batch_size, run.model.seq_len)
+                    for micro in range(t.micro_batches)
+                ]
+            )
         lr = engine.get_lr()[0]
         accounting.before_step(step)
         start = time.perf_counter()
@@ -100,12 +125,19 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
         verdict = control.check_step(step, loss)  # collective: preemption request, non-finite loss/grads
         if metrics:
             grad_norm = engine.get_global_grad_norm()
-            metrics.log_step({
-                "step": step, "loss": loss.item(), "lr": lr, "tokens_per_s": tokens_per_step / step_time,
-                "step_time_s": step_time, "tokens": tokens_per_step * step, **accounting.step_record(step_time),
-                **({"grad_norm": float(grad_norm)} if grad_norm is not None else {}),
-                **verdict.record,
-            })
+            metrics.log_step(
+                {
+                    "step": step,
+                    "loss": loss.item(),
+                    "lr": lr,
+                    "tokens_per_s": tokens_per_step / step_time,
+                    "step_time_s": step_time,
+                    "tokens": tokens_per_step * step,
+                    **accounting.step_record(step_time),
+                    **({"grad_norm": float(grad_norm)} if grad_norm is not None else {}),
+                    **verdict.record,
+                }
+            )
         control.finish_step(step, verdict)  # checkpoint when due; exits on preemption or a non-finite step
 
     # Every rank takes part; only the first and last stages hold a copy of the tied weight.
@@ -115,22 +147,24 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
     accounted = accounting.gather()  # collective too
     if metrics:
         records = metrics.records
-        metrics.write_summary({
-            "recompute": run.recompute.mode,
-            "recompute_config": vars(run.recompute),
-            "layout": layout.as_dict(),
-            **topology.as_dict(),
-            "micro_batches": t.micro_batches,
-            "micro_batch_size": t.micro_batch_size,
-            "seq_len": run.model.seq_len,
-            "steps": t.steps,
-            "device": target.device,
-            "precision": target.precision,
-            "losses": [r["loss"] for r in records],
-            "tokens_per_s": median_after_warmup([r["tokens_per_s"] for r in records]),
-            "step_time_s": median_after_warmup([r["step_time_s"] for r in records]),
-            "tied_weight_sha256_per_rank": digests,
-            "node_per_rank": [node for _, node in gathered],  # SLURM node name (SLURMD_NODENAME), else host name
-            **accounted,
-        })
+        metrics.write_summary(
+            {
+                "recompute": run.recompute.mode,
+                "recompute_config": vars(run.recompute),
+                "layout": layout.as_dict(),
+                **topology.as_dict(),
+                "micro_batches": t.micro_batches,
+                "micro_batch_size": t.micro_batch_size,
+                "seq_len": run.model.seq_len,
+                "steps": t.steps,
+                "device": target.device,
+                "precision": target.precision,
+                "losses": [r["loss"] for r in records],
+                "tokens_per_s": median_after_warmup([r["tokens_per_s"] for r in records]),
+                "step_time_s": median_after_warmup([r["step_time_s"] for r in records]),
+                "tied_weight_sha256_per_rank": digests,
+                "node_per_rank": [node for _, node in gathered],  # SLURM node name (SLURMD_NODENAME), else host name
+                **accounted,
+            }
+        )
         metrics.close()

@@ -4,10 +4,10 @@ Offline by default: records go to <run dir>/wandb/offline-run-*/run-<id>.wandb a
 uploads them later. Online runs that cannot reach the server within `init_timeout_s` fall back to
 offline; after init, wandb.log hands records to a background service and returns at once.
 """
+
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 from schema.logger import WandbLoggerConfig
 
@@ -27,19 +27,32 @@ def init_wandb_run(mode: str, timeout_s: float, **kwargs):
         return wandb.init(mode="offline", **kwargs)
 
 
-def wandb_agent_fields(group: Optional[str]) -> dict:
+def wandb_agent_fields(group: str | None) -> dict:
     """Under a W&B sweep agent, the run joins the group `wandb-sweep-<id>` unless logger.group is set."""
     sweep_id = os.environ.get("WANDB_SWEEP_ID")
     return {"group": group or f"wandb-sweep-{sweep_id}"} if sweep_id else {}
 
 
 class WandbLogger:
-    def __init__(self, config: WandbLoggerConfig, run_dir: Path, run_config: dict, job_type: str,
-                 extra_tags: list[str], job_fields: dict, run_id: Optional[str] = None):
+    def __init__(
+        self,
+        config: WandbLoggerConfig,
+        run_dir: Path,
+        run_config: dict,
+        job_type: str,
+        extra_tags: list[str],
+        job_fields: dict,
+        run_id: str | None = None,
+    ):
         """`job_fields`: W&B fields the job sets (a sweep job's group and name)."""
         kwargs = dict(
-            project=config.project, entity=config.entity, dir=str(run_dir), config=run_config,
-            group=config.group, job_type=job_type, tags=list(config.tags) + extra_tags,
+            project=config.project,
+            entity=config.entity,
+            dir=str(run_dir),
+            config=run_config,
+            group=config.group,
+            job_type=job_type,
+            tags=list(config.tags) + extra_tags,
             name=run_dir.name,
         )
         kwargs.update(job_fields)
@@ -59,8 +72,15 @@ class WandbLogger:
         self.run.finish(exit_code=exit_code)
 
 
-def open_wandb(config, run_dir: Path, run_config: dict, job_type: str, extra_tags: list[str], job_fields: dict,
-               run_id: Optional[str] = None) -> Optional[WandbLogger]:
+def open_wandb(
+    config,
+    run_dir: Path,
+    run_config: dict,
+    job_type: str,
+    extra_tags: list[str],
+    job_fields: dict,
+    run_id: str | None = None,
+) -> WandbLogger | None:
     if not isinstance(config, WandbLoggerConfig) or config.mode == "disabled":
         return None
     return WandbLogger(config, run_dir, run_config, job_type, extra_tags, job_fields, run_id)

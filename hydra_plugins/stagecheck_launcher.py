@@ -3,16 +3,19 @@
 Hydra instantiates launchers only from this namespace package, so the class lives here; what it changes
 (the wait for the jobs) and why is in sweep/slurm_launcher.py.
 """
+
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, List, Sequence
+from typing import Any
 
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, filter_overrides
+from omegaconf import OmegaConf
+
 from hydra_plugins.hydra_submitit_launcher import submitit_launcher
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
-from omegaconf import OmegaConf
 
 log = logging.getLogger(__name__)
 
@@ -26,11 +29,14 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
         params = self.params
         init_keys = {"max_num_timeout", "submitit_folder"}
         executor = submitit.AutoExecutor(
-            cluster=self._EXECUTOR, folder=params["submitit_folder"],
-            **{f"{self._EXECUTOR}_max_num_timeout": params[k] for k in ("max_num_timeout",) if k in params})
+            cluster=self._EXECUTOR,
+            folder=params["submitit_folder"],
+            **{f"{self._EXECUTOR}_max_num_timeout": params[k] for k in ("max_num_timeout",) if k in params},
+        )
         base = set(OmegaConf.structured(BaseQueueConf).keys())
-        executor.update_parameters(**{k if k in base else f"{self._EXECUTOR}_{k}": v
-                                      for k, v in params.items() if k not in init_keys})
+        executor.update_parameters(
+            **{k if k in base else f"{self._EXECUTOR}_{k}": v for k, v in params.items() if k not in init_keys}
+        )
 
         sweep_dir = Path(str(self.config.hydra.sweep.dir))  # resolved once, here (sweep/slurm_launcher.py)
         log.info(f"Submitit '{self._EXECUTOR}' sweep output dir : {sweep_dir}")
@@ -38,7 +44,7 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
         if "mode" in self.config.hydra.sweep:
             os.chmod(sweep_dir, mode=int(str(self.config.hydra.sweep.mode), 8))
 
-        job_params: List[Any] = []
+        job_params: list[Any] = []
         for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
             log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
             job_params.append((list(overrides), "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state()))
@@ -48,5 +54,7 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
         from sweep.slurm_launcher import job_return, wait_until_ended  # not at Hydra's plugin scan
 
         wait_until_ended(jobs)
-        return [job_return(job, idx, overrides)
-                for idx, (job, overrides) in enumerate(zip(jobs, job_overrides), start=initial_job_idx)]
+        return [
+            job_return(job, idx, overrides)
+            for idx, (job, overrides) in enumerate(zip(jobs, job_overrides), start=initial_job_idx)
+        ]

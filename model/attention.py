@@ -1,4 +1,5 @@
 """The attention core softmax(QK^T / sqrt(d)) V, the part selective recompute redoes."""
+
 import math
 
 import torch
@@ -50,8 +51,9 @@ class AttentionCore(nn.Module):
         if key not in self._masks:  # built once per shape: (T, T), broadcast over batch and heads
             future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu_(1)
             self._masks[key] = torch.zeros(T, T, dtype=q.dtype, device=q.device).masked_fill_(future, float("-inf"))
-        scores = torch.baddbmm(self._masks[key], q.reshape(B * nh, T, hs), k.transpose(-2, -1).reshape(B * nh, hs, T),
-                               alpha=self.scale)
+        scores = torch.baddbmm(
+            self._masks[key], q.reshape(B * nh, T, hs), k.transpose(-2, -1).reshape(B * nh, hs, T), alpha=self.scale
+        )
         return scores.view(B, nh, T, T)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

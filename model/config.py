@@ -1,4 +1,5 @@
 """GPTConfig: the shape of a GPT-2-family decoder. Pure Python; validates itself."""
+
 from dataclasses import dataclass
 
 ATTENTION_KERNELS = ("sdpa", "math")

@@ -3,9 +3,10 @@
 Flat sequence: [token embedding, position embedding, block 0 .. block N-1, final norm, LM head].
 The LM head is the token embedding module again (tied), called through `lm_head`.
 """
+
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -24,9 +25,9 @@ class LayerRecipe:
 
     module_class: type
     args: tuple
-    tie_key: Optional[str] = None
+    tie_key: str | None = None
     """Entries with the same key share one module (and its weights)."""
-    forward_fn: Optional[Callable] = None
+    forward_fn: Callable | None = None
     """Called as forward_fn(module, x) instead of module(x)."""
 
     @property
@@ -78,8 +79,7 @@ def layer_param_counts(recipes: Sequence[LayerRecipe]) -> list[int]:
             # Layers of one class share one config, hence one size: build each class once (the 96 blocks
             # of gpt3-175b take seconds to build even on the meta device).
             if recipe.module_class not in per_class:
-                per_class[recipe.module_class] = sum(p.numel() for p in recipe.build().parameters()
-                                                     if p.requires_grad)
+                per_class[recipe.module_class] = sum(p.numel() for p in recipe.build().parameters() if p.requires_grad)
     return [per_class[recipe.module_class] for recipe in recipes]
 
 

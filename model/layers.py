@@ -3,6 +3,7 @@
 Each layer initialises its own weights from (seed, layer index), so a layer gets the same weights
 whether it is built alone on one pipeline stage or inside the whole unpipelined model.
 """
+
 import math
 
 import torch

@@ -6,9 +6,10 @@ non-reentrant checkpoint the checkpoint's own hooks win and it holds its inputs 
 never reach an outer hook: parallel/recompute.py reports each such kept tensor to `observe_stored`, and
 the meter counts them too. It is armed for a few steps only (the hooks cost Python calls per op).
 """
+
 import resource
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
-from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -20,12 +21,12 @@ class ActivationMeter:
         self._parameters = parameters
         """Called at each recording: DeepSpeed's optimizers move parameters into flat buffers."""
         self._excluded: set[int] = set()
-        self._current: Optional[dict[int, int]] = None
-        self._input_ptr: Optional[int] = None
+        self._current: dict[int, int] | None = None
+        self._input_ptr: int | None = None
         self.armed = False
         self.micro_batches: list[dict[int, int]] = []
         """One {storage address: bytes} per recorded forward pass."""
-        self.input_ptrs: list[Optional[int]] = []
+        self.input_ptrs: list[int | None] = []
 
     def _see(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
@@ -34,15 +35,16 @@ class ActivationMeter:
             self._current[ptr] = storage.nbytes()
 
     @contextmanager
-    def record(self, stage_input: Optional[torch.Tensor] = None, new: bool = True):
+    def record(self, stage_input: torch.Tensor | None = None, new: bool = True):
         """Count what is kept for backward inside the block: a new micro-batch, or (new=False, the loss
         on the last stage) more of the last one."""
         if new or self._current is None:
             self._excluded = {p.untyped_storage().data_ptr() for p in self._parameters()}
             self._current = {}
             self.micro_batches.append(self._current)
-            self.input_ptrs.append(stage_input.untyped_storage().data_ptr()
-                                   if isinstance(stage_input, torch.Tensor) else None)
+            self.input_ptrs.append(
+                stage_input.untyped_storage().data_ptr() if isinstance(stage_input, torch.Tensor) else None
+            )
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             self._see(t)

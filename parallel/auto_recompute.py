@@ -20,10 +20,11 @@ search). Enumerating every m <= n and k <= m and every frontier point is exhaust
 characterisation, hence optimal; the cost is O(n^2 C) for the frontiers (C choices per block) plus
 O(n^2 log F) for the search: milliseconds for 12 blocks a stage, well under a second for 96.
 """
+
 import bisect
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 from parallel.flops import block_forward_flops, mlp_output_matmul_flops, selective_recompute_flops
 from parallel.memory_model import attention_kernel, block_full_items, total
@@ -87,24 +88,35 @@ def analytic_costs(shape: Shape, target: Target) -> CostTable:
     def cost(modules: Sequence[str]) -> float:
         return selective_recompute_flops(shape, modules, kernel) + balance * _elementwise_bytes(shape, target, modules)
 
-    return _table(shape, target, cost,
-                  full_block_cost=block_forward_flops(shape) + balance * (
-                      _elementwise_bytes(shape, target, ("core_attn", "mlp", "layernorm"))
-                      + (3 * shape.bsh * target.dtype_bytes if shape.dropout else 0)),
-                  segment_discount=0 if shape.dropout else mlp_output_matmul_flops(shape))
+    return _table(
+        shape,
+        target,
+        cost,
+        full_block_cost=block_forward_flops(shape)
+        + balance
+        * (
+            _elementwise_bytes(shape, target, ("core_attn", "mlp", "layernorm"))
+            + (3 * shape.bsh * target.dtype_bytes if shape.dropout else 0)
+        ),
+        segment_discount=0 if shape.dropout else mlp_output_matmul_flops(shape),
+    )
 
 
 def measured_costs(shape: Shape, target: Target, seconds: dict[str, float]) -> CostTable:
     """Costs from a profile of one block: seconds of the forward of `block`, `core_attn`, `mlp`,
     `mlp_act` and `layernorm` (both LayerNorms)."""
-    return _table(shape, target, lambda modules: sum(seconds[m] for m in modules),
-                  full_block_cost=seconds["block"])
+    return _table(shape, target, lambda modules: sum(seconds[m] for m in modules), full_block_cost=seconds["block"])
 
 
 def _table(shape: Shape, target: Target, cost, full_block_cost: float, segment_discount: float = 0.0) -> CostTable:
     options = block_options(shape, target, cost)
-    return CostTable(tuple(options), total(block_full_items(shape, target, True)), options[0].kept_bytes,
-                     float(full_block_cost), float(segment_discount))
+    return CostTable(
+        tuple(options),
+        total(block_full_items(shape, target, True)),
+        options[0].kept_bytes,
+        float(full_block_cost),
+        float(segment_discount),
+    )
 
 
 def _pareto(options: Sequence[BlockOption]) -> list[BlockOption]:
@@ -121,8 +133,10 @@ def _frontiers(n: int, options: Sequence[BlockOption]) -> list[list[tuple[int, f
     frontier = [[(0, 0.0, (0,) * len(options))]]
     for _ in range(n):
         candidates = sorted(
-            (kept + option.kept_bytes, cost + option.cost, counts[:i] + (counts[i] + 1,) + counts[i + 1:])
-            for kept, cost, counts in frontier[-1] for i, option in enumerate(options))
+            (kept + option.kept_bytes, cost + option.cost, counts[:i] + (counts[i] + 1,) + counts[i + 1 :])
+            for kept, cost, counts in frontier[-1]
+            for i, option in enumerate(options)
+        )
         pruned = []
         for point in candidates:
             if not pruned or point[1] < pruned[-1][1]:
@@ -136,7 +150,7 @@ def _candidates(n: int, table: CostTable, in_flight: int):
     with the bytes the full part adds to the stage's total and its cost."""
     frontiers = _frontiers(n, _pareto(table.options))
     for m in range(n + 1):
-        for k in ([0] if m == 0 else range(1, m + 1)):
+        for k in [0] if m == 0 else range(1, m + 1):
             full_bytes = in_flight * k * table.segment_input_bytes + (math.ceil(m / k) * table.block_bytes if m else 0)
             full_cost = m * table.full_block_cost - k * table.segment_discount
             yield m, k, frontiers[n - m], full_bytes, full_cost
@@ -147,7 +161,7 @@ def least_stage_bytes(n: int, table: CostTable, in_flight: int) -> int:
     return min(full + in_flight * frontier[0][0] for _, _, frontier, full, _ in _candidates(n, table, in_flight))
 
 
-def choose_stage(n: int, table: CostTable, in_flight: int, byte_budget: float) -> Optional[StageChoice]:
+def choose_stage(n: int, table: CostTable, in_flight: int, byte_budget: float) -> StageChoice | None:
     """The cheapest plan for n blocks whose in_flight x kept bytes + working set fit byte_budget, or None.
     Ties go to fewer bytes."""
     best = None
@@ -173,7 +187,9 @@ def choose_stage(n: int, table: CostTable, in_flight: int, byte_budget: float) -
     choices = ["full"] * m
     for option, count in zip(_pareto(table.options), counts):
         choices += [option.choice] * count
-    return StageChoice(tuple(choices), segments, kept + k * table.segment_input_bytes, size * table.block_bytes if m else 0, cost)
+    return StageChoice(
+        tuple(choices), segments, kept + k * table.segment_input_bytes, size * table.block_bytes if m else 0, cost
+    )
 
 
 def to_stage_plan(choice: StageChoice, block_positions: Sequence[int], table: CostTable) -> StagePlan:
@@ -181,8 +197,8 @@ def to_stage_plan(choice: StageChoice, block_positions: Sequence[int], table: Co
     modules = {option.choice: option.modules for option in table.options}
     return StagePlan(
         segments=tuple((block_positions[a], block_positions[b - 1] + 1) for a, b in choice.segments),
-        selective={block_positions[i]: modules[c] for i, c in enumerate(choice.choices)
-                   if c.startswith("selective:")})
+        selective={block_positions[i]: modules[c] for i, c in enumerate(choice.choices) if c.startswith("selective:")},
+    )
 
 
 @dataclass(frozen=True)
@@ -195,12 +211,12 @@ class StageBudget:
     in_flight: int
     fixed_bytes: int
     """Parameters, gradients, optimizer state, pipe buffers and the other layers' in-flight activations."""
-    choice: Optional[StageChoice]
+    choice: StageChoice | None
     least_bytes: int
     """The smallest peak any plan reaches on this stage."""
 
     @property
-    def predicted_peak_bytes(self) -> Optional[int]:
+    def predicted_peak_bytes(self) -> int | None:
         if self.choice is None:
             return None
         return self.fixed_bytes + self.in_flight * self.choice.kept_bytes + self.choice.working_bytes

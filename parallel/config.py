@@ -1,7 +1,7 @@
 """Schemas of the `parallel` node, of the `recompute` group (one class per mode), and of the part of the
 `train` node that DeepSpeed is configured with (`OptimConfig`, extended by schema/training.py's TrainConfig)."""
+
 from dataclasses import dataclass, field
-from typing import Optional
 
 PARTITION_METHODS = ("parameters", "uniform", "type:Block")
 RECOMPUTE_MODULES = ("core_attn", "mlp_act", "layernorm", "mlp")
@@ -12,6 +12,7 @@ INTERVAL_WORDS = ("stage", "sqrt")
 class OptimConfig:
     """Batch shape, AdamW, learning-rate schedule and clipping: what parallel/ds_config.py and
     parallel/lr_schedule.py build DeepSpeed's engine from. The `train` node's schema extends it."""
+
     steps: int = 20
     """Optimizer steps (one pipeline batch each)."""
     micro_batches: int = 4
@@ -53,10 +54,10 @@ class OptimConfig:
 
 @dataclass
 class ParallelConfig:
-    pipeline_stages: Optional[int] = None
+    pipeline_stages: int | None = None
     """Pipeline stages; null means one stage per rank. The remaining factor of the world size is
     data parallelism (world = stages x data-parallel)."""
-    data_parallel_size: Optional[int] = None
+    data_parallel_size: int | None = None
     """Data-parallel replicas; null means world size / stages. Given, stages x data-parallel must equal
     the world size; a dry run (no launcher) plans for that many ranks."""
     partition_method: str = "parameters"
@@ -82,9 +83,7 @@ class ParallelConfig:
                 f"{', '.join(PARTITION_METHODS)}"
             )
         if self.zero_stage not in (0, 1):
-            raise ValueError(
-                f"parallel.zero_stage={self.zero_stage} is invalid: pipeline parallelism allows 0 or 1"
-            )
+            raise ValueError(f"parallel.zero_stage={self.zero_stage} is invalid: pipeline parallelism allows 0 or 1")
 
 
 @dataclass
@@ -137,8 +136,7 @@ class SelectiveRecompute:
             )
         if "mlp" in self.modules and "mlp_act" in self.modules:
             raise ValueError(
-                "recompute.modules lists both mlp and mlp_act: mlp already recomputes the activation, "
-                "keep one of them"
+                "recompute.modules lists both mlp and mlp_act: mlp already recomputes the activation, keep one of them"
             )
 
 

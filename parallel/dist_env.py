@@ -6,11 +6,12 @@ Under srun, MASTER_ADDR defaults to the first host of the step's node list (wher
 MASTER_PORT to one derived from the job id (`slurm_master_port`), as launch/slurm.sbatch exports them,
 so `srun python train.py` and submitit jobs need no wrapper.
 """
+
 import os
 import re
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ def first_host(nodelist: str) -> str:
     while i < len(nodelist) and nodelist[i] != ",":
         if nodelist[i] == "[":
             end = nodelist.index("]", i)
-            host.append(re.split(r"[,-]", nodelist[i + 1:end])[0])
+            host.append(re.split(r"[,-]", nodelist[i + 1 : end])[0])
             i = end + 1
         else:
             host.append(nodelist[i])
@@ -73,7 +74,9 @@ def read_dist_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
         return DistEnv(0, 1, 0, "127.0.0.1", _free_port(), "single")
     for name in (rank_var, world_var):
         if name not in environ:
-            raise ValueError(f"environment variable {name} is missing: the launcher must set {rank_var} and {world_var} together")
+            raise ValueError(
+                f"environment variable {name} is missing: the launcher must set {rank_var} and {world_var} together"
+            )
     rank, world = _int_var(environ, rank_var), _int_var(environ, world_var)
     local = _int_var(environ, local_var) if local_var in environ else 0
     if world <= 0 or not 0 <= rank < world:
@@ -95,6 +98,9 @@ def read_dist_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
 def export_dist_env(env: DistEnv) -> None:
     """Set the torch variables DeepSpeed's init_distributed reads."""
     os.environ.update(
-        RANK=str(env.rank), WORLD_SIZE=str(env.world_size), LOCAL_RANK=str(env.local_rank),
-        MASTER_ADDR=env.master_addr, MASTER_PORT=str(env.master_port),
+        RANK=str(env.rank),
+        WORLD_SIZE=str(env.world_size),
+        LOCAL_RANK=str(env.local_rank),
+        MASTER_ADDR=env.master_addr,
+        MASTER_PORT=str(env.master_port),
     )

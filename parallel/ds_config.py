@@ -1,11 +1,13 @@
 """The DeepSpeed config dict, built from the typed run config in this one place."""
+
 from parallel.config import OptimConfig, ParallelConfig
 
 NEVER = 10**9  # steps_per_print: DeepSpeed's own step log would duplicate ours
 
 
-def deepspeed_config(train: OptimConfig, parallel: ParallelConfig, data_parallel_size: int,
-                     precision: str, device: str) -> dict:
+def deepspeed_config(
+    train: OptimConfig, parallel: ParallelConfig, data_parallel_size: int, precision: str, device: str
+) -> dict:
     return {
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": train.micro_batches,

@@ -1,13 +1,14 @@
 """Process group and DeepSpeed pipeline engine."""
+
 import atexit
 from datetime import timedelta
 from functools import partial
 
 import deepspeed
-from deepspeed.accelerator import get_accelerator
-from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
 import torch.distributed.distributed_c10d as c10d
 import torch.nn as nn
+from deepspeed.accelerator import get_accelerator
+from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
 
 from parallel.config import OptimConfig, ParallelConfig
 from parallel.dist_env import DistEnv, export_dist_env
@@ -21,8 +22,11 @@ def init_process_group(env: DistEnv, device: str, timeout_s: float) -> None:
     export_dist_env(env)
     _skip_shm_inference_allreduce()
     # auto_mpi_discovery=False: a missing variable must fail loudly, not silently import mpi4py.
-    deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl", auto_mpi_discovery=False,
-                               timeout=timedelta(seconds=timeout_s))
+    deepspeed.init_distributed(
+        dist_backend="gloo" if device == "cpu" else "nccl",
+        auto_mpi_discovery=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
     # Groups created later without a timeout (DeepSpeed's pipeline and data-parallel groups) would take
     # torch's default (30 min gloo, 10 min NCCL), so a hung peer would outlast train.collective_timeout_s.
     c10d.default_pg_timeout = timedelta(seconds=timeout_s)
@@ -67,10 +71,20 @@ def _param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_engine(layout: PipelineLayout, train: OptimConfig, parallel: ParallelConfig,
-                 data_parallel_size: int, precision: str, device: str):
+def build_engine(
+    layout: PipelineLayout,
+    train: OptimConfig,
+    parallel: ParallelConfig,
+    data_parallel_size: int,
+    precision: str,
+    device: str,
+):
     module = RecomputingPipelineModule(layout.recipes, layout.stages, layout.plans, parallel.partition_method)
     config = deepspeed_config(train, parallel, data_parallel_size, precision, device)
-    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=_param_groups(module, train.weight_decay),
-                                           config=config, lr_scheduler=partial(warmup_cosine, train=train))
+    engine, _, _, _ = deepspeed.initialize(
+        model=module,
+        model_parameters=_param_groups(module, train.weight_decay),
+        config=config,
+        lr_scheduler=partial(warmup_cosine, train=train),
+    )
     return engine

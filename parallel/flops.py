@@ -16,8 +16,9 @@ position embeddings (a lookup does no matmul) and h V is the tied LM head: its w
 embedding, so N leaves it out, but it runs a (h x V) matmul per token, which we count (as Megatron-LM's
 formula does). Drop `head_flops_per_token` to get the 6N + 12 L h s of Kaplan / PaLM.
 """
+
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 from model import Block, GPTConfig, LayerRecipe
 from parallel.shapes import Shape
@@ -107,8 +108,9 @@ class StageFlops:
         return self.model + self.recompute
 
 
-def stage_flops(recipes: Sequence[LayerRecipe], layers: range, plan: StagePlan, shape: Shape,
-                kernel: str) -> StageFlops:
+def stage_flops(
+    recipes: Sequence[LayerRecipe], layers: range, plan: StagePlan, shape: Shape, kernel: str
+) -> StageFlops:
     """`kernel`: the attention code that runs (parallel.memory_model.attention_kernel)."""
     forward = recompute = 0
     for local, flat in enumerate(layers):
@@ -120,8 +122,9 @@ def stage_flops(recipes: Sequence[LayerRecipe], layers: range, plan: StagePlan, 
         elif recipe.forward_fn is not None:
             forward += head_forward_flops(shape)
     for start, stop in plan.segments:
-        recompute += segment_recompute_flops(shape, sum(recipes[layers[i]].module_class is Block
-                                                        for i in range(start, stop)))
+        recompute += segment_recompute_flops(
+            shape, sum(recipes[layers[i]].module_class is Block for i in range(start, stop))
+        )
     return StageFlops(forward, recompute)
 
 
@@ -148,7 +151,7 @@ PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
 )
 
 
-def lookup_peak_tflops(device_name: Optional[str], precision: str) -> Optional[float]:
+def lookup_peak_tflops(device_name: str | None, precision: str) -> float | None:
     """Peak TFLOP/s of a known GPU at `precision`, or None (CPU, an unknown GPU, or no such unit)."""
     if not device_name:
         return None

@@ -1,13 +1,19 @@
 """The pipeline layout: which layers each stage holds and what each stage recomputes; for `recompute=auto`,
 also each stage's side of the memory budget. Pure: the start-up print, the dry run and the engine all read
 the same layout, built by `build_layout` alone."""
+
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 from model import Block, GPTConfig, LayerRecipe, gpt_layers, layer_param_counts
-from parallel.auto_recompute import (CostTable, StageBudget, analytic_costs, choose_stage, least_stage_bytes,
-                                     to_stage_plan)
+from parallel.auto_recompute import (
+    CostTable,
+    StageBudget,
+    analytic_costs,
+    choose_stage,
+    least_stage_bytes,
+    to_stage_plan,
+)
 from parallel.config import AutoRecompute, RecomputeConfig
 from parallel.partition import StageRange, partition_layers
 from parallel.shapes import GIB, RunShape, Shape
@@ -20,7 +26,7 @@ class PipelineLayout:
     recipes: list[LayerRecipe]
     stages: list[StageRange]
     plans: list[StagePlan]
-    budgets: Optional[list[StageBudget]] = None
+    budgets: list[StageBudget] | None = None
     """`recompute=auto` only: each stage's side of the budget, one per stage."""
 
     def describe(self) -> list[str]:
@@ -32,37 +38,53 @@ class PipelineLayout:
                 recipe = self.recipes[flat]
                 choice = plan.choice_of(local) if recipe.module_class is Block else ""
                 names.append(f"{flat}:{recipe.name}" + (f"[{choice}]" if choice and choice != "none" else ""))
-            lines.append(f"stage {stage.stage}: layers {stage.start}..{stage.stop - 1} "
-                         f"({len(names)} layers) " + " ".join(names))
+            lines.append(
+                f"stage {stage.stage}: layers {stage.start}..{stage.stop - 1} ({len(names)} layers) " + " ".join(names)
+            )
         return lines
 
     def describe_budgets(self, auto: AutoRecompute) -> list[str]:
         """The auto plan against the budget, one line per stage (start-up print and dry run)."""
         usable = auto.budget_gb - auto.reserve_gb
-        lines = [f"auto recompute: budget {auto.budget_gb:g} GiB - reserve {auto.reserve_gb:g} GiB = {usable:g} GiB "
-                 f"per rank"]
+        lines = [
+            f"auto recompute: budget {auto.budget_gb:g} GiB - reserve {auto.reserve_gb:g} GiB = {usable:g} GiB per rank"
+        ]
         for b in self.budgets or []:
             counts: dict[str, int] = {}
             for choice in b.choice.choices:
                 counts[choice] = counts.get(choice, 0) + 1
             plan = ", ".join(f"{n} x {c}" for c, n in counts.items()) or "no blocks"
-            lines.append(f"stage {b.stage}: {plan} | {b.in_flight} in flight | predicted peak "
-                         f"{b.predicted_peak_bytes / GIB:.4f} of {usable:g} GiB "
-                         f"(segment working set {b.choice.working_bytes / GIB:.4f} GiB)")
+            lines.append(
+                f"stage {b.stage}: {plan} | {b.in_flight} in flight | predicted peak "
+                f"{b.predicted_peak_bytes / GIB:.4f} of {usable:g} GiB "
+                f"(segment working set {b.choice.working_bytes / GIB:.4f} GiB)"
+            )
         return lines
 
     def as_dict(self) -> list[dict]:
         """The layout as plain data, for W&B's run config and summaries."""
         return [
-            {"stage": s.stage, "layers": [s.start, s.stop],
-             "choices": [p.choice_of(local) for local, flat in enumerate(s.layers)
-                         if self.recipes[flat].module_class is Block]}
+            {
+                "stage": s.stage,
+                "layers": [s.start, s.stop],
+                "choices": [
+                    p.choice_of(local)
+                    for local, flat in enumerate(s.layers)
+                    if self.recipes[flat].module_class is Block
+                ],
+            }
             for s, p in zip(self.stages, self.plans)
         ]
 
 
-def build_layout(model: GPTConfig, recompute: RecomputeConfig, run: RunShape, partition_method: str, seed: int,
-                 costs: Optional[CostTable] = None) -> PipelineLayout:
+def build_layout(
+    model: GPTConfig,
+    recompute: RecomputeConfig,
+    run: RunShape,
+    partition_method: str,
+    seed: int,
+    costs: CostTable | None = None,
+) -> PipelineLayout:
     """The layout training and the dry run use. `recompute=auto` plans each stage against the budget (with
     `costs`, else the analytic ones) and raises ValueError when a stage cannot fit."""
     recipes = gpt_layers(model, seed)
@@ -79,8 +101,16 @@ def build_layout(model: GPTConfig, recompute: RecomputeConfig, run: RunShape, pa
         positions = [local for local, flat in enumerate(stage.layers) if recipes[flat].module_class is Block]
         memory = stage_memory(recipes, stage, StagePlan(), shape, run, counts)
         choice = choose_stage(len(positions), table, memory.in_flight, usable - memory.fixed_bytes)
-        budgets.append(StageBudget(stage.stage, int(usable), memory.in_flight, memory.fixed_bytes, choice,
-                                   memory.fixed_bytes + least_stage_bytes(len(positions), table, memory.in_flight)))
+        budgets.append(
+            StageBudget(
+                stage.stage,
+                int(usable),
+                memory.in_flight,
+                memory.fixed_bytes,
+                choice,
+                memory.fixed_bytes + least_stage_bytes(len(positions), table, memory.in_flight),
+            )
+        )
         plans.append(to_stage_plan(choice, positions, table) if choice else StagePlan())
     _check_fits(recompute, budgets)
     return PipelineLayout(recipes, stages, plans, budgets)

@@ -6,8 +6,9 @@ A step runs the micro-batches one after another through all stages and mimics wh
 does around each stage forward: the received input is a leaf that requires grad and the forward gets a
 clone of it; the last stage computes the loss; backward goes stage by stage from the last.
 """
+
+from collections.abc import Sequence
 from contextlib import nullcontext
-from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -46,10 +47,10 @@ class LocalPipeline:
         the mean loss. With `measure`, each stage's meter records every micro-batch."""
         losses = []
         for tokens, labels in micro_batches:
-            received: list[Optional[torch.Tensor]] = []
+            received: list[torch.Tensor | None] = []
             outputs = []
             x = tokens
-            for i, stage in enumerate(self.stages):
+            for stage in self.stages:
                 buffer = x.detach().clone()
                 if buffer.is_floating_point():
                     buffer.requires_grad_()

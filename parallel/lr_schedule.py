@@ -4,6 +4,7 @@ Optimizer step s (1-based) trains with lr * s / warmup_steps during warm-up, so 
 DeepSpeed's WarmupCosineLR gives lr 0 to the first two steps (it starts at iteration -1, where it returns 0,
 and its linear ramp starts at 0/warmup): with a short warm-up those steps are wasted.
 """
+
 import math
 
 from torch.optim import Optimizer
@@ -23,5 +24,6 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) 
 def warmup_cosine(optimizer: Optimizer, train: OptimConfig) -> LambdaLR:
     """The scheduler DeepSpeed steps after every applied update (not after a skipped one); LambdaLR passes
     the number of updates applied so far, so the next step is one more."""
-    return LambdaLR(optimizer, lambda applied: lr_factor(applied + 1, train.warmup_steps, train.steps,
-                                                         train.min_lr_ratio))
+    return LambdaLR(
+        optimizer, lambda applied: lr_factor(applied + 1, train.warmup_steps, train.steps, train.min_lr_ratio)
+    )

@@ -10,9 +10,10 @@ forward (and, on the last stage, by the loss), parameters excluded. That include
 (the clone DeepSpeed's forward makes of its pipe buffer, saved by the first layer or held by a
 checkpoint), but not DeepSpeed's pipe buffers themselves (see `pipe_buffer_bytes`).
 """
+
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import combinations
-from typing import Sequence
 
 from model import Block, LayerRecipe
 from model.layers import FinalNorm, PositionEmbedding, TokenEmbedding
@@ -44,9 +45,8 @@ def _attention_core_items(shape: Shape, target: Target) -> list[Item]:
         # matmul reshapes the strided q, k, v views into contiguous copies and keeps those. The SDPA
         # math backend upcasts 16-bit inputs and computes everything in fp32.
         c = d if kernel == "math" else FP32
-        mask = (target.mask_bytes if kernel == "math" else FP32)
-        items = [("q, k, v copies kept by the two batched matmuls", 3 * bsh * c),
-                 ("softmax output", scores * c)]
+        mask = target.mask_bytes if kernel == "math" else FP32
+        items = [("q, k, v copies kept by the two batched matmuls", 3 * bsh * c), ("softmax output", scores * c)]
         if shape.dropout:
             items += [("attention dropout mask", scores * mask), ("attention dropout output", scores * c)]
         # (no dropout: the second matmul keeps the softmax output itself, counted once)
@@ -54,9 +54,11 @@ def _attention_core_items(shape: Shape, target: Target) -> list[Item]:
         return items
     # Fused kernels keep q, k, v (views of the QKV projection output), their output (which, laid out
     # (B, T, nh, hs), is also the output projection's input: one storage) and the fp32 log-sum-exp.
-    return [("q, k, v (views of the QKV output)", 3 * bsh * d),
-            ("attention output (output projection input, same storage)", bsh * d),
-            ("log-sum-exp", shape.b * shape.a * shape.s * FP32)]
+    return [
+        ("q, k, v (views of the QKV output)", 3 * bsh * d),
+        ("attention output (output projection input, same storage)", bsh * d),
+        ("log-sum-exp", shape.b * shape.a * shape.s * FP32),
+    ]
 
 
 def block_items(shape: Shape, target: Target, modules: Sequence[str] = ()) -> list[Item]:
@@ -70,8 +72,10 @@ def block_items(shape: Shape, target: Target, modules: Sequence[str] = ()) -> li
         items.append(("ln_1 output (QKV projection input)", bsh * d))
     if "core_attn" in mods:
         # The checkpoint holds q, k, v by reference: the QKV output's storage.
-        items += [("q, k, v (checkpoint input: the QKV output)", 3 * bsh * d),
-                  ("attention output, contiguous (output projection input)", bsh * d)]
+        items += [
+            ("q, k, v (checkpoint input: the QKV output)", 3 * bsh * d),
+            ("attention output, contiguous (output projection input)", bsh * d),
+        ]
     else:
         items += _attention_core_items(shape, target)
     if shape.dropout:
@@ -109,8 +113,10 @@ def position_embedding_items(shape: Shape, target: Target) -> list[Item]:
 
 
 def final_norm_items(shape: Shape, target: Target) -> list[Item]:
-    return [("ln_f input", shape.bsh * target.dtype_bytes),
-            ("ln_f mean and rstd", 2 * shape.b * shape.s * target.ln_stat_bytes)]
+    return [
+        ("ln_f input", shape.bsh * target.dtype_bytes),
+        ("ln_f mean and rstd", 2 * shape.b * shape.s * target.ln_stat_bytes),
+    ]
 
 
 def lm_head_items(shape: Shape, target: Target) -> list[Item]:
@@ -120,8 +126,11 @@ def lm_head_items(shape: Shape, target: Target) -> list[Item]:
 def loss_items(shape: Shape, target: Target) -> list[Item]:
     """lm_loss: cross-entropy on fp32 logits keeps its log-probabilities, the labels and a scalar."""
     tokens = shape.b * shape.s
-    return [("log-softmax output (fp32)", tokens * shape.vocab * FP32),
-            ("labels", tokens * INDEX_BYTES), ("cross-entropy total weight", FP32)]
+    return [
+        ("log-softmax output (fp32)", tokens * shape.vocab * FP32),
+        ("labels", tokens * INDEX_BYTES),
+        ("cross-entropy total weight", FP32),
+    ]
 
 
 def selective_combinations() -> list[tuple[str, ...]]:
@@ -155,8 +164,9 @@ class LayerActivation:
         return self.choice != "-"
 
 
-def stage_activations(recipes: Sequence[LayerRecipe], layers: range, plan: StagePlan, shape: Shape,
-                      target: Target, is_last: bool) -> list[LayerActivation]:
+def stage_activations(
+    recipes: Sequence[LayerRecipe], layers: range, plan: StagePlan, shape: Shape, target: Target, is_last: bool
+) -> list[LayerActivation]:
     """Per-layer kept bytes of one stage under its plan, in order; the loss is a last pseudo-layer on
     the last stage. Each layer counts its own input when it keeps it, so nothing is counted twice."""
     segment_starts = {start for start, _ in plan.segments}
@@ -198,13 +208,15 @@ def stage_output_bytes(is_last: bool, shape: Shape, target: Target) -> int:
     return shape.b * shape.s * width * target.dtype_bytes
 
 
-def pipe_buffer_bytes(stage_index: int, is_last: bool, shape: Shape, target: Target,
-                      num_buffers: int, in_flight: int) -> int:
+def pipe_buffer_bytes(
+    stage_index: int, is_last: bool, shape: Shape, target: Target, num_buffers: int, in_flight: int
+) -> int:
     """DeepSpeed's own copies, outside autograd: one received input per pipe buffer, and the stage
     output of every micro-batch in flight (the last stage never frees its logits buffers)."""
     outputs = num_buffers if is_last else in_flight
-    return (num_buffers * stage_input_bytes(stage_index, shape, target)
-            + outputs * stage_output_bytes(is_last, shape, target))
+    return num_buffers * stage_input_bytes(stage_index, shape, target) + outputs * stage_output_bytes(
+        is_last, shape, target
+    )
 
 
 def model_state_bytes(params: int, precision: str, zero_stage: int, data_parallel: int) -> dict[str, int]:

@@ -4,9 +4,10 @@ It calls the same DeepSpeed routines `PipelineModule` uses, so the plan printed 
 dry run's stages are the partition training really gets (a test checks `PipelineModule.parts`).
 Parameters are counted on the meta device (model.layer_param_counts): no memory, even for gpt3-175b.
 """
+
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from deepspeed.runtime.utils import partition_balanced, partition_uniform
 

@@ -5,9 +5,10 @@ checkpointed as one segment (full recompute) and, for the other blocks, which mo
 are recomputed (selective). Everything recomputed is exact: non-reentrant checkpoints restore the RNG
 state, so dropout masks are redrawn identically, and the discarded outputs are deterministic.
 """
+
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from functools import partial
-from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn

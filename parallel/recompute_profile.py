@@ -3,9 +3,10 @@
 The forward of each part runs in training mode (dropout on, as recompute replays it) under no_grad, a
 few times after a warm-up; the median seconds replace the analytic FLOP/byte costs of the auto planner.
 """
+
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -29,15 +30,19 @@ def _median_seconds(fn: Callable[[], object], device: str, repeats: int) -> floa
     return statistics.median(times)
 
 
-def profile_block(model: GPTConfig, micro_batch_size: int, device: str, precision: str, repeats: int = 5) -> dict[str, float]:
+def profile_block(
+    model: GPTConfig, micro_batch_size: int, device: str, precision: str, repeats: int = 5
+) -> dict[str, float]:
     """Seconds of the forward of the whole block and of each part selective recompute can redo."""
     dtype = TORCH_DTYPES[precision]
     block = Block(model, seed=0, layer_index=0).to(device=device, dtype=dtype).train()
     x = torch.randn(micro_batch_size, model.seq_len, model.n_embd, device=device, dtype=dtype)  # (B, T, C)
     B, T, C = x.shape
     with torch.no_grad():
-        q, k, v = (t.view(B, T, model.n_head, C // model.n_head).transpose(1, 2)
-                   for t in block.attn.c_attn(block.ln_1(x)).split(C, dim=2))  # 3 x (B, nh, T, hs)
+        q, k, v = (
+            t.view(B, T, model.n_head, C // model.n_head).transpose(1, 2)
+            for t in block.attn.c_attn(block.ln_1(x)).split(C, dim=2)
+        )  # 3 x (B, nh, T, hs)
         hidden = block.mlp.c_fc(block.ln_2(x))  # (B, T, 4C)
         parts = {
             "block": lambda: block(x),

@@ -5,14 +5,21 @@ holds auto's choices) through stage_costs and flops, and nothing in planning rea
 `plan_run` returns a typed `RunPlan`; `to_json()` gives plan.json's layout, `RunPlan.from_json` reads it back
 (the sweep report), and `lines()` is the dry run's table.
 """
+
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Optional
+from typing import Any
 
 from model import GPTConfig, layer_param_counts
 from parallel.auto_recompute import StageBudget
 from parallel.config import RecomputeConfig
-from parallel.flops import (head_flops_per_token, model_flops_per_token, non_embedding_params,
-                            segment_recompute_flops, selective_recompute_flops, stage_flops)
+from parallel.flops import (
+    head_flops_per_token,
+    model_flops_per_token,
+    non_embedding_params,
+    segment_recompute_flops,
+    selective_recompute_flops,
+    stage_flops,
+)
 from parallel.layout import PipelineLayout
 from parallel.memory_model import attention_kernel, block_full_items, stage_input_bytes, total
 from parallel.shapes import GIB, RunShape, Shape, Target
@@ -40,8 +47,13 @@ class BudgetEstimate:
 
     @classmethod
     def of(cls, budget: StageBudget) -> "BudgetEstimate":
-        return cls(budget.budget_bytes, budget.predicted_peak_bytes, budget.choice.working_bytes, budget.least_bytes,
-                   budget.choice.cost)
+        return cls(
+            budget.budget_bytes,
+            budget.predicted_peak_bytes,
+            budget.choice.working_bytes,
+            budget.least_bytes,
+            budget.choice.cost,
+        )
 
 
 @dataclass(frozen=True)
@@ -67,11 +79,13 @@ class StageEstimate:
     hardware_flops_per_step: int
     recompute_flops_per_step: int
     layer_activation_bytes: tuple[LayerBytes, ...]
-    budget: Optional[BudgetEstimate] = None
+    budget: BudgetEstimate | None = None
     """Flattened into the stage's JSON object."""
 
     def to_json(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("layer_activation_bytes", "budget")}
+        out = {
+            f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("layer_activation_bytes", "budget")
+        }
         out["layer_activation_bytes"] = [asdict(layer) for layer in self.layer_activation_bytes]
         if self.budget is not None:
             out.update(asdict(self.budget))
@@ -83,8 +97,11 @@ class StageEstimate:
         simple = {f.name: data[f.name] for f in fields(cls) if f.name not in ("layer_activation_bytes", "budget")}
         simple.update(layers=tuple(data["layers"]), choices=tuple(data["choices"]))
         budget = BudgetEstimate(**{k: data[k] for k in budget_keys}) if budget_keys[0] in data else None
-        return cls(**simple, layer_activation_bytes=tuple(LayerBytes(**layer) for layer in data["layer_activation_bytes"]),
-                   budget=budget)
+        return cls(
+            **simple,
+            layer_activation_bytes=tuple(LayerBytes(**layer) for layer in data["layer_activation_bytes"]),
+            budget=budget,
+        )
 
 
 @dataclass(frozen=True)
@@ -158,20 +175,29 @@ class RunPlan:
 
     def to_json(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out.update(target=asdict(self.target), stages=[s.to_json() for s in self.stages],
-                   block_choices={name: asdict(c) for name, c in self.block_choices.items()},
-                   korthikanti_per_block_bytes=asdict(self.korthikanti_per_block_bytes), flops=asdict(self.flops))
+        out.update(
+            target=asdict(self.target),
+            stages=[s.to_json() for s in self.stages],
+            block_choices={name: asdict(c) for name, c in self.block_choices.items()},
+            korthikanti_per_block_bytes=asdict(self.korthikanti_per_block_bytes),
+            flops=asdict(self.flops),
+        )
         return _plain(out)
 
     @classmethod
     def from_json(cls, data: dict) -> "RunPlan":
         simple = {f.name: data[f.name] for f in fields(cls)}
-        return cls(**{**simple, "target": PlanTarget(**data["target"]),
-                      "stages": tuple(StageEstimate.from_json(s) for s in data["stages"]),
-                      "per_block_activation_bytes": tuple(data["per_block_activation_bytes"]),
-                      "block_choices": {k: ChoiceEstimate(**v) for k, v in data["block_choices"].items()},
-                      "korthikanti_per_block_bytes": PaperBytes(**data["korthikanti_per_block_bytes"]),
-                      "flops": FlopsEstimate(**data["flops"])})
+        return cls(
+            **{
+                **simple,
+                "target": PlanTarget(**data["target"]),
+                "stages": tuple(StageEstimate.from_json(s) for s in data["stages"]),
+                "per_block_activation_bytes": tuple(data["per_block_activation_bytes"]),
+                "block_choices": {k: ChoiceEstimate(**v) for k, v in data["block_choices"].items()},
+                "korthikanti_per_block_bytes": PaperBytes(**data["korthikanti_per_block_bytes"]),
+                "flops": FlopsEstimate(**data["flops"]),
+            }
+        )
 
     def lines(self) -> list[str]:
         """The per-stage table the dry run prints (memory in GiB, FLOPs in TFLOP per step)."""
@@ -191,12 +217,17 @@ class RunPlan:
                 f"{s.stage:>5} {s.layers[0]:>4}..{s.layers[1] - 1:<3} {s.blocks:>6} {s.params:>14,} "
                 f"{_gib(s.activation_bytes_per_microbatch):>10} {s.in_flight_microbatches:>9} "
                 f"{_gib(s.peak_activation_bytes):>10} {_gib(states):>14} {_gib(s.pipe_buffer_bytes):>9} "
-                f"{_gib(s.predicted_peak_bytes):>10} {s.recompute_flops_per_step / 1e12:>12.3f}")
+                f"{_gib(s.predicted_peak_bytes):>10} {s.recompute_flops_per_step / 1e12:>12.3f}"
+            )
         k, blocks = self.korthikanti_per_block_bytes, self.per_block_activation_bytes
-        lines.append(f"per block: {_gib(max(blocks)) if blocks else '-'} GiB kept (largest block) | paper, 16-bit: "
-                     f"none {_gib(k.none)}, selective {_gib(k.selective)}, full {_gib(k.full)} GiB")
-        lines.append(f"model FLOPs/step {flops.model_flops_per_step / 1e12:.3f} TFLOP | hardware FLOPs/step "
-                     f"{flops.hardware_flops_per_step / 1e12:.3f} TFLOP (x{flops.hardware_over_model:.3f})")
+        lines.append(
+            f"per block: {_gib(max(blocks)) if blocks else '-'} GiB kept (largest block) | paper, 16-bit: "
+            f"none {_gib(k.none)}, selective {_gib(k.selective)}, full {_gib(k.full)} GiB"
+        )
+        lines.append(
+            f"model FLOPs/step {flops.model_flops_per_step / 1e12:.3f} TFLOP | hardware FLOPs/step "
+            f"{flops.hardware_flops_per_step / 1e12:.3f} TFLOP (x{flops.hardware_over_model:.3f})"
+        )
         return lines
 
 
@@ -206,8 +237,10 @@ def block_choices(shape: Shape, target: Target) -> dict[str, ChoiceEstimate]:
     kernel = attention_kernel(shape, target)
     options = block_options(shape, target, lambda modules: selective_recompute_flops(shape, modules, kernel))
     none = options[0].kept_bytes
-    figures = {"none": (none, 0),
-               "full": (total(block_full_items(shape, target, True)), segment_recompute_flops(shape, 1))}
+    figures = {
+        "none": (none, 0),
+        "full": (total(block_full_items(shape, target, True)), segment_recompute_flops(shape, 1)),
+    }
     figures.update({o.choice: (o.kept_bytes, int(o.cost)) for o in options[1:]})
     return {name: ChoiceEstimate(kept, none - kept, flops) for name, (kept, flops) in figures.items()}
 
@@ -220,29 +253,32 @@ def plan_run(model: GPTConfig, recompute: RecomputeConfig, layout: PipelineLayou
     for index, (stage, plan) in enumerate(zip(layout.stages, layout.plans)):
         memory = stage_memory(layout.recipes, stage, plan, shape, run, counts)
         flops = stage_flops(layout.recipes, stage.layers, plan, shape, kernel)
-        stages.append(StageEstimate(
-            stage=stage.stage,
-            layers=(stage.start, stage.stop),
-            blocks=sum(layer.is_block for layer in memory.layers),
-            choices=tuple(layer.choice for layer in memory.layers if layer.is_block),
-            params=memory.params,
-            activation_bytes_per_microbatch=memory.activation_bytes,
-            stage_input_bytes=stage_input_bytes(stage.stage, shape, target),
-            in_flight_microbatches=memory.in_flight,
-            pipe_buffers=memory.pipe_buffers,
-            peak_activation_bytes=memory.activation_bytes * memory.in_flight,
-            pipe_buffer_bytes=memory.pipe_buffer_bytes,
-            param_bytes=memory.states["params"],
-            grad_bytes=memory.states["grads"],
-            optimizer_bytes=memory.states["optimizer"],
-            predicted_peak_bytes=memory.predicted_peak_bytes,
-            model_flops_per_step=flops.model * run.micro_batches,
-            hardware_flops_per_step=flops.hardware * run.micro_batches,
-            recompute_flops_per_step=flops.recompute * run.micro_batches,
-            layer_activation_bytes=tuple(LayerBytes(layer.flat_index, layer.name, layer.choice, layer.bytes)
-                                         for layer in memory.layers),
-            budget=BudgetEstimate.of(layout.budgets[index]) if layout.budgets else None,
-        ))
+        stages.append(
+            StageEstimate(
+                stage=stage.stage,
+                layers=(stage.start, stage.stop),
+                blocks=sum(layer.is_block for layer in memory.layers),
+                choices=tuple(layer.choice for layer in memory.layers if layer.is_block),
+                params=memory.params,
+                activation_bytes_per_microbatch=memory.activation_bytes,
+                stage_input_bytes=stage_input_bytes(stage.stage, shape, target),
+                in_flight_microbatches=memory.in_flight,
+                pipe_buffers=memory.pipe_buffers,
+                peak_activation_bytes=memory.activation_bytes * memory.in_flight,
+                pipe_buffer_bytes=memory.pipe_buffer_bytes,
+                param_bytes=memory.states["params"],
+                grad_bytes=memory.states["grads"],
+                optimizer_bytes=memory.states["optimizer"],
+                predicted_peak_bytes=memory.predicted_peak_bytes,
+                model_flops_per_step=flops.model * run.micro_batches,
+                hardware_flops_per_step=flops.hardware * run.micro_batches,
+                recompute_flops_per_step=flops.recompute * run.micro_batches,
+                layer_activation_bytes=tuple(
+                    LayerBytes(layer.flat_index, layer.name, layer.choice, layer.bytes) for layer in memory.layers
+                ),
+                budget=BudgetEstimate.of(layout.budgets[index]) if layout.budgets else None,
+            )
+        )
     data_parallel = run.topology.data_parallel_size
     tokens_per_step = run.tokens_per_step(model.seq_len)
     model_flops = model_flops_per_token(model) * tokens_per_step
@@ -258,8 +294,9 @@ def plan_run(model: GPTConfig, recompute: RecomputeConfig, layout: PipelineLayou
         seq_len=model.seq_len,
         stage_input_included=True,
         stages=tuple(stages),
-        per_block_activation_bytes=tuple(layer.bytes for s in stages for layer in s.layer_activation_bytes
-                                         if layer.choice != "-"),
+        per_block_activation_bytes=tuple(
+            layer.bytes for s in stages for layer in s.layer_activation_bytes if layer.choice != "-"
+        ),
         block_choices=block_choices(shape, target),
         korthikanti_per_block_bytes=PaperBytes.of(shape),
         flops=FlopsEstimate(

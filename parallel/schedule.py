@@ -1,5 +1,6 @@
 """What DeepSpeed's 1F1B training schedule keeps per stage, read from its own TrainSchedule (pure:
 no process group)."""
+
 from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass, TrainSchedule
 
 

@@ -3,6 +3,7 @@ batch and optimizer sharding around it (`RunShape`), and one micro-batch through
 
 The first stop of planning: memory_model, flops and schedule read these; nothing here reads them back.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -27,8 +28,9 @@ class Target:
         if self.device not in PLAN_DEVICES:
             raise ValueError(f"train.device={self.device!r} cannot be planned: allowed values are cpu, cuda")
         if self.precision not in DTYPE_BYTES:
-            raise ValueError(f"train.precision={self.precision!r} cannot be planned: allowed values are "
-                             f"{', '.join(DTYPE_BYTES)}")
+            raise ValueError(
+                f"train.precision={self.precision!r} cannot be planned: allowed values are {', '.join(DTYPE_BYTES)}"
+            )
 
     @property
     def dtype_bytes(self) -> int:
@@ -63,8 +65,11 @@ class Topology:
 
     def as_dict(self) -> dict[str, int]:
         """For summary.json and W&B's run config."""
-        return {"world_size": self.world_size, "pipeline_stages": self.pipeline_stages,
-                "data_parallel_size": self.data_parallel_size}
+        return {
+            "world_size": self.world_size,
+            "pipeline_stages": self.pipeline_stages,
+            "data_parallel_size": self.data_parallel_size,
+        }
 
 
 @dataclass(frozen=True)
@@ -96,8 +101,15 @@ class Shape:
 
     @classmethod
     def of(cls, model: GPTConfig, micro_batch_size: int) -> "Shape":
-        return cls(micro_batch_size, model.seq_len, model.n_embd, model.n_head, model.vocab_size,
-                   model.dropout > 0, model.attention)
+        return cls(
+            micro_batch_size,
+            model.seq_len,
+            model.n_embd,
+            model.n_head,
+            model.vocab_size,
+            model.dropout > 0,
+            model.attention,
+        )
 
     @property
     def bsh(self) -> int:

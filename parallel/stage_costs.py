@@ -4,12 +4,20 @@
 Both the auto optimiser and the run plan read a stage's fixed bytes and its per-block options from here,
 so each is computed in one place.
 """
+
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from model import LayerRecipe
-from parallel.memory_model import (LayerActivation, block_items, model_state_bytes, pipe_buffer_bytes,
-                                   selective_combinations, stage_activations, total)
+from parallel.memory_model import (
+    LayerActivation,
+    block_items,
+    model_state_bytes,
+    pipe_buffer_bytes,
+    selective_combinations,
+    stage_activations,
+    total,
+)
 from parallel.partition import StageRange
 from parallel.schedule import in_flight_micro_batches, pipe_buffers
 from parallel.shapes import RunShape, Shape, Target
@@ -32,8 +40,10 @@ class BlockOption:
 def block_options(shape: Shape, target: Target, cost: Callable[[tuple[str, ...]], float]) -> list[BlockOption]:
     """`none`, then every selective combination, with the bytes each keeps and `cost(modules)`."""
     options = [BlockOption("none", (), total(block_items(shape, target)), 0.0)]
-    options += [BlockOption("selective:" + "+".join(combo), combo, total(block_items(shape, target, combo)),
-                            float(cost(combo))) for combo in selective_combinations()]
+    options += [
+        BlockOption("selective:" + "+".join(combo), combo, total(block_items(shape, target, combo)), float(cost(combo)))
+        for combo in selective_combinations()
+    ]
     return options
 
 
@@ -69,8 +79,14 @@ class StageMemory:
         return sum(self.states.values()) + self.in_flight * self.activation_bytes + self.pipe_buffer_bytes
 
 
-def stage_memory(recipes: Sequence[LayerRecipe], stage: StageRange, plan: StagePlan, shape: Shape, run: RunShape,
-                 param_counts: Sequence[int]) -> StageMemory:
+def stage_memory(
+    recipes: Sequence[LayerRecipe],
+    stage: StageRange,
+    plan: StagePlan,
+    shape: Shape,
+    run: RunShape,
+    param_counts: Sequence[int],
+) -> StageMemory:
     """`param_counts`: parallel.partition.layer_param_counts(recipes), counted once per layout."""
     num_stages = run.topology.pipeline_stages
     is_last = stage.stage == num_stages - 1

@@ -3,9 +3,10 @@ the memory model, the FLOP count, the layout print-out and the engine all read t
 
 Plans never look outside their stage, so stage boundaries are always checkpoint boundaries.
 """
+
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from parallel.config import FullRecompute, NoRecompute, RecomputeConfig, SelectiveRecompute
 

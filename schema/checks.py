@@ -3,6 +3,7 @@
 Everything here runs before any process group or file exists, and raises ValueError with one
 message that names the option to change and its allowed values.
 """
+
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -27,8 +28,13 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
 
 def run_shape(run: RunConfig, world_size: int, cuda_available: bool) -> RunShape:
     """What the run is planned for: the process grid, device and precision, batch and ZeRO stage."""
-    return RunShape(topology(run, world_size), target(run, cuda_available), run.train.micro_batches,
-                    run.train.micro_batch_size, run.parallel.zero_stage)
+    return RunShape(
+        topology(run, world_size),
+        target(run, cuda_available),
+        run.train.micro_batches,
+        run.train.micro_batch_size,
+        run.parallel.zero_stage,
+    )
 
 
 def topology(run: RunConfig, world_size: int) -> Topology:

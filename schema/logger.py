@@ -1,6 +1,6 @@
 """Schemas of the `logger` group: W&B (offline by default) or none."""
+
 from dataclasses import dataclass, field
-from typing import Optional
 
 WANDB_MODES = ("offline", "online", "disabled")
 
@@ -11,11 +11,11 @@ class WandbLoggerConfig:
     """Option of the `logger` config group; must stay "wandb"."""
     project: str = "stagecheck"
     """W&B project the runs are logged to."""
-    entity: Optional[str] = None
+    entity: str | None = None
     """W&B entity (user or team) that owns the project; null: the logged-in user's default entity."""
     mode: str = "offline"
     """offline (default: no network, `wandb sync` later), online, or disabled."""
-    group: Optional[str] = None
+    group: str | None = None
     """W&B group; sweeps set it so their jobs appear together."""
     tags: list[str] = field(default_factory=list)
     """W&B tags of the run, besides the two stagecheck adds: the model shape (`model:<n_layer>L-<n_embd>h`)

@@ -2,6 +2,7 @@
 
 `python -m schema.reference` prints it; `python -m schema.reference --write` writes it.
 """
+
 import argparse
 import ast
 import dataclasses
@@ -10,7 +11,7 @@ import textwrap
 import types
 import typing
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import OmegaConf
 
@@ -31,9 +32,13 @@ def field_docs(schema: type) -> dict[str, str]:
             continue
         body = class_node(cls).body
         for statement, following in zip(body, body[1:]):
-            if (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
-                    and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
-                    and isinstance(following.value.value, str)):
+            if (
+                isinstance(statement, ast.AnnAssign)
+                and isinstance(statement.target, ast.Name)
+                and isinstance(following, ast.Expr)
+                and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)
+            ):
                 docs[statement.target.id] = inspect.cleandoc(following.value.value)
     return docs
 
@@ -72,13 +77,19 @@ def render() -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def node_section(name: str, schema: type, doc: str, preset: Optional[str]) -> str:
+def node_section(name: str, schema: type, doc: str, preset: str | None) -> str:
     """A node of the top-level config; one with presets (conf/<name>/*.yaml) lists them too."""
     fields = dataclasses.fields(schema)
     if preset is None:
         return section(f"## `{name}`", schema, f"{name}.", fields, yaml_values(CONF / "config.yaml", name), doc)
-    text = section(f"## `{name}` (default `{name}={preset}`)", schema, f"{name}.", fields,
-                   yaml_values(CONF / name / f"{preset}.yaml"), doc)
+    text = section(
+        f"## `{name}` (default `{name}={preset}`)",
+        schema,
+        f"{name}.",
+        fields,
+        yaml_values(CONF / name / f"{preset}.yaml"),
+        doc,
+    )
     rows = ["| preset | " + " | ".join(f.name for f in fields) + " |", "|---" * (len(fields) + 1) + "|"]
     for path in sorted((CONF / name).glob("*.yaml"), key=lambda path: path.stem):
         values = yaml_values(path)
@@ -87,36 +98,54 @@ def node_section(name: str, schema: type, doc: str, preset: Optional[str]) -> st
     return text + f"\n\nPresets (`{name}=PRESET`, conf/{name}/):\n\n" + "\n".join(rows)
 
 
-def group_section(group: str, doc: str, default: Optional[str]) -> str:
+def group_section(group: str, doc: str, default: str | None) -> str:
     # A group outside the defaults list is added with `+group=option`.
     prefix = "+" if default is None else ""
-    options = [f"`{prefix}{group}={option}`" + (" (default)" if option == default else "")
-               for option in GROUP_SCHEMAS[group]]
+    options = [
+        f"`{prefix}{group}={option}`" + (" (default)" if option == default else "") for option in GROUP_SCHEMAS[group]
+    ]
     parts = [f"## `{group}`", doc, "Options: " + ", ".join(options) + "."]
     for option, schema in GROUP_SCHEMAS[group].items():
-        parts.append(section(f"### `{prefix}{group}={option}`", schema, f"{group}.", dataclasses.fields(schema),
-                             yaml_values(CONF / group / f"{option}.yaml")))
+        parts.append(
+            section(
+                f"### `{prefix}{group}={option}`",
+                schema,
+                f"{group}.",
+                dataclasses.fields(schema),
+                yaml_values(CONF / group / f"{option}.yaml"),
+            )
+        )
     return "\n\n".join(parts)
 
 
-def section(heading: str, schema: type, prefix: str, fields: typing.Iterable[dataclasses.Field],
-            values: dict[str, Any], doc: str = "") -> str:
+def section(
+    heading: str,
+    schema: type,
+    prefix: str,
+    fields: typing.Iterable[dataclasses.Field],
+    values: dict[str, Any],
+    doc: str = "",
+) -> str:
     """A heading, what the node is, where its schema lives, and one table row per field."""
     hints = typing.get_type_hints(schema)
     docs = field_docs(schema)
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for f in fields:
         value = values[f.name] if f.name in values else schema_default(f)
-        rows.append(f"| `{prefix}{f.name}` | {type_name(hints[f.name])} | `{literal(value)}` "
-                    f"| {cell(docs.get(f.name, ''))} |")
+        rows.append(
+            f"| `{prefix}{f.name}` | {type_name(hints[f.name])} | `{literal(value)}` | {cell(docs.get(f.name, ''))} |"
+        )
     intro = [text for text in (doc, class_doc(schema)) if text]
     return "\n\n".join([heading, *intro, f"Schema: {declared_in(schema)}.", "\n".join(rows)])
 
 
 def declared_in(schema: type) -> str:
     """The schema class and the bases its fields come from, each with its file."""
-    where = [f"`{c.__name__}` ({Path(inspect.getsourcefile(c)).relative_to(ROOT)})"
-             for c in schema.__mro__ if dataclasses.is_dataclass(c)]
+    where = [
+        f"`{c.__name__}` ({Path(inspect.getsourcefile(c)).relative_to(ROOT)})"
+        for c in schema.__mro__
+        if dataclasses.is_dataclass(c)
+    ]
     return ", extending ".join(where)
 
 
@@ -130,7 +159,7 @@ def default_options() -> dict[str, str]:
     return {k: v for e in entries if isinstance(e, dict) for k, v in e.items() if v is not None}
 
 
-def yaml_values(path: Path, node: Optional[str] = None) -> dict[str, Any]:
+def yaml_values(path: Path, node: str | None = None) -> dict[str, Any]:
     """The keys a YAML file sets (under `node`, when given)."""
     values = OmegaConf.to_container(OmegaConf.load(path))
     return values if node is None else values.get(node) or {}

@@ -3,22 +3,22 @@
 Each group option's YAML starts from its schema (`defaults: [<option>_schema, _self_]`), so a typo
 or a wrong type fails when Hydra composes the config, not at step 500.
 """
+
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
 from data import MemmapDataConfig, SyntheticDataConfig, TextDataConfig
-from schema.logger import NoLoggerConfig, WandbLoggerConfig
-from schema.training import TrainConfig
 from model import GPTConfig
 from parallel.config import AutoRecompute, FullRecompute, NoRecompute, ParallelConfig, SelectiveRecompute
+from schema.logger import NoLoggerConfig, WandbLoggerConfig
+from schema.training import TrainConfig
 
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "data": {"synthetic": SyntheticDataConfig, "text": TextDataConfig, "memmap": MemmapDataConfig},
     "logger": {"wandb": WandbLoggerConfig, "none": NoLoggerConfig},
-    "recompute": {"none": NoRecompute, "full": FullRecompute, "selective": SelectiveRecompute,
-                  "auto": AutoRecompute},
+    "recompute": {"none": NoRecompute, "full": FullRecompute, "selective": SelectiveRecompute, "auto": AutoRecompute},
 }
 
 

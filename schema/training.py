@@ -1,6 +1,6 @@
 """Schema of the `train` node: DeepSpeed's batch and optimizer settings (OptimConfig), then the run's own."""
+
 from dataclasses import dataclass, field
-from typing import Optional
 
 from parallel.config import OptimConfig
 
@@ -23,6 +23,7 @@ def normalize_resume(value) -> str:
 @dataclass
 class TrainConfig(OptimConfig):
     """The `train` node: DeepSpeed's batch and optimizer settings (OptimConfig, first), then the run's own."""
+
     precision: str = "auto"
     """fp32, bf16, fp16, or auto (bf16 on cuda, fp32 on cpu)."""
     device: str = "auto"
@@ -33,7 +34,7 @@ class TrainConfig(OptimConfig):
     """Step whose forward passes are metered for activation bytes per micro-batch (saved-tensor hooks
     cost Python calls per op, so only this one step); a resumed run meters its first step after it;
     0 disables the measurement."""
-    peak_tflops: Optional[float] = None
+    peak_tflops: float | None = None
     """Peak dense TFLOP/s of one device at train.precision, for MFU and HFU; null looks the GPU up in
     parallel/flops.py's PEAK_TFLOPS table (none on CPU or an unknown GPU: MFU is then not reported)."""
     save_every: int = 100
@@ -67,7 +68,9 @@ class TrainConfig(OptimConfig):
         if self.log_every <= 0:
             raise ValueError(f"train.log_every={self.log_every} is invalid: it must be a positive integer")
         if self.precision not in PRECISIONS:
-            raise ValueError(f"train.precision={self.precision!r} is unknown: allowed values are {', '.join(PRECISIONS)}")
+            raise ValueError(
+                f"train.precision={self.precision!r} is unknown: allowed values are {', '.join(PRECISIONS)}"
+            )
         if self.device not in DEVICES:
             raise ValueError(f"train.device={self.device!r} is unknown: allowed values are {', '.join(DEVICES)}")
         self.resume = normalize_resume(self.resume)
@@ -78,11 +81,17 @@ class TrainConfig(OptimConfig):
         if self.keep_checkpoints < 1:
             raise ValueError(f"train.keep_checkpoints={self.keep_checkpoints} is invalid: it must be >= 1")
         if self.collective_timeout_s <= 0:
-            raise ValueError(f"train.collective_timeout_s={self.collective_timeout_s} is invalid: it must be > 0 (seconds)")
+            raise ValueError(
+                f"train.collective_timeout_s={self.collective_timeout_s} is invalid: it must be > 0 (seconds)"
+            )
         if self.nan_policy not in NAN_POLICIES:
-            raise ValueError(f"train.nan_policy={self.nan_policy!r} is unknown: allowed values are {', '.join(NAN_POLICIES)}")
+            raise ValueError(
+                f"train.nan_policy={self.nan_policy!r} is unknown: allowed values are {', '.join(NAN_POLICIES)}"
+            )
         if self.measure_step < 0:
-            raise ValueError(f"train.measure_step={self.measure_step} is invalid: it must be a step >= 1, or 0 to disable")
+            raise ValueError(
+                f"train.measure_step={self.measure_step} is invalid: it must be a step >= 1, or 0 to disable"
+            )
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ValueError(f"train.peak_tflops={self.peak_tflops} is invalid: it must be > 0 (TFLOP/s), or null")
         bad = [s for s in self.inject_nan_at_steps if s <= 0]

@@ -20,6 +20,7 @@ does. Per job:
   exits 0 when every job finished, else with the exit code of the first failed job (the other ranks exit 0,
   so that the launcher does not stop rank 0 while it writes the report; the launcher passes rank 0's code on).
 """
+
 import ctypes
 import gc
 import sys
@@ -115,12 +116,20 @@ class SweepCallback(Callback):
         if job_return is not None and getattr(job_return.status, "name", "") == "FAILED":
             # An exception outside training (training's own end the process): every rank saw the same.
             error = job_return._return_value
-            mark_failed(Path(config.hydra.runtime.output_dir), f"stagecheck: error: {type(error).__name__}: {error}",
-                        EXIT_FAILED, write=_rank() == 0)
+            mark_failed(
+                Path(config.hydra.runtime.output_dir),
+                f"stagecheck: error: {type(error).__name__}: {error}",
+                EXIT_FAILED,
+                write=_rank() == 0,
+            )
         alive = release_memory()
         if alive:
-            print(f"stagecheck: warning: {alive} DeepSpeed engine(s) of finished sweep jobs are still referenced; "
-                  f"their memory is not freed", file=sys.stderr, flush=True)
+            print(
+                f"stagecheck: warning: {alive} DeepSpeed engine(s) of finished sweep jobs are still referenced; "
+                f"their memory is not freed",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if dist.is_available() and dist.is_initialized():
@@ -130,12 +139,20 @@ class SweepCallback(Callback):
             try:
                 write_report(sweep_dir, logger=config.get("logger"))
             except Exception as error:  # noqa: BLE001 - the jobs' outputs are there; the report can be redone
-                print(f"stagecheck: warning: the sweep report failed ({type(error).__name__}: {error}); "
-                      f"run `python report.py {sweep_dir}`", file=sys.stderr, flush=True)
+                print(
+                    f"stagecheck: warning: the sweep report failed ({type(error).__name__}: {error}); "
+                    f"run `python report.py {sweep_dir}`",
+                    file=sys.stderr,
+                    flush=True,
+                )
         # Rank 0 alone carries the sweep's exit code: a launcher stops every rank when one exits non-zero,
         # and rank 0 may still be writing the report while the others are done.
         if failures and _rank() == 0:
             failed = ", ".join(f"{num} (exit {code})" for num, code in sorted(failures.items()))
-            print(f"stagecheck: sweep {sweep_dir}: {len(failures)} job(s) failed: {failed}; see FAILED in "
-                  f"their directories", file=sys.stderr, flush=True)
+            print(
+                f"stagecheck: sweep {sweep_dir}: {len(failures)} job(s) failed: {failed}; see FAILED in "
+                f"their directories",
+                file=sys.stderr,
+                flush=True,
+            )
             raise SystemExit(next(iter(failures.values())))

@@ -24,9 +24,10 @@ What fails how (ranks must stay in lockstep: a rank that skips a collective its 
   (`finished_earlier`), the failed job runs again (add `train.overwrite=true` if it left outputs and no
   checkpoint to resume from; its earlier FAILED is kept as FAILED.1), and the report covers every job.
 """
+
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -83,14 +84,16 @@ class SweepJob(JobHooks):
         if (run_dir / "summary.json").is_file():
             if failed.exists() or not (run_dir / "config.yaml").is_file():
                 return False
-            if (_job_config(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml")))
-                    == _job_config(OmegaConf.to_container(cfg, resolve=True))):
+            if _job_config(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"))) == _job_config(
+                OmegaConf.to_container(cfg, resolve=True)
+            ):
                 if rank == 0:
                     print(f"stagecheck: sweep job {_job_num()} already finished in {run_dir}: skipped", flush=True)
                 return True
         elif failed.exists() and rank == 0:
-            earlier = next(run_dir / f"{FAILED}.{n}" for n in range(1, 10**6)
-                           if not (run_dir / f"{FAILED}.{n}").exists())
+            earlier = next(
+                run_dir / f"{FAILED}.{n}" for n in range(1, 10**6) if not (run_dir / f"{FAILED}.{n}").exists()
+            )
             failed.rename(earlier)
         return False
 
@@ -98,8 +101,11 @@ class SweepJob(JobHooks):
         """Marks the job (rank 0 writes: every rank failed the same way); the sweep goes on."""
         mark_failed(run_dir, message, EXIT_CONFIG, write=rank == 0)
         if rank == 0:
-            print(f"stagecheck: sweep job {_job_num()} failed at start-up; marked {run_dir / FAILED}; going on",
-                  file=sys.stderr, flush=True)
+            print(
+                f"stagecheck: sweep job {_job_num()} failed at start-up; marked {run_dir / FAILED}; going on",
+                file=sys.stderr,
+                flush=True,
+            )
         return True
 
     def guard(self, run_dir: Path, rank: int, body: Callable[[], None]) -> Callable[[], None]:
@@ -114,15 +120,24 @@ class SweepJob(JobHooks):
                 if code == 0:
                     return
                 if code == EXIT_NONFINITE:
-                    mark_failed(run_dir, "stagecheck: non-finite loss or gradients: the job stopped with exit code 3 "
-                                         "(train.nan_policy); see the log", code, write=rank == 0)
+                    mark_failed(
+                        run_dir,
+                        "stagecheck: non-finite loss or gradients: the job stopped with exit code 3 "
+                        "(train.nan_policy); see the log",
+                        code,
+                        write=rank == 0,
+                    )
                     return
-                mark_failed(run_dir, f"stagecheck: rank {rank} stopped with exit code {code}; the sweep stopped here",
-                            code)
+                mark_failed(
+                    run_dir, f"stagecheck: rank {rank} stopped with exit code {code}; the sweep stopped here", code
+                )
                 raise
             except BaseException as error:  # noqa: BLE001 - marked, then handed on to run_guarded
-                mark_failed(run_dir, f"stagecheck: rank {rank} failed: {type(error).__name__}: {error}; "
-                                     f"the sweep stopped here", EXIT_FAILED)
+                mark_failed(
+                    run_dir,
+                    f"stagecheck: rank {rank} failed: {type(error).__name__}: {error}; the sweep stopped here",
+                    EXIT_FAILED,
+                )
                 raise
 
         return job

@@ -26,12 +26,13 @@ RESULT_GRACE_S after it ended. The sweep waits for every job before reporting a 
 left unwatched; a failed job then stops the sweep with that message (its `FAILED` file, from
 sweep/job.py, is in its directory; `python report.py SWEEP_DIR` reports the jobs that finished).
 """
+
 import getpass
 import logging
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf
@@ -54,12 +55,13 @@ def _has_results(job) -> bool:
     return all(task.paths.result_pickle.exists() for task in _tasks(job))
 
 
-def queued_job_ids() -> Optional[set[str]]:
+def queued_job_ids() -> set[str] | None:
     """This user's jobs that SLURM still lists (pending, running, completing, requeued), array elements one
     by one (`123_4`); None when squeue does not answer."""
     try:
-        out = subprocess.run(["squeue", "-h", "-r", "-o", "%i", "-u", getpass.getuser()],
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            ["squeue", "-h", "-r", "-o", "%i", "-u", getpass.getuser()], capture_output=True, text=True, timeout=60
+        )
     except (OSError, subprocess.TimeoutExpired) as error:
         log.warning(f"squeue failed ({error}); still waiting")
         return None
@@ -88,8 +90,12 @@ def final_state(job_id: str) -> str:
     does not tell apart) `sacct -c`; `unknown` when neither answers."""
     for extra in ([],) if "_" in job_id else ([], ["-c"]):
         try:
-            out = subprocess.run(["sacct", *extra, "-X", "-n", "-P", "-o", "JobID,State,ExitCode", "-j", job_id],
-                                 capture_output=True, text=True, timeout=60)
+            out = subprocess.run(
+                ["sacct", *extra, "-X", "-n", "-P", "-o", "JobID,State,ExitCode", "-j", job_id],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
         except (OSError, subprocess.TimeoutExpired):
             continue
         rows = [line.split("|") for line in out.stdout.splitlines() if line.split("|")[0] == job_id]
@@ -125,12 +131,17 @@ def job_return(job, idx: int, overrides: Sequence[str], clock=time.monotonic, sl
         marker = Path(str(job_dir)) / FAILED if job_dir else None
         if ret.status == JobStatus.COMPLETED and marker is not None and marker.is_file():
             message = marker.read_text(errors="replace").strip()
-            return JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=RuntimeError(
-                f"sweep job {idx} (SLURM job {job.job_id}) failed; {marker}:\n{message}"))
+            return JobReturn(
+                overrides=list(overrides),
+                status=JobStatus.FAILED,
+                _return_value=RuntimeError(f"sweep job {idx} (SLURM job {job.job_id}) failed; {marker}:\n{message}"),
+            )
         return ret
     missing = [task for task in _tasks(job) if not task.paths.result_pickle.exists()]
-    lines = [f"sweep job {idx} (SLURM job {job.job_id}, {final_state(job.job_id)}): task(s) "
-             f"{', '.join(str(t.task_id) for t in missing)} of {job.num_tasks} ended without a result"]
+    lines = [
+        f"sweep job {idx} (SLURM job {job.job_id}, {final_state(job.job_id)}): task(s) "
+        f"{', '.join(str(t.task_id) for t in missing)} of {job.num_tasks} ended without a result"
+    ]
     for task in missing:
         lines += [f"  task {task.task_id}: {line}" for line in _messages(task)]
     lines.append(f"  logs: {job.paths.folder}")

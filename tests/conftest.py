@@ -1,5 +1,6 @@
 """Shared pytest set-up: the `slurm_cluster` fixture (a real two-node Slurm on this machine) and one
 intra-op thread for in-process tests."""
+
 import pytest
 import torch
 

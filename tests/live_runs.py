@@ -1,11 +1,12 @@
 """Runs started in the background, so a test can signal or kill one rank while it trains or saves."""
+
 import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 import psutil
 
@@ -55,7 +56,7 @@ class LiveRun:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise AssertionError(f"the run did not end within {timeout} s\n{self.output()[-4000:]}")
+            raise AssertionError(f"the run did not end within {timeout} s\n{self.output()[-4000:]}") from None
 
     def kill(self) -> None:
         """Take down the launcher and every rank (cleanup after a failed test)."""
@@ -69,13 +70,20 @@ class LiveRun:
             raise AssertionError(f"the run ended early with {self.proc.returncode}\n{self.output()[-4000:]}")
 
 
-def start(run_dir: Path, *overrides: str, nproc: int = 2, env_extra: Optional[dict] = None) -> LiveRun:
+def start(run_dir: Path, *overrides: str, nproc: int = 2, env_extra: dict | None = None) -> LiveRun:
     """`deepspeed --num_gpus N train.py ...` in its own process group, output to <run_dir>.log."""
     log = run_dir.with_name(run_dir.name + f".{int(time.time() * 1000)}.log")
     env = cpu_env(run_dir.parent, **(env_extra or {}))
-    cmd = [str(DEEPSPEED), "--num_gpus", str(nproc), "--master_port", str(free_port()), "train.py",
-           f"hydra.run.dir={run_dir}", *overrides]
+    cmd = [
+        str(DEEPSPEED),
+        "--num_gpus",
+        str(nproc),
+        "--master_port",
+        str(free_port()),
+        "train.py",
+        f"hydra.run.dir={run_dir}",
+        *overrides,
+    ]
     with open(log, "w") as handle:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
     return LiveRun(proc, run_dir, log, time.monotonic())

@@ -2,6 +2,7 @@
 hold the measured activation bytes per stage (equal to the planner's), the 1F1B peak, peak memory per
 stage and achieved FLOP/s. Full recompute with interval=stage: each stage keeps, for its blocks, only the
 stage input the pipeline already holds."""
+
 from pathlib import Path
 
 import pytest
@@ -20,9 +21,18 @@ def launched(tmp_path_factory):
     scratch = tmp_path_factory.mktemp("accounting")
     run_dir, extensions = scratch / "run", scratch / "torch_extensions"
     shared_before = set(SHARED_MEMORY.iterdir())
-    launch(run_dir, *TINY, "train.steps=3", "train.micro_batches=4", "train.micro_batch_size=2",
-           "model.dropout=0.1", "model.attention=math", "+recompute=full", "recompute.interval=stage",
-           env=cpu_env(scratch, TORCH_EXTENSIONS_DIR=str(extensions)))
+    launch(
+        run_dir,
+        *TINY,
+        "train.steps=3",
+        "train.micro_batches=4",
+        "train.micro_batch_size=2",
+        "model.dropout=0.1",
+        "model.attention=math",
+        "+recompute=full",
+        "recompute.interval=stage",
+        env=cpu_env(scratch, TORCH_EXTENSIONS_DIR=str(extensions)),
+    )
     return run_dir, set(SHARED_MEMORY.iterdir()) - shared_before, extensions
 
 
@@ -47,8 +57,9 @@ def test_measured_activation_bytes_equal_the_plan(run_dir):
     # stage 0: token ids; stage 1: the hidden states it receives (fp32), kept by the one stage-wide segment
     assert s["stage_input_bytes_per_stage"] == [b * t * 8, b * t * h * 4]
     # stage 1 = its input + ln_f (input, mean, rstd) + LM head input + loss (fp32 log-probs, labels, scalar)
-    assert s["activation_bytes_per_stage"][1] == (b * t * h * 4 + b * t * h * 4 + 2 * b * t * 4 + b * t * h * 4
-                                                  + b * t * 256 * 4 + b * t * 8 + 4)
+    assert s["activation_bytes_per_stage"][1] == (
+        b * t * h * 4 + b * t * h * 4 + 2 * b * t * 4 + b * t * h * 4 + b * t * 256 * 4 + b * t * 8 + 4
+    )
 
 
 def test_peaks_follow_the_1f1b_schedule(run_dir):

@@ -2,6 +2,7 @@
 and interval, both attention kernels, dropout on and off, fp32 and bf16. The planner mirrors the code,
 so the two must agree to the byte. Also: 1F1B in-flight counts from DeepSpeed's schedule, the paper's
 per-block anchor for GPT-3 175B, and what sdpa without dropout leaves selective recompute to save."""
+
 import pytest
 import torch
 
@@ -14,9 +15,15 @@ from parallel.run_plan import PaperBytes, block_choices, plan_run
 from parallel.schedule import in_flight_micro_batches, pipe_buffers
 from parallel.shapes import RunShape, Shape, Target, Topology
 
-MODES = [NoRecompute(), FullRecompute(interval="1"), FullRecompute(interval="2"), FullRecompute(interval="3"),
-         FullRecompute(interval="stage"), FullRecompute(interval="sqrt"),
-         *[SelectiveRecompute(modules=list(combo)) for combo in selective_combinations()]]
+MODES = [
+    NoRecompute(),
+    FullRecompute(interval="1"),
+    FullRecompute(interval="2"),
+    FullRecompute(interval="3"),
+    FullRecompute(interval="stage"),
+    FullRecompute(interval="sqrt"),
+    *[SelectiveRecompute(modules=list(combo)) for combo in selective_combinations()],
+]
 # Each attention path that runs on CPU: explicit ops with and without dropout, SDPA's math backend
 # (dropout on; upcasts bf16) and SDPA's flash kernel (dropout off); fp32 and bf16.
 VARIANTS = [("math", 0.1, "fp32"), ("math", 0.0, "bf16"), ("sdpa", 0.1, "bf16"), ("sdpa", 0.0, "fp32")]
@@ -30,17 +37,24 @@ def mode_id(recompute) -> str:
     return "none"
 
 
-def measured_and_planned(recompute, attention="math", dropout=0.1, precision="fp32", stages=2, n_layer=6,
-                         micro_batch_size=2):
-    cfg = GPTConfig(n_layer=n_layer, n_head=4, n_embd=32, seq_len=16, vocab_size=64, dropout=dropout,
-                    attention=attention)
+def measured_and_planned(
+    recompute, attention="math", dropout=0.1, precision="fp32", stages=2, n_layer=6, micro_batch_size=2
+):
+    cfg = GPTConfig(
+        n_layer=n_layer, n_head=4, n_embd=32, seq_len=16, vocab_size=64, dropout=dropout, attention=attention
+    )
     run = RunShape(Topology(stages), Target("cpu", precision), micro_batches=2, micro_batch_size=micro_batch_size)
     layout = build_layout(cfg, recompute, run, "type:Block", seed=0)
     plan = plan_run(cfg, recompute, layout, run)
     pipe = LocalPipeline(layout, precision)
     g = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, 64, (micro_batch_size, 16), generator=g),
-                torch.randint(0, 64, (micro_batch_size, 16), generator=g)) for _ in range(2)]
+    batches = [
+        (
+            torch.randint(0, 64, (micro_batch_size, 16), generator=g),
+            torch.randint(0, 64, (micro_batch_size, 16), generator=g),
+        )
+        for _ in range(2)
+    ]
     pipe.step(batches, measure=True)
     return pipe, plan
 
@@ -58,8 +72,9 @@ def test_planned_bytes_equal_measured_bytes(recompute, attention, dropout, preci
 def test_three_stages_and_bigger_micro_batches_agree_too():
     for recompute in (NoRecompute(), FullRecompute(interval="2"), SelectiveRecompute()):
         pipe, plan = measured_and_planned(recompute, stages=3, micro_batch_size=3)
-        assert [s.meter.bytes_per_micro_batch()[0] for s in pipe.stages] == \
-               [s.activation_bytes_per_microbatch for s in plan.stages]
+        assert [s.meter.bytes_per_micro_batch()[0] for s in pipe.stages] == [
+            s.activation_bytes_per_microbatch for s in plan.stages
+        ]
 
 
 def test_stage_interval_stores_nothing_beyond_the_stage_input_on_a_block_only_stage():
@@ -86,8 +101,9 @@ def test_peak_activation_bytes_are_per_micro_batch_bytes_times_in_flight():
     assert [s.in_flight_microbatches for s in plan.stages] == [4, 3, 2, 1]
     for s in plan.stages:
         assert s.peak_activation_bytes == s.activation_bytes_per_microbatch * s.in_flight_microbatches
-        assert s.predicted_peak_bytes == (s.param_bytes + s.grad_bytes + s.optimizer_bytes
-                                             + s.peak_activation_bytes + s.pipe_buffer_bytes)
+        assert s.predicted_peak_bytes == (
+            s.param_bytes + s.grad_bytes + s.optimizer_bytes + s.peak_activation_bytes + s.pipe_buffer_bytes
+        )
 
 
 GPT3 = Shape(b=1, s=2048, h=12288, a=96, vocab=50257, dropout=True, attention="math")

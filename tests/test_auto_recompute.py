@@ -1,5 +1,6 @@
 """Stage-aware automatic recompute: the optimiser on hand-made cost tables, budget boundaries, the
 message when nothing fits, and plans on real shapes."""
+
 import itertools
 import math
 import time
@@ -14,10 +15,15 @@ from parallel.shapes import GIB, RunShape, Shape, Target, Topology
 from parallel.stage_costs import BlockOption
 
 TABLE = CostTable(
-    options=(BlockOption("none", (), 100, 0.0),
-             BlockOption("selective:core_attn", ("core_attn",), 40, 3.0),
-             BlockOption("selective:mlp", ("mlp",), 70, 5.0)),  # dominated by core_attn
-    segment_input_bytes=10, block_bytes=100, full_block_cost=10.0)
+    options=(
+        BlockOption("none", (), 100, 0.0),
+        BlockOption("selective:core_attn", ("core_attn",), 40, 3.0),
+        BlockOption("selective:mlp", ("mlp",), 70, 5.0),
+    ),  # dominated by core_attn
+    segment_input_bytes=10,
+    block_bytes=100,
+    full_block_cost=10.0,
+)
 
 
 def brute_force(n: int, table: CostTable, in_flight: int, budget: float):
@@ -27,7 +33,7 @@ def brute_force(n: int, table: CostTable, in_flight: int, budget: float):
     for assignment in itertools.product(names, repeat=n):
         m = assignment.count("full")
         rest = [o for name in assignment if name != "full" for o in table.options if o.choice == name]
-        for k in ([0] if m == 0 else range(1, m + 1)):
+        for k in [0] if m == 0 else range(1, m + 1):
             kept = sum(o.kept_bytes for o in rest) + k * table.segment_input_bytes
             working = math.ceil(m / k) * table.block_bytes if m else 0
             cost = sum(o.cost for o in rest) + m * table.full_block_cost - k * table.segment_discount

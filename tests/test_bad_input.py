@@ -1,5 +1,6 @@
 """Bad input fails at start-up: non-zero exit, one message naming the option and the allowed values,
 no traceback, and no run directory or file left behind."""
+
 import pytest
 
 from tests.runs import TINY, cpu_env, launch, python_run
@@ -11,11 +12,20 @@ CASES = [
     (["train.steps=0"], "train.steps=0 is invalid: it must be a positive integer"),
     (["train.micro_batches=-2"], "train.micro_batches=-2 is invalid"),
     (["train.micro_batch_size=0"], "train.micro_batch_size=0 is invalid"),
-    (["parallel.partition_method=random"], "parallel.partition_method='random' is unknown: allowed values are parameters, uniform, type:Block"),
+    (
+        ["parallel.partition_method=random"],
+        "parallel.partition_method='random' is unknown: allowed values are parameters, uniform, type:Block",
+    ),
     (["data=text", "data.path=/no/such/corpus"], "data.path='/no/such/corpus' does not exist"),
-    (["+recompute=full", "recompute.interval=0"], "recompute.interval='0' is invalid: allowed values are a positive integer"),
+    (
+        ["+recompute=full", "recompute.interval=0"],
+        "recompute.interval='0' is invalid: allowed values are a positive integer",
+    ),
     (["+recompute=full", "recompute.interval=often"], "recompute.interval='often' is invalid"),
-    (["+recompute=selective", "recompute.modules=[attention]"], "recompute.modules=['attention'] is invalid: choose one or more of core_attn"),
+    (
+        ["+recompute=selective", "recompute.modules=[attention]"],
+        "recompute.modules=['attention'] is invalid: choose one or more of core_attn",
+    ),
     (["model.attention=flash9"], "model.attention='flash9' is unknown: allowed values are sdpa, math"),
     (["train.precision=fp8"], "train.precision='fp8' is unknown: allowed values are auto, fp32, bf16, fp16"),
 ]

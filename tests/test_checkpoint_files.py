@@ -1,5 +1,6 @@
 """The checkpoint directory's rules without training: what counts as complete, what `latest` may name,
 what pruning keeps, and how metrics.jsonl is cut back on resume."""
+
 import json
 import random
 
@@ -7,11 +8,20 @@ import numpy as np
 import pytest
 import torch
 
-from harness.checkpoint import (LATEST, META, latest_checkpoint, prune, read_checkpoint, resume_point,
-                                rng_state, set_rng_state, tag_for)
-from schema.training import TrainConfig
+from harness.checkpoint import (
+    LATEST,
+    META,
+    latest_checkpoint,
+    prune,
+    read_checkpoint,
+    resume_point,
+    rng_state,
+    set_rng_state,
+    tag_for,
+)
 from harness.metrics import MetricsLog
 from harness.run_dir import check_run_dir
+from schema.training import TrainConfig
 
 
 def _make(root, step, complete=True):

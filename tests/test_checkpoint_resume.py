@@ -2,6 +2,7 @@
 rank, or kill -9 in the middle of a save) and resumed gives bit-identical losses for steps k+1..N to an
 uninterrupted run, continues the same W&B run without duplicated steps, and never loses its last
 complete checkpoint."""
+
 import json
 import os
 import signal
@@ -28,7 +29,7 @@ def reference(tmp_path_factory):
     root = tmp_path_factory.mktemp("reference")
     live = {mode: start(root / mode, *COMMON, *overrides) for mode, overrides in MODES.items()}
     try:
-        for mode, run in live.items():
+        for run in live.values():
             assert run.finish(timeout=300) == 0, run.output()[-4000:]
     finally:
         for run in live.values():
@@ -64,8 +65,13 @@ def test_uninterrupted_run_keeps_the_last_checkpoints(reference):
     (piece,) = _wandb_pieces(run_dir)
     assert meta["wandb_run_id"] == piece[0]
     files = {p.name for p in (run_dir / "checkpoints" / "step_00000008").iterdir()}
-    assert {"stagecheck_rank_00000.pt", "stagecheck_rank_00001.pt", "mp_rank_00_model_states.pt",
-            "mp_rank_01_model_states.pt", "layer_02-model_states.pt"} <= files
+    assert {
+        "stagecheck_rank_00000.pt",
+        "stagecheck_rank_00001.pt",
+        "mp_rank_00_model_states.pt",
+        "mp_rank_01_model_states.pt",
+        "layer_02-model_states.pt",
+    } <= files
 
 
 def test_sigterm_to_one_rank_saves_exits_75_and_resumes_bit_identical(reference, tmp_path):
@@ -106,8 +112,9 @@ def test_kill_during_a_save_keeps_the_previous_checkpoint_and_resume_is_bit_iden
     live = start(run_dir, *COMMON, *MODES["selective"], env_extra={TEST_SAVE_DELAY_ENV: "4:10"})
     try:
         # Every rank has written its part of step 4; rank 0 sleeps before the barrier that precedes `latest`.
-        live.wait_until(lambda: all((step4 / f"stagecheck_rank_0000{r}.pt").exists() for r in (0, 1)),
-                        "the step-4 save")
+        live.wait_until(
+            lambda: all((step4 / f"stagecheck_rank_0000{r}.pt").exists() for r in (0, 1)), "the step-4 save"
+        )
         killed_at = time.monotonic()
         os.kill(live.rank_pid(0), signal.SIGKILL)
         code = live.finish(timeout=120)
@@ -127,7 +134,9 @@ def test_kill_during_a_save_keeps_the_previous_checkpoint_and_resume_is_bit_iden
     assert _losses(run_dir) == _losses(reference["selective"])
     assert _latest(run_dir) == f"step_{STEPS:08d}"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.is_dir()) == [
-        "step_00000006", "step_00000008"]  # the half-written step 4 was redone, then pruned
+        "step_00000006",
+        "step_00000008",
+    ]  # the half-written step 4 was redone, then pruned
     # The resumed launch continues the W&B run of the checkpoint. The killed launch's piece is not read:
     # the launcher killed its W&B service with the rank's process tree, so it may be cut short.
     meta = json.loads((run_dir / "checkpoints" / f"step_{STEPS:08d}" / META).read_text())

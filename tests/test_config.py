@@ -1,8 +1,10 @@
 """Hydra composition exactly as train.py does it, for every shipped option, and the start-up checks."""
+
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
 
 from harness.run_dir import register_run_stamp_resolver
 from schema import GROUP_SCHEMAS, register_schemas
@@ -33,8 +35,18 @@ def test_every_model_preset_composes(model):
 
 
 def test_presets_cover_the_gpt2_and_gpt3_families():
-    assert set(MODELS) == {"tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt3-1.3b", "gpt3-2.7b",
-                           "gpt3-6.7b", "gpt3-13b", "gpt3-175b"}
+    assert set(MODELS) == {
+        "tiny",
+        "gpt2",
+        "gpt2-medium",
+        "gpt2-large",
+        "gpt2-xl",
+        "gpt3-1.3b",
+        "gpt3-2.7b",
+        "gpt3-6.7b",
+        "gpt3-13b",
+        "gpt3-175b",
+    }
     assert compose_run("model=gpt3-175b").model.n_layer == 96
 
 
@@ -54,20 +66,26 @@ def test_recompute_is_none_when_absent_and_typed_when_added():
     assert selective.modules == ["core_attn", "mlp"]
 
 
-@pytest.mark.parametrize("overrides", [
-    ["train.stepz=3"],                                  # typo: not in the schema
-    ["train.steps=many"],                               # wrong type
-    ["+recompute=full", "recompute.modules=[mlp]"],     # a field of another mode
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["train.stepz=3"],  # typo: not in the schema
+        ["train.steps=many"],  # wrong type
+        ["+recompute=full", "recompute.modules=[mlp]"],  # a field of another mode
+    ],
+)
 def test_schema_rejects_typos_and_wrong_types_at_composition(overrides):
-    with pytest.raises(Exception):
+    with pytest.raises(ConfigCompositionException):
         compose_run(*overrides)
 
 
-@pytest.mark.parametrize("world, overrides, message", [
-    (2, ["parallel.pipeline_stages=3"], "parallel.pipeline_stages=3 does not divide the world size 2"),
-    (8, ["parallel.pipeline_stages=8"], "parallel.pipeline_stages=8 exceeds model.n_layer=4"),
-])
+@pytest.mark.parametrize(
+    "world, overrides, message",
+    [
+        (2, ["parallel.pipeline_stages=3"], "parallel.pipeline_stages=3 does not divide the world size 2"),
+        (8, ["parallel.pipeline_stages=8"], "parallel.pipeline_stages=8 exceeds model.n_layer=4"),
+    ],
+)
 def test_topology_checks(world, overrides, message):
     with pytest.raises(ValueError, match=message):
         topology(compose_run(*overrides), world)

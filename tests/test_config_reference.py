@@ -1,7 +1,8 @@
 """Every config key is documented by a docstring in its schema, and docs/configuration.md is rendered from them."""
+
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from hydra import compose, initialize_config_dir

@@ -208,9 +208,7 @@ def test_embedded_stdlib_corpus(tmp_path: Path):
     config = _text_config(tmp_path, None)
     files = list_corpus_files(None)
     assert all(f.endswith(".py") for f in files.paths)
-    assert not any(
-        f"{os.sep}{skip}{os.sep}" in f for f in files.paths for skip in ("site-packages", "test", "tests")
-    )
+    assert not any(f"{os.sep}{skip}{os.sep}" in f for f in files.paths for skip in ("site-packages", "test", "tests"))
     start = time.perf_counter()
     source = open_token_source(config, 256)
     built = time.perf_counter() - start

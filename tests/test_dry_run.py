@@ -1,5 +1,6 @@
 """`python train.py ... dry_run=true`: no launcher, no process group, plan.json in the run directory, the
 same stages as training; bad planner inputs fail at start-up with exit 2 and one message."""
+
 import json
 import time
 
@@ -11,16 +12,28 @@ from parallel.layout import build_layout
 from parallel.shapes import RunShape, Target, Topology
 from tests.runs import python_run
 
-STAGE_KEYS = {"stage", "layers", "params", "activation_bytes_per_microbatch", "in_flight_microbatches",
-              "peak_activation_bytes", "predicted_peak_bytes", "param_bytes", "grad_bytes", "optimizer_bytes",
-              "recompute_flops_per_step", "stage_input_bytes"}
+STAGE_KEYS = {
+    "stage",
+    "layers",
+    "params",
+    "activation_bytes_per_microbatch",
+    "in_flight_microbatches",
+    "peak_activation_bytes",
+    "predicted_peak_bytes",
+    "param_bytes",
+    "grad_bytes",
+    "optimizer_bytes",
+    "recompute_flops_per_step",
+    "stage_input_bytes",
+}
 
 
 def test_gpt3_175b_on_8_stages_plans_in_seconds_without_a_launcher(tmp_path):
     run_dir = tmp_path / "plan"
     start = time.monotonic()
-    result = python_run(run_dir, "model=gpt3-175b", "data=synthetic", "parallel.pipeline_stages=8", "dry_run=true",
-                        timeout=120)
+    result = python_run(
+        run_dir, "model=gpt3-175b", "data=synthetic", "parallel.pipeline_stages=8", "dry_run=true", timeout=120
+    )
     elapsed = time.monotonic() - start
     assert elapsed < 60, f"dry run took {elapsed:.1f} s"
     plan = json.loads((run_dir / "plan.json").read_text())
@@ -45,9 +58,19 @@ def test_gpt3_175b_on_8_stages_plans_in_seconds_without_a_launcher(tmp_path):
 
 def test_gpt3_175b_on_16_stages_matches_the_paper_per_block(tmp_path):
     run_dir = tmp_path / "plan"
-    python_run(run_dir, "model=gpt3-175b", "data=synthetic", "parallel.pipeline_stages=16", "dry_run=true",
-               "model.dropout=0.1", "model.attention=math", "train.precision=bf16", "train.device=cuda",
-               "+recompute=selective", timeout=120)
+    python_run(
+        run_dir,
+        "model=gpt3-175b",
+        "data=synthetic",
+        "parallel.pipeline_stages=16",
+        "dry_run=true",
+        "model.dropout=0.1",
+        "model.attention=math",
+        "train.precision=bf16",
+        "train.device=cuda",
+        "+recompute=selective",
+        timeout=120,
+    )
     plan = json.loads((run_dir / "plan.json").read_text())
     paper = plan["korthikanti_per_block_bytes"]
     assert len(plan["stages"]) == 16
@@ -58,8 +81,11 @@ def test_gpt3_175b_on_16_stages_matches_the_paper_per_block(tmp_path):
 
 
 BAD = [
-    (["+recompute=selective", "recompute.modules=[core_attn,softmax]"],
-     "recompute.modules=['core_attn', 'softmax'] is invalid: choose one or more of core_attn, mlp_act, layernorm, mlp"),
+    (
+        ["+recompute=selective", "recompute.modules=[core_attn,softmax]"],
+        "recompute.modules=['core_attn', 'softmax'] is invalid: choose one or more of core_attn, mlp_act, layernorm, "
+        "mlp",
+    ),
     (["train.precision=fp8"], "train.precision='fp8' is unknown: allowed values are auto, fp32, bf16, fp16"),
     (["model.attention=flash3"], "model.attention='flash3' is unknown: allowed values are sdpa, math"),
     (["train.device=cpu", "train.precision=fp16"], "train.precision='fp16' needs train.device=cuda"),

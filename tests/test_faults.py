@@ -1,6 +1,7 @@
 """Faults end a run quickly and cleanly: a dead rank takes the run down within 60 s and is named, a
 non-finite loss stops the run (exit 3) without touching the last good checkpoint, and an output
 directory that cannot hold a checkpoint is refused at start-up."""
+
 import errno
 import json
 import os
@@ -26,13 +27,21 @@ def test_injected_nans_are_skipped_then_stop_the_run_keeping_the_last_checkpoint
     stops the run (as the default policy `stop` does at once): exit 3, a message, and the step-4
     checkpoint still the latest, nothing saved after the NaN."""
     run_dir = tmp_path / "nan"
-    result = launch(run_dir, *COMMON, "train.inject_nan_at_steps=[3,5]", "train.nan_policy=skip",
-                    "train.nan_skip_limit=1", check=False)
+    result = launch(
+        run_dir,
+        *COMMON,
+        "train.inject_nan_at_steps=[3,5]",
+        "train.nan_policy=skip",
+        "train.nan_skip_limit=1",
+        check=False,
+    )
     assert result.returncode == faults.EXIT_NONFINITE, result.stderr[-3000:]
     assert "step 3: non-finite loss or gradients, update skipped (1/1, train.nan_policy=skip)" in result.stderr
-    assert ("stagecheck: non-finite loss at step 5 (loss=nan): stopping (2 skipped steps > "
-            "train.nan_skip_limit=1); nothing was saved after it; the last good checkpoint is "
-            f"{run_dir / 'checkpoints' / 'step_00000004'} (step 4). Exit code 3.") in result.stderr
+    assert (
+        "stagecheck: non-finite loss at step 5 (loss=nan): stopping (2 skipped steps > "
+        "train.nan_skip_limit=1); nothing was saved after it; the last good checkpoint is "
+        f"{run_dir / 'checkpoints' / 'step_00000004'} (step 4). Exit code 3."
+    ) in result.stderr
     rows = {r["step"]: r for r in metrics(run_dir)}
     assert sorted(rows) == [1, 2, 3, 4, 5]
     assert rows[3]["skipped"] is True and rows[3]["loss"] != rows[3]["loss"]  # NaN, logged
@@ -66,10 +75,12 @@ def test_a_rank_killed_mid_step_ends_the_run_within_60_s_and_is_named(tmp_path):
 
 
 def test_a_raising_rank_prints_its_rank_and_exits_1():
-    code = ("from harness.faults import run_guarded\n"
-            "def body():\n    raise OSError('disk on fire')\n"
-            "run_guarded(3, body)\n"
-            "print('not reached')\n")
+    code = (
+        "from harness.faults import run_guarded\n"
+        "def body():\n    raise OSError('disk on fire')\n"
+        "run_guarded(3, body)\n"
+        "print('not reached')\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == faults.EXIT_FAILED
     assert "stagecheck: rank 3 failed: OSError: disk on fire" in result.stderr
@@ -117,28 +128,34 @@ def test_free_space_check_refuses_and_warns():
     assert faults.check_free_space(REPO, 10**9, "bf16", keep=2, free_bytes=3 * need) is None
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("nan_policy", "ignore", "train.nan_policy='ignore' is unknown: allowed values are stop, skip"),
-    ("keep_checkpoints", 0, "train.keep_checkpoints=0 is invalid: it must be >= 1"),
-    ("save_every", -1, "train.save_every=-1 is invalid"),
-    ("collective_timeout_s", 0, "train.collective_timeout_s=0 is invalid"),
-    ("inject_nan_at_steps", [0], "train.inject_nan_at_steps=[0] is invalid"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("nan_policy", "ignore", "train.nan_policy='ignore' is unknown: allowed values are stop, skip"),
+        ("keep_checkpoints", 0, "train.keep_checkpoints=0 is invalid: it must be >= 1"),
+        ("save_every", -1, "train.save_every=-1 is invalid"),
+        ("collective_timeout_s", 0, "train.collective_timeout_s=0 is invalid"),
+        ("inject_nan_at_steps", [0], "train.inject_nan_at_steps=[0] is invalid"),
+    ],
+)
 def test_new_train_options_are_validated(field, value, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         TrainConfig(**{field: value})
 
 
-@pytest.mark.parametrize("value, expected", [(False, "false"), ("False", "false"), ("auto", "auto"),
-                                             ("AUTO", "auto"), ("/x/checkpoints", "/x/checkpoints")])
+@pytest.mark.parametrize(
+    "value, expected",
+    [(False, "false"), ("False", "false"), ("auto", "auto"), ("AUTO", "auto"), ("/x/checkpoints", "/x/checkpoints")],
+)
 def test_resume_values(value, expected):
     assert TrainConfig(resume=value).resume == expected
 
 
 def test_the_fp32_guard_skips_an_update_with_non_finite_gradients():
+    from types import SimpleNamespace
+
     import torch
     import torch.distributed as dist
-    from types import SimpleNamespace
 
     from tests.runs import free_port
 

@@ -1,5 +1,6 @@
 """FLOP counts of the planner against torch.utils.flop_counter.FlopCounterMode on the tiny model (a whole
 2-stage training step, recompute included), the 6(N + hV) + 12 L h s formula, and the peak table."""
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -13,8 +14,13 @@ from parallel.memory_model import selective_combinations
 from parallel.run_plan import plan_run
 from parallel.shapes import RunShape, Target, Topology
 
-MODES = [NoRecompute(), FullRecompute(interval="1"), FullRecompute(interval="2"), FullRecompute(interval="stage"),
-         *[SelectiveRecompute(modules=list(combo)) for combo in selective_combinations()]]
+MODES = [
+    NoRecompute(),
+    FullRecompute(interval="1"),
+    FullRecompute(interval="2"),
+    FullRecompute(interval="stage"),
+    *[SelectiveRecompute(modules=list(combo)) for combo in selective_combinations()],
+]
 
 
 def tiny(dropout: float, attention: str = "math") -> GPTConfig:
@@ -77,11 +83,18 @@ def test_early_stop_skips_the_last_matmul_of_a_segment_without_dropout():
     assert counted_on - counted_off == 4 * 2 * (2 * 16) * 4 * 32 * 32
 
 
-@pytest.mark.parametrize("name, precision, peak", [
-    ("NVIDIA H100 80GB HBM3", "bf16", 989.0), ("NVIDIA H100 PCIe", "bf16", 756.0),
-    ("NVIDIA A100-SXM4-80GB", "bf16", 312.0), ("NVIDIA A100-SXM4-40GB", "fp32", 19.5),
-    ("NVIDIA H200", "fp16", 989.0), ("Tesla V100-SXM2-16GB", "bf16", None),
-    ("Some Future GPU", "bf16", None), (None, "fp32", None),
-])
+@pytest.mark.parametrize(
+    "name, precision, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.0),
+        ("NVIDIA H100 PCIe", "bf16", 756.0),
+        ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+        ("NVIDIA A100-SXM4-40GB", "fp32", 19.5),
+        ("NVIDIA H200", "fp16", 989.0),
+        ("Tesla V100-SXM2-16GB", "bf16", None),
+        ("Some Future GPU", "bf16", None),
+        (None, "fp32", None),
+    ],
+)
 def test_peak_tflops_table(name, precision, peak):
     assert lookup_peak_tflops(name, precision) == peak

@@ -1,6 +1,7 @@
 """The import contract of docs/ARCHITECTURE.md, checked on the source: which package may import which, the
 one-way order of the planning modules, no import cycle anywhere, DeepSpeed only in parallel/, model/ pure
 PyTorch. Every import counts, wherever it stands: one placed inside a function cannot dodge the contract."""
+
 import ast
 import subprocess
 import sys
@@ -56,8 +57,9 @@ def imports_of(path: Path, modules: dict[str, Path]) -> tuple[set[str], set[str]
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             # `from harness import faults` imports the module harness.faults; `from model import GPT`, the package.
-            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
-                     for a in node.names]
+            names = [
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module for a in node.names
+            ]
         else:
             continue
         for name in names:
@@ -74,17 +76,24 @@ def part_of(module: str) -> str:
 
 
 def test_packages_import_only_what_the_contract_allows():
-    wrong = [f"{module} imports {target}" for module, (project, _) in GRAPH.items() for target in sorted(project)
-             if part_of(target) != part_of(module) and part_of(target) not in MAY_IMPORT[part_of(module)]]
+    wrong = [
+        f"{module} imports {target}"
+        for module, (project, _) in GRAPH.items()
+        for target in sorted(project)
+        if part_of(target) != part_of(module) and part_of(target) not in MAY_IMPORT[part_of(module)]
+    ]
     assert not wrong, "imports against docs/ARCHITECTURE.md's contract:\n" + "\n".join(wrong)
 
 
 def test_planning_modules_import_only_earlier_steps():
     step = {module: i for i, modules in enumerate(PLANNING) for module in modules}
     assert set(step) <= set(MODULES), f"PLANNING names modules that do not exist: {set(step) - set(MODULES)}"
-    wrong = [f"{module} (step {step[module]}) imports {target}" for module in step
-             for target in sorted(GRAPH[module][0])
-             if part_of(target) == "parallel" and (target not in step or step[target] >= step[module])]
+    wrong = [
+        f"{module} (step {step[module]}) imports {target}"
+        for module in step
+        for target in sorted(GRAPH[module][0])
+        if part_of(target) == "parallel" and (target not in step or step[target] >= step[module])
+    ]
     assert not wrong, "planning must flow one way:\n" + "\n".join(wrong)
 
 
@@ -125,15 +134,21 @@ def test_only_parallel_imports_deepspeed():
 @pytest.mark.parametrize("package", ["model", "data"])
 def test_leaf_packages_import_only_the_standard_library_torch_and_numpy(package):
     allowed = set(sys.stdlib_module_names) | {"torch", "numpy"}
-    foreign = {m: sorted(external - allowed) for m, (_, external) in GRAPH.items()
-               if part_of(m) == package and external - allowed}
+    foreign = {
+        m: sorted(external - allowed)
+        for m, (_, external) in GRAPH.items()
+        if part_of(m) == package and external - allowed
+    }
     assert not foreign, f"{package}/ must stay free of other libraries: {foreign}"
 
 
 def test_every_package_says_what_it_does():
     # hydra_plugins is a namespace package (Hydra scans it for launchers): it has no __init__.py by design.
-    undocumented = [p for p in PACKAGES if p != "hydra_plugins"
-                    and not ast.get_docstring(ast.parse((REPO / p / "__init__.py").read_text()))]
+    undocumented = [
+        p
+        for p in PACKAGES
+        if p != "hydra_plugins" and not ast.get_docstring(ast.parse((REPO / p / "__init__.py").read_text()))
+    ]
     assert not undocumented, f"packages whose __init__.py has no docstring: {undocumented}"
 
 
@@ -141,7 +156,9 @@ def test_start_up_imports_no_deepspeed_before_the_accelerator_is_chosen():
     """DeepSpeed fixes its accelerator when first imported, and harness/startup.py sets DS_ACCELERATOR from
     train.device only after validation: what train.py and Hydra's sweep callback import up to then must not
     pull DeepSpeed in."""
-    code = ("import sys; import harness.startup, harness.run_dir, schema, sweep.job, sweep.callback; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'deepspeed'))")
+    code = (
+        "import sys; import harness.startup, harness.run_dir, schema, sweep.job, sweep.callback; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'deepspeed'))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -1,5 +1,6 @@
 """The launch contract: `--local_rank` stripped, one run directory per launch agreed on by every rank,
 rank variables from torch or SLURM, and `python train.py` alone as a 1-rank run."""
+
 import os
 import subprocess
 import sys
@@ -12,8 +13,14 @@ from parallel.dist_env import read_dist_env
 from tests.runs import REPO, TINY, python_run, summary
 
 
-@pytest.mark.parametrize("argv", [["train.py", "--local_rank=1", "a=1"], ["train.py", "--local_rank", "1", "a=1"],
-                                  ["train.py", "a=1", "--local-rank=1"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train.py", "--local_rank=1", "a=1"],
+        ["train.py", "--local_rank", "1", "a=1"],
+        ["train.py", "a=1", "--local-rank=1"],
+    ],
+)
 def test_the_launchers_local_rank_never_reaches_hydra(argv, monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert strip_launcher_args(argv) == ["train.py", "a=1"]
@@ -35,10 +42,13 @@ def test_a_slurm_job_finds_its_own_run_directory_again():
 
 
 def test_rank_variables_come_from_torch_then_slurm():
-    torch_env = read_dist_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "123"})
+    torch_env = read_dist_env(
+        {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "123"}
+    )
     assert (torch_env.rank, torch_env.world_size, torch_env.local_rank, torch_env.source) == (1, 2, 1, "torch")
-    slurm = read_dist_env({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "MASTER_ADDR": "n1",
-                           "MASTER_PORT": "2000"})
+    slurm = read_dist_env(
+        {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "MASTER_ADDR": "n1", "MASTER_PORT": "2000"}
+    )
     assert (slurm.rank, slurm.world_size, slurm.local_rank, slurm.source) == (3, 4, 1, "slurm")
     assert read_dist_env({}).world_size == 1
 

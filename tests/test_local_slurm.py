@@ -46,9 +46,7 @@ def test_two_node_job_runs_one_task_per_node(slurm_cluster, tmp_path):
         tmp_path,
         "srun bash -c 'echo TASK $SLURM_PROCID $SLURM_NTASKS $SLURM_LOCALID $SLURMD_NODENAME'",
     )
-    result, output = _sbatch_wait(
-        slurm_cluster, tmp_path, script, "--nodes=2", "--ntasks-per-node=1"
-    )
+    result, output = _sbatch_wait(slurm_cluster, tmp_path, script, "--nodes=2", "--ntasks-per-node=1")
     assert result.returncode == 0, f"{result.stderr}\n{output}\n{slurm_cluster.log_tail()}"
 
     tasks = sorted(line.split()[1:] for line in output.splitlines() if line.startswith("TASK "))
@@ -57,9 +55,7 @@ def test_two_node_job_runs_one_task_per_node(slurm_cluster, tmp_path):
 
 def test_failing_task_fails_sbatch_wait(slurm_cluster, tmp_path):
     script = _write_job(tmp_path, "srun bash -c 'exit 3'")
-    result, output = _sbatch_wait(
-        slurm_cluster, tmp_path, script, "--nodes=2", "--ntasks-per-node=1", "--parsable"
-    )
+    result, output = _sbatch_wait(slurm_cluster, tmp_path, script, "--nodes=2", "--ntasks-per-node=1", "--parsable")
     assert result.returncode == 3, f"{result.stderr}\n{output}"
     assert "exit code 3" in output
 

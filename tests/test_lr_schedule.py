@@ -1,10 +1,11 @@
 """The warm-up + cosine schedule DeepSpeed steps: never lr 0, peak at the end of warm-up, the floor at
 the last step, and a skipped update does not advance it."""
+
 import pytest
 import torch
 
-from schema.training import TrainConfig
 from parallel.lr_schedule import lr_factor, warmup_cosine
+from schema.training import TrainConfig
 
 
 def test_warm_up_is_linear_from_the_first_step():

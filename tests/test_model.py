@@ -1,4 +1,5 @@
 """The pure-PyTorch GPT: shapes, GPT-2 sizes and initialisation, causality, kernels, validation."""
+
 import math
 
 import pytest
@@ -74,12 +75,15 @@ def test_math_and_sdpa_kernels_agree():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"n_embd": 30, "n_head": 4}, "model.n_embd=30 is not divisible by model.n_head=4"),
-    ({"n_layer": 0}, "model.n_layer=0"),
-    ({"dropout": 1.5}, "model.dropout=1.5"),
-    ({"attention": "flash3"}, "model.attention='flash3' is unknown: allowed values are sdpa, math"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"n_embd": 30, "n_head": 4}, "model.n_embd=30 is not divisible by model.n_head=4"),
+        ({"n_layer": 0}, "model.n_layer=0"),
+        ({"dropout": 1.5}, "model.dropout=1.5"),
+        ({"attention": "flash3"}, "model.attention='flash3' is unknown: allowed values are sdpa, math"),
+    ],
+)
 def test_config_validation(overrides, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         tiny(**overrides)

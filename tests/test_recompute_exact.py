@@ -1,6 +1,7 @@
 """Every `recompute.modules` combination (and every full interval) is bit-exact with no recompute: the same
 loss and the same gradients, dropout on, on the unpipelined GPT run through parallel.recompute.run_stage,
 for both attention kernels."""
+
 import pytest
 import torch
 
@@ -33,10 +34,17 @@ def test_there_are_eleven_valid_combinations():
 
 
 @pytest.mark.parametrize("attention", ["math", "sdpa"])
-@pytest.mark.parametrize("recompute", [*[SelectiveRecompute(modules=list(c)) for c in COMBOS],
-                                       FullRecompute(interval="1"), FullRecompute(interval="2"),
-                                       FullRecompute(interval="stage"), FullRecompute(interval="sqrt")],
-                         ids=lambda r: getattr(r, "interval", None) or "+".join(r.modules))
+@pytest.mark.parametrize(
+    "recompute",
+    [
+        *[SelectiveRecompute(modules=list(c)) for c in COMBOS],
+        FullRecompute(interval="1"),
+        FullRecompute(interval="2"),
+        FullRecompute(interval="stage"),
+        FullRecompute(interval="sqrt"),
+    ],
+    ids=lambda r: getattr(r, "interval", None) or "+".join(r.modules),
+)
 def test_recompute_is_bit_exact_with_none(recompute, attention):
     base_losses, base_grads = loss_and_grads(NoRecompute(), attention)
     losses, grads = loss_and_grads(recompute, attention)

@@ -1,4 +1,5 @@
 """Recompute plans (pure) and their exactness on the unpipelined model."""
+
 import pytest
 import torch
 
@@ -10,12 +11,15 @@ from parallel.stage_plan import plan_stage
 STAGE = [False, False, True, True, True, True, True]  # embeddings, then 5 blocks
 
 
-@pytest.mark.parametrize("interval, segments", [
-    ("1", ((2, 3), (3, 4), (4, 5), (5, 6), (6, 7))),
-    ("2", ((2, 4), (4, 6), (6, 7))),
-    ("stage", ((2, 7),)),
-    ("sqrt", ((2, 4), (4, 6), (6, 7))),
-])
+@pytest.mark.parametrize(
+    "interval, segments",
+    [
+        ("1", ((2, 3), (3, 4), (4, 5), (5, 6), (6, 7))),
+        ("2", ((2, 4), (4, 6), (6, 7))),
+        ("stage", ((2, 7),)),
+        ("sqrt", ((2, 4), (4, 6), (6, 7))),
+    ],
+)
 def test_full_segments_cover_only_blocks_and_start_at_the_first_block(interval, segments):
     assert plan_stage(STAGE, FullRecompute(interval=interval)).segments == segments
 
@@ -43,11 +47,18 @@ def _loss_and_grads(recompute):
     return loss.detach(), [p.grad for p in model.parameters()]
 
 
-@pytest.mark.parametrize("recompute", [
-    FullRecompute(interval="1"), FullRecompute(interval="2"), FullRecompute(interval="stage"),
-    SelectiveRecompute(), SelectiveRecompute(modules=["core_attn", "mlp_act", "layernorm"]),
-    SelectiveRecompute(modules=["mlp", "layernorm"]),
-], ids=repr)
+@pytest.mark.parametrize(
+    "recompute",
+    [
+        FullRecompute(interval="1"),
+        FullRecompute(interval="2"),
+        FullRecompute(interval="stage"),
+        SelectiveRecompute(),
+        SelectiveRecompute(modules=["core_attn", "mlp_act", "layernorm"]),
+        SelectiveRecompute(modules=["mlp", "layernorm"]),
+    ],
+    ids=repr,
+)
 def test_recompute_is_bit_exact_with_dropout(recompute):
     base_loss, base_grads = _loss_and_grads(NoRecompute())
     loss, grads = _loss_and_grads(recompute)
@@ -55,11 +66,17 @@ def test_recompute_is_bit_exact_with_dropout(recompute):
     assert all(torch.equal(g, b) for g, b in zip(grads, base_grads))
 
 
-@pytest.mark.parametrize("config, message", [
-    (lambda: FullRecompute(interval="0"), "recompute.interval='0' is invalid"),
-    (lambda: FullRecompute(interval="often"), "recompute.interval='often' is invalid"),
-    (lambda: SelectiveRecompute(modules=["attn"]), r"recompute.modules=\['attn'\] is invalid: choose one or more of core_attn"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (lambda: FullRecompute(interval="0"), "recompute.interval='0' is invalid"),
+        (lambda: FullRecompute(interval="often"), "recompute.interval='often' is invalid"),
+        (
+            lambda: SelectiveRecompute(modules=["attn"]),
+            r"recompute.modules=\['attn'\] is invalid: choose one or more of core_attn",
+        ),
+    ],
+)
 def test_invalid_recompute_options(config, message):
     with pytest.raises(ValueError, match=message):
         config()

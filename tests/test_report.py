@@ -1,5 +1,6 @@
 """The sweep report from fixture job directories (real summaries of a 2-stage tiny sweep, with round
 throughputs): the table's figures, the figure file, the W&B report run, and the command line."""
+
 import json
 import shutil
 import subprocess
@@ -20,8 +21,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def sweep(tmp_path, monkeypatch):
-    for name, sub in (("WANDB_CONFIG_DIR", ".wandb-config"), ("WANDB_CACHE_DIR", ".wandb-cache"),
-                      ("WANDB_DATA_DIR", ".wandb-data")):
+    for name, sub in (
+        ("WANDB_CONFIG_DIR", ".wandb-config"),
+        ("WANDB_CACHE_DIR", ".wandb-cache"),
+        ("WANDB_DATA_DIR", ".wandb-data"),
+    ):
         monkeypatch.setenv(name, str(tmp_path / sub))
     monkeypatch.setenv("WANDB_MODE", "offline")
     target = tmp_path / "sweep-fixture"
@@ -34,7 +38,7 @@ def fixture_summary(num: str) -> dict:
 
 
 def table_row(markdown: str, job: str) -> list[str]:
-    (line,) = [l for l in markdown.splitlines() if l.startswith(f"| {job} |")]
+    (line,) = [row for row in markdown.splitlines() if row.startswith(f"| {job} |")]
     return [cell.strip() for cell in line.strip("|").split("|")]
 
 
@@ -70,7 +74,8 @@ def test_report_rows_hold_plain_values_for_wandb(sweep):
     assert by_job["0"]["saving_vs_none_per_stage"] == [0.0, 0.0]
     assert by_job["3"]["status"] == "failed" and by_job["3"]["tokens_per_s"] is None
     assert by_job["2"]["predicted_peak_bytes_per_stage"] == [
-        s["predicted_peak_bytes"] for s in json.loads((FIXTURE / "2" / "plan.json").read_text())["stages"]]
+        s["predicted_peak_bytes"] for s in json.loads((FIXTURE / "2" / "plan.json").read_text())["stages"]
+    ]
 
 
 def test_report_png_is_drawn(sweep):
@@ -125,13 +130,15 @@ def test_report_is_logged_to_wandb_in_the_sweep_group(sweep):
 
 
 def test_report_command_line(sweep, tmp_path):
-    done = subprocess.run([sys.executable, "report.py", str(sweep), "--no-wandb"], cwd=REPO, capture_output=True,
-                          text=True)
+    done = subprocess.run(
+        [sys.executable, "report.py", str(sweep), "--no-wandb"], cwd=REPO, capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stderr
     assert (sweep / "report.md").exists() and (sweep / "report.png").exists()
     (tmp_path / "empty").mkdir()
-    refused = subprocess.run([sys.executable, "report.py", str(tmp_path / "empty"), "--no-wandb"], cwd=REPO,
-                             capture_output=True, text=True)
+    refused = subprocess.run(
+        [sys.executable, "report.py", str(tmp_path / "empty"), "--no-wandb"], cwd=REPO, capture_output=True, text=True
+    )
     assert refused.returncode == 2 and "holds no job directories" in refused.stderr
 
 

@@ -10,6 +10,7 @@
 The failing rank is injected with STAGECHECK_TEST_FAIL=RANK:STEP (docs/preemption.md, "Test and debug hooks"),
 which sbatch passes to the ranks like any other environment variable.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from sweep import slurm_launcher
 from parallel.dist_env import first_host, read_dist_env, slurm_master_port
+from sweep import slurm_launcher
 from tests.runs import REPO, TINY, cpu_env
 
 JOB_TIMEOUT_S = 420  # a requeue waits up to 120 s (cred_expire) before the job runs again
@@ -52,8 +53,17 @@ def _env(cluster, tmp_path: Path, **extra: str) -> dict:
 def _sbatch_wait(cluster, tmp_path: Path, script: str, *overrides: str, env: dict, while_running=None) -> Job:
     """`sbatch --wait` as a user types it, from the repository root; the job is cancelled if the test gives up."""
     log = tmp_path / "job.out"
-    cmd = ["sbatch", "--wait", "--parsable", *TWO_NODES, f"--output={log}", f"launch/{script}", *TINY,
-           f"hydra.run.dir={tmp_path}/runs/{STAMP}", *overrides]
+    cmd = [
+        "sbatch",
+        "--wait",
+        "--parsable",
+        *TWO_NODES,
+        f"--output={log}",
+        f"launch/{script}",
+        *TINY,
+        f"hydra.run.dir={tmp_path}/runs/{STAMP}",
+        *overrides,
+    ]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     job_id = proc.stdout.readline().strip().split(";")[0]  # sbatch prints the id at submission
@@ -121,8 +131,14 @@ def test_preempted_job_checkpoints_requeues_and_finishes(slurm_cluster, tmp_path
         # cluster, 120 s by default) before it starts again; releasing it earlier would fail it.
         slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job_id], timeout=30, check=True)
 
-    job = _sbatch_wait(slurm_cluster, tmp_path, script, f"train.steps={steps}",
-                       env=_env(slurm_cluster, tmp_path), while_running=preempt_after_first_step)
+    job = _sbatch_wait(
+        slurm_cluster,
+        tmp_path,
+        script,
+        f"train.steps={steps}",
+        env=_env(slurm_cluster, tmp_path),
+        while_running=preempt_after_first_step,
+    )
     assert job.returncode == 0, _why(job, slurm_cluster)
     assert "exiting 75" in job.log and "requeueing job" in job.log, _why(job, slurm_cluster)
     assert f"job {job.job_id} (restart 1)" in job.log, _why(job, slurm_cluster)
@@ -135,13 +151,25 @@ def test_preempted_job_checkpoints_requeues_and_finishes(slurm_cluster, tmp_path
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{steps:08d}"
 
 
-def _submitit_sweep(cluster, tmp_path: Path, *overrides: str, env: dict, launcher: str = "slurm",
-                    sweep_dir: str = "") -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "train.py", "-m", f"hydra/launcher={launcher}",
-           # The test cluster: 2 nodes, one task per node, no GPUs (conf/hydra/launcher/slurm.yaml asks for 8).
-           "hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=1", "hydra.launcher.gpus_per_node=null",
-           f"hydra.launcher.partition={cluster.partition}", "hydra.launcher.timeout_min=10",
-           f"hydra.sweep.dir={sweep_dir or f'{tmp_path}/multirun/{STAMP}'}", *TINY, "train.steps=2", *overrides]
+def _submitit_sweep(
+    cluster, tmp_path: Path, *overrides: str, env: dict, launcher: str = "slurm", sweep_dir: str = ""
+) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "train.py",
+        "-m",
+        f"hydra/launcher={launcher}",
+        # The test cluster: 2 nodes, one task per node, no GPUs (conf/hydra/launcher/slurm.yaml asks for 8).
+        "hydra.launcher.nodes=2",
+        "hydra.launcher.tasks_per_node=1",
+        "hydra.launcher.gpus_per_node=null",
+        f"hydra.launcher.partition={cluster.partition}",
+        "hydra.launcher.timeout_min=10",
+        f"hydra.sweep.dir={sweep_dir or f'{tmp_path}/multirun/{STAMP}'}",
+        *TINY,
+        "train.steps=2",
+        *overrides,
+    ]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S * 2)
 
 
@@ -172,7 +200,9 @@ def test_submitit_sweep_runs_three_multi_rank_jobs(slurm_cluster, tmp_path, laun
     if launcher == "slurm":  # submitted again into its directory (to finish a sweep), finished jobs are skipped
         done = {num: (sweep / str(num) / "summary.json").stat().st_mtime_ns for num in range(3)}
         (sweep / "report.md").unlink()
-        again = _submitit_sweep(slurm_cluster, tmp_path, "+recompute=none,full,selective", env=env, sweep_dir=str(sweep))
+        again = _submitit_sweep(
+            slurm_cluster, tmp_path, "+recompute=none,full,selective", env=env, sweep_dir=str(sweep)
+        )
         assert again.returncode == 0, f"{again.stdout[-3000:]}\n{again.stderr[-6000:]}"
         assert {num: (sweep / str(num) / "summary.json").stat().st_mtime_ns for num in range(3)} == done
         assert (sweep / "report.md").is_file()
@@ -191,7 +221,6 @@ def test_submitit_sweep_with_a_failing_rank_fails_instead_of_waiting(slurm_clust
     assert elapsed < FAIL_WITHIN_S + slurm_launcher.RESULT_GRACE_S + 30, f"took {elapsed:.0f} s"
 
 
-
 @pytest.mark.slurm
 def test_submitit_sweep_reports_a_job_rejected_at_start_up_after_the_others_finish(slurm_cluster, tmp_path):
     # pipeline_stages=3 does not divide the world size 2: every rank of job 1 rejects it at start-up
@@ -203,19 +232,33 @@ def test_submitit_sweep_reports_a_job_rejected_at_start_up_after_the_others_fini
     (sweep,) = (tmp_path / "multirun").iterdir()
     assert json.loads((sweep / "0" / "summary.json").read_text())["world_size"] == 2  # the other job finished
 
+
 # ---- without a cluster ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("nodelist, host", [
-    ("n1", "n1"), ("n[1-2]", "n1"), ("gpu[007-008,012],cpu1", "gpu007"), ("a,b", "a"),
-    ("rack[3-4]-node[09-10]", "rack3-node09"),
-])
+
+@pytest.mark.parametrize(
+    "nodelist, host",
+    [
+        ("n1", "n1"),
+        ("n[1-2]", "n1"),
+        ("gpu[007-008,012],cpu1", "gpu007"),
+        ("a,b", "a"),
+        ("rack[3-4]-node[09-10]", "rack3-node09"),
+    ],
+)
 def test_first_host_matches_scontrol_show_hostnames(nodelist, host):
     assert first_host(nodelist) == host
 
 
 def test_srun_without_a_wrapper_finds_rank_zero_and_a_job_port():
-    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "4242",
-           "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_STEP_NODELIST": "n[1-2]"}
+    env = {
+        "SLURM_PROCID": "1",
+        "SLURM_NTASKS": "2",
+        "SLURM_LOCALID": "0",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "n[1-2]",
+        "SLURM_STEP_NODELIST": "n[1-2]",
+    }
     dist = read_dist_env(env)
     assert (dist.rank, dist.world_size, dist.master_addr, dist.master_port) == (1, 2, "n1", slurm_master_port(4242))
     assert read_dist_env({**env, "MASTER_ADDR": "head", "MASTER_PORT": "1234"}).master_addr == "head"  # explicit wins
@@ -226,9 +269,13 @@ def test_wait_ends_when_a_job_left_the_queue_without_results(tmp_path):
     """A job whose ranks died (no result files) is over once squeue no longer lists it: no sacct needed."""
     err = tmp_path / "task1.err"
     err.write_text("Traceback ...\nstagecheck: rank 1 failed: RuntimeError: boom\n")
-    tasks = [SimpleNamespace(task_id=t, paths=SimpleNamespace(result_pickle=tmp_path / f"{t}.pkl",
-                                                              stderr=err if t else tmp_path / "none.err"))
-             for t in range(2)]
+    tasks = [
+        SimpleNamespace(
+            task_id=t,
+            paths=SimpleNamespace(result_pickle=tmp_path / f"{t}.pkl", stderr=err if t else tmp_path / "none.err"),
+        )
+        for t in range(2)
+    ]
     job = SimpleNamespace(job_id="7_0", num_tasks=2, task=lambda t: tasks[t], paths=SimpleNamespace(folder=tmp_path))
     listings = iter([{"7_0"}, {"7_0"}, set()])
     slept = []
@@ -237,7 +284,7 @@ def test_wait_ends_when_a_job_left_the_queue_without_results(tmp_path):
 
     ret = slurm_launcher.job_return(job, 0, ["+recompute=none"], clock=iter(range(100)).__next__, sleep=lambda s: None)
     with pytest.raises(RuntimeError, match=r"sweep job 0 \(SLURM job 7_0.*task\(s\) 0, 1 of 2 ended without a result"):
-        ret.return_value
+        _ = ret.return_value  # raises the job's error
     assert "task 1: stagecheck: rank 1 failed: RuntimeError: boom" in str(ret._return_value)
 
 

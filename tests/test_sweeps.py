@@ -1,5 +1,6 @@
 """Sweeps: every shipped Hydra sweep and W&B sweep file composes, job by job, exactly as train.py composes;
 real 2-rank multiruns run their jobs in the same ranks, mark a failed job and go on, and end with one report."""
+
 import itertools
 from pathlib import Path
 
@@ -45,6 +46,7 @@ def sweep_jobs(name: str) -> list[list[str]]:
 
 
 # ---- composition (no launch) -------------------------------------------------------------------------------
+
 
 def test_shipped_sweeps_and_variants_exist():
     assert {"recompute_modes", "memory_vs_seq_len", "memory_vs_micro_batch"} <= set(SWEEPS)
@@ -109,12 +111,12 @@ def test_schema_check_rejects_what_wandb_rejects():
     good = {"method": "grid", "parameters": {"variant": {"values": ["none"]}}}
     assert wandb_sweep.schema_violations(good) == []
     bad = [
-        {"parameters": {"variant": {"values": ["none"]}}},                        # no method
-        {"method": "grid", "parameters": {"+variant": {"values": ["none"]}}},     # name W&B refuses
-        {"method": "sweep", "parameters": {"a": {"values": [1]}}},                # unknown method
-        {"method": "grid", "parameters": {"a": {"min": 0, "max": 1}}},            # not a finite grid
-        {"method": "grid", "parameters": {"a": {"values": []}}},                  # empty values
-        {"method": "grid", "parameters": {"a": {"values": [1]}}, "comand": []},   # typo at the top level
+        {"parameters": {"variant": {"values": ["none"]}}},  # no method
+        {"method": "grid", "parameters": {"+variant": {"values": ["none"]}}},  # name W&B refuses
+        {"method": "sweep", "parameters": {"a": {"values": [1]}}},  # unknown method
+        {"method": "grid", "parameters": {"a": {"min": 0, "max": 1}}},  # not a finite grid
+        {"method": "grid", "parameters": {"a": {"values": []}}},  # empty values
+        {"method": "grid", "parameters": {"a": {"values": [1]}}, "comand": []},  # typo at the top level
         {"method": "grid", "parameters": {"a": {"values": [1]}}, "command": ["${argz}"]},
     ]
     for config in bad:
@@ -122,6 +124,7 @@ def test_schema_check_rejects_what_wandb_rejects():
 
 
 # ---- real multiruns ----------------------------------------------------------------------------------------
+
 
 @pytest.mark.multiproc
 def test_multirun_runs_three_modes_in_the_same_ranks_and_reports(tmp_path):
@@ -147,7 +150,10 @@ def test_multirun_runs_three_modes_in_the_same_ranks_and_reports(tmp_path):
     assert report.count("\n| 0 | none") == 1 and "| 1 | full | interval 1 |" in report and "| 2 | selective |" in report
     assert (sweep / "report.png").stat().st_size > 10_000
     (report_run,) = wandb_file.find_run_files(sweep / "wandb")
-    assert (wandb_file.run_info(report_run)["group"], wandb_file.run_info(report_run)["job_type"]) == ("sweep", "report")
+    assert (wandb_file.run_info(report_run)["group"], wandb_file.run_info(report_run)["job_type"]) == (
+        "sweep",
+        "report",
+    )
 
 
 @pytest.mark.multiproc
@@ -155,8 +161,15 @@ def test_failing_jobs_are_marked_and_the_sweep_goes_on(tmp_path):
     sweep = tmp_path / "sweep"
     # jobs 0, 1: 3 stages on 2 ranks fail start-up validation on every rank; job 2: a NaN loss at step 1
     # stops it on every rank together (train.nan_policy=stop); job 3 runs after them
-    result = launch_multirun(sweep, *TINY, "train.steps=2", "logger=none", "parallel.pipeline_stages=3,2",
-                             "train.inject_nan_at_steps=[1],[]", check=False)
+    result = launch_multirun(
+        sweep,
+        *TINY,
+        "train.steps=2",
+        "logger=none",
+        "parallel.pipeline_stages=3,2",
+        "train.inject_nan_at_steps=[1],[]",
+        check=False,
+    )
     assert result.returncode == 2, result.stderr[-3000:]  # the first failed job's exit code
     for job in ("0", "1"):
         failed = (sweep / job / "FAILED").read_text()
@@ -178,16 +191,18 @@ def test_a_failure_inside_training_ends_the_sweep_and_a_relaunch_finishes_it(tmp
 
     sweep = tmp_path / "sweep"
     env = cpu_env(tmp_path, STAGECHECK_TEST_FAIL="1:1")  # rank 1 raises at step 1 of the first job
-    result = launch_multirun(sweep, *TINY, "train.steps=2", "logger=none", "+recompute=none,full", check=False,
-                             env=env, timeout=300)
+    result = launch_multirun(
+        sweep, *TINY, "train.steps=2", "logger=none", "+recompute=none,full", check=False, env=env, timeout=300
+    )
     assert result.returncode != 0
     assert "rank 1 failed: RuntimeError: injected failure" in (sweep / "0" / "FAILED").read_text()
     assert not (sweep / "1").exists()  # documented limit: the sweep stops (sweep/job.py)
 
     # Relaunched into the same sweep directory, the sweep finishes: the failed job runs again (its partial
     # outputs need train.overwrite; its earlier FAILED is kept) and job 1 runs.
-    again = launch_multirun(sweep, *TINY, "train.steps=2", "logger=none", "+recompute=none,full",
-                            "train.overwrite=true", timeout=300)
+    again = launch_multirun(
+        sweep, *TINY, "train.steps=2", "logger=none", "+recompute=none,full", "train.overwrite=true", timeout=300
+    )
     assert "injected failure" in (sweep / "0" / "FAILED.1").read_text()
     assert not (sweep / "0" / "FAILED").exists()
     assert [summary(sweep / job)["recompute"] for job in ("0", "1")] == ["none", "full"]

@@ -1,6 +1,7 @@
 """Real 2-rank runs through the deepspeed launcher: every recompute mode trains, all give
 bit-identical losses (dropout on), the pipeline matches the unpipelined model, and the outputs
 (summary.json, metrics.jsonl, the offline W&B run) hold the logged values."""
+
 import pytest
 import torch
 
@@ -68,8 +69,15 @@ def test_offline_wandb_run_holds_the_logged_values(mode_runs):
 
 def test_two_stage_pipeline_matches_the_unpipelined_model(tmp_path):
     run_dir = tmp_path / "pipe"
-    launch(run_dir, *TINY, "train.steps=1", "train.micro_batches=3", "train.micro_batch_size=2",
-           "model.dropout=0.0", "parallel.partition_method=type:Block")
+    launch(
+        run_dir,
+        *TINY,
+        "train.steps=1",
+        "train.micro_batches=3",
+        "train.micro_batch_size=2",
+        "model.dropout=0.0",
+        "parallel.partition_method=type:Block",
+    )
     assert [stage["layers"] for stage in summary(run_dir)["layout"]] == [[0, 4], [4, 8]]
 
     cfg = GPTConfig(n_layer=4, n_head=4, n_embd=128, seq_len=128, vocab_size=256, dropout=0.0)

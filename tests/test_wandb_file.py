@@ -33,7 +33,9 @@ def row(i):
     return r
 """
 
-CHILD_SRC = VALUES_SRC + """
+CHILD_SRC = (
+    VALUES_SRC
+    + """
 import json, sys, time, wandb
 root = sys.argv[1]
 t0 = time.perf_counter()
@@ -50,6 +52,7 @@ run.summary["blob"] = "".join(chr(65 + k % 26) for k in range(70_000))
 run.finish()
 print(json.dumps({"seconds": time.perf_counter() - t0, "id": run.id}))
 """
+)
 
 RESUME_SRC = """
 import json, sys, wandb
@@ -102,10 +105,7 @@ def expected_row(i: int) -> dict[str, Any]:
 def offline_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("wandb_run")
     result = run_wandb(CHILD_SRC, root)
-    print(
-        f"\nwandb.init + {STEPS} logs x {KEYS + 5} keys + finish (offline): "
-        f"{result['seconds']:.3f}s"
-    )
+    print(f"\nwandb.init + {STEPS} logs x {KEYS + 5} keys + finish (offline): {result['seconds']:.3f}s")
     (path,) = wf.find_run_files(root)
     assert path.name == f"run-{result['id']}.wandb"
     return path
@@ -125,9 +125,7 @@ def test_spans_blocks(offline_run: Path) -> None:
     assert len(data) > 3 * wf.BLOCK_SIZE
     # The 70 kB summary string must be split FIRST/MIDDLE.../LAST, so some
     # block starts with a MIDDLE chunk (the type is byte 6 of a chunk header).
-    boundary_types = {
-        data[b + 6] for b in range(wf.BLOCK_SIZE, len(data) - 6, wf.BLOCK_SIZE)
-    }
+    boundary_types = {data[b + 6] for b in range(wf.BLOCK_SIZE, len(data) - 6, wf.BLOCK_SIZE)}
     assert wf.MIDDLE in boundary_types
     kinds = [r.WhichOneof("record_type") for r in wf.read_records(offline_run)]
     assert kinds[0] == "header" and kinds[-1] == "exit"
@@ -193,6 +191,4 @@ def test_offline_resume_writes_new_file(tmp_path: Path) -> None:
     for seg, f in enumerate(segments):
         assert not wf.run_info(f)["resumed"]
         assert wf.config(f) == {"segment": seg}
-        assert [(r["_step"], r["v"]) for r in wf.history(f)] == [
-            (i, 10 * seg + i) for i in range(3)
-        ]
+        assert [(r["_step"], r["v"]) for r in wf.history(f)] == [(i, 10 * seg + i) for i in range(3)]

@@ -42,11 +42,7 @@ def find_run_files(root: Path) -> list[Path]:
     """
     found: list[Path] = []
     for dirpath, _dirs, files in os.walk(root):  # does not follow symlinks
-        found += [
-            Path(dirpath, f)
-            for f in files
-            if f.startswith("run-") and f.endswith(".wandb")
-        ]
+        found += [Path(dirpath, f) for f in files if f.startswith("run-") and f.endswith(".wandb")]
     return sorted(found)
 
 

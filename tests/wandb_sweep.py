@@ -8,6 +8,7 @@ for what a stagecheck sweep file may hold; `sweeps` is used as well when it is i
 command is built with wandb's own `create_sweep_command` / `create_sweep_command_args` and the macro
 expansion of `wandb_agent.Agent._command_run`.
 """
+
 import itertools
 import numbers
 import re
@@ -15,15 +16,56 @@ from typing import Any
 
 from wandb.sdk.launch.sweeps.utils import create_sweep_command, create_sweep_command_args
 
-TOP_LEVEL = {"apiVersion", "kind", "controller", "description", "program", "entity", "project", "method",
-             "command", "name", "metric", "early_terminate", "parameters"}
+TOP_LEVEL = {
+    "apiVersion",
+    "kind",
+    "controller",
+    "description",
+    "program",
+    "entity",
+    "project",
+    "method",
+    "command",
+    "name",
+    "metric",
+    "early_terminate",
+    "parameters",
+}
 METHODS = ("bayes", "random", "grid", "custom")
 PARAM_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
-DISTRIBUTIONS = {"constant", "categorical", "categorical_w_probabilities", "int_uniform", "uniform", "q_uniform",
-                 "log_uniform", "log_uniform_values", "q_log_uniform", "q_log_uniform_values", "inv_log_uniform",
-                 "inv_log_uniform_values", "normal", "q_normal", "log_normal", "q_log_normal", "beta", "q_beta"}
-COMMAND_MACROS = {"env", "interpreter", "program", "args", "args_no_hyphens", "args_no_boolean_flags", "args_json",
-                  "args_json_file", "args_no_equals", "args_append_hydra", "args_override_hydra"}
+DISTRIBUTIONS = {
+    "constant",
+    "categorical",
+    "categorical_w_probabilities",
+    "int_uniform",
+    "uniform",
+    "q_uniform",
+    "log_uniform",
+    "log_uniform_values",
+    "q_log_uniform",
+    "q_log_uniform_values",
+    "inv_log_uniform",
+    "inv_log_uniform_values",
+    "normal",
+    "q_normal",
+    "log_normal",
+    "q_log_normal",
+    "beta",
+    "q_beta",
+}
+COMMAND_MACROS = {
+    "env",
+    "interpreter",
+    "program",
+    "args",
+    "args_no_hyphens",
+    "args_no_boolean_flags",
+    "args_json",
+    "args_json_file",
+    "args_no_equals",
+    "args_append_hydra",
+    "args_override_hydra",
+}
 
 
 def _parameter_violations(name: str, spec: Any) -> list[str]:
@@ -35,7 +77,8 @@ def _parameter_violations(name: str, spec: Any) -> list[str]:
     if "parameters" in spec:  # a nested dictionary of parameters
         extra = set(spec) - {"parameters"}
         return ([f"{where}: unexpected keys {sorted(extra)}"] if extra else []) + [
-            v for sub, sub_spec in spec["parameters"].items() for v in _parameter_violations(f"{name}.{sub}", sub_spec)]
+            v for sub, sub_spec in spec["parameters"].items() for v in _parameter_violations(f"{name}.{sub}", sub_spec)
+        ]
     distribution = spec.get("distribution")
     if distribution is not None and distribution not in DISTRIBUTIONS:
         return [f"{where}.distribution={distribution!r} is unknown"]
@@ -47,7 +90,9 @@ def _parameter_violations(name: str, spec: Any) -> list[str]:
         values = spec["values"]
         if not isinstance(values, list) or not values:
             return [f"{where}.values must be a non-empty list"]
-        allowed = {"values", "distribution"} | ({"probabilities"} if distribution == "categorical_w_probabilities" else set())
+        allowed = {"values", "distribution"} | (
+            {"probabilities"} if distribution == "categorical_w_probabilities" else set()
+        )
         if set(spec) - allowed:
             return [f"{where}: unexpected keys {sorted(set(spec) - allowed)}"]
         if distribution not in (None, "categorical", "categorical_w_probabilities"):
@@ -97,8 +142,11 @@ def schema_violations(config: dict) -> list[str]:
         for name, spec in parameters.items():
             out += _parameter_violations(name, spec)
         if config.get("method") == "grid":
-            out += [f"parameters.{name}: a grid needs value or values" for name, spec in parameters.items()
-                    if isinstance(spec, dict) and not ({"value", "values"} & set(spec))]
+            out += [
+                f"parameters.{name}: a grid needs value or values"
+                for name, spec in parameters.items()
+                if isinstance(spec, dict) and not ({"value", "values"} & set(spec))
+            ]
     try:  # wandb's own validator, when wandb[sweeps] is installed
         import sweeps
 
@@ -121,8 +169,12 @@ def agent_command(config: dict, params: dict[str, Any]) -> list[str]:
     """The argv a W&B agent runs for one combination (wandb_agent.Agent._command_run, non-function path)."""
     command = create_sweep_command(list(config["command"]))
     sweep_vars = create_sweep_command_args({"args": {k: {"value": v} for k, v in params.items()}})
-    sweep_vars.update(interpreter=["python"], program=[config["program"]], env=["/usr/bin/env"],
-                      args_json_file=["wandb/sweep-ID/config-RUN.json"])
+    sweep_vars.update(
+        interpreter=["python"],
+        program=[config["program"]],
+        env=["/usr/bin/env"],
+        args_json_file=["wandb/sweep-ID/config-RUN.json"],
+    )
     argv: list[str] = []
     for chunk in command:
         chunk = str(chunk)

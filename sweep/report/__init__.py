@@ -11,8 +11,9 @@ same shape (model, sequence length, micro-batch size and count, stages, precisio
 `loading` reads the job directories, `table` computes the numbers, `markdown`, `figure` and `wandb_run` show
 them. `python report.py SWEEP_DIR` runs this; a multirun writes it at its end (sweep/callback.py).
 """
+
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 from omegaconf import OmegaConf
@@ -23,7 +24,7 @@ from sweep.report.markdown import render_markdown
 from sweep.report.wandb_run import log_to_wandb
 
 
-def sweep_logger(sweep_dir: Path) -> Optional[dict]:
+def sweep_logger(sweep_dir: Path) -> dict | None:
     """The logger config of the sweep, from the multirun.yaml Hydra writes into the sweep directory."""
     try:
         config = yaml.safe_load((sweep_dir / "multirun.yaml").read_text()) or {}
@@ -47,8 +48,13 @@ def write_report(sweep_dir: Path, logger: Any = None, wandb: bool = True) -> dic
         logger = OmegaConf.to_container(logger, resolve=False)
     wandb_dir = None
     if wandb:
-        wandb_dir = log_to_wandb(sweep_dir, jobs, png if drawn else None,
-                                 logger if logger is not None else sweep_logger(sweep_dir))
-    print(f"stagecheck: sweep report: {sweep_dir / 'report.md'}" + (f", {png}" if drawn else "")
-          + (f" (W&B: {wandb_dir})" if wandb_dir else ""), flush=True)
+        wandb_dir = log_to_wandb(
+            sweep_dir, jobs, png if drawn else None, logger if logger is not None else sweep_logger(sweep_dir)
+        )
+    print(
+        f"stagecheck: sweep report: {sweep_dir / 'report.md'}"
+        + (f", {png}" if drawn else "")
+        + (f" (W&B: {wandb_dir})" if wandb_dir else ""),
+        flush=True,
+    )
     return {"markdown": sweep_dir / "report.md", "png": png if drawn else None, "jobs": jobs, "wandb_dir": wandb_dir}

@@ -1,6 +1,7 @@
 """report.png: per stage, peak activation memory and peak memory (MiB) against throughput (tokens/s), one
 marker per recompute mode and one colour per setting; the planner's prediction (hollow) just beside each
 measurement (filled)."""
+
 from pathlib import Path
 
 from sweep.report.loading import Job
@@ -29,13 +30,18 @@ def render_png(jobs: list[Job], path: Path) -> bool:
         return False
     axes_keys = varying_axes(jobs)
     order = list(MARKERS)
-    variants = sorted({j.variant for j in done},
-                      key=lambda v: (order.index(v.split("/")[0]) if v.split("/")[0] in order else len(order), v))
+    variants = sorted(
+        {j.variant for j in done},
+        key=lambda v: (order.index(v.split("/")[0]) if v.split("/")[0] in order else len(order), v),
+    )
     colors = {v: plt.get_cmap("tab10")(i % 10) for i, v in enumerate(variants)}
-    panels = [("peak activation memory per stage (MiB)", Job.measured_peak_activation, Job.predicted_peak_activation),
-              ("peak memory per stage (MiB)", Job.measured_peak_memory, Job.predicted_peak_memory)]
-    fig, grid = plt.subplots(len(panels), stages, figsize=(5.2 * stages + 3.4, 4.2 * len(panels)), squeeze=False,
-                             layout="constrained")
+    panels = [
+        ("peak activation memory per stage (MiB)", Job.measured_peak_activation, Job.predicted_peak_activation),
+        ("peak memory per stage (MiB)", Job.measured_peak_memory, Job.predicted_peak_memory),
+    ]
+    fig, grid = plt.subplots(
+        len(panels), stages, figsize=(5.2 * stages + 3.4, 4.2 * len(panels)), squeeze=False, layout="constrained"
+    )
     xs = [j.tokens_per_s for j in done]
     span = (max(xs) - min(xs)) or max(xs) * 0.1
     for row, (title, measured_of, predicted_of) in enumerate(panels):
@@ -50,13 +56,27 @@ def render_png(jobs: list[Job], path: Path) -> bool:
                 if m is not None:
                     ax.plot(x - dx, m / MIB, marker=marker, color=color, markersize=8, linestyle="none")
                 if p is not None:
-                    ax.plot(x + dx, p / MIB, marker=marker, markerfacecolor="none", markeredgecolor=color,
-                            markersize=9, markeredgewidth=1.5, linestyle="none")
+                    ax.plot(
+                        x + dx,
+                        p / MIB,
+                        marker=marker,
+                        markerfacecolor="none",
+                        markeredgecolor=color,
+                        markersize=9,
+                        markeredgewidth=1.5,
+                        linestyle="none",
+                    )
                 if m is not None and p is not None:
                     ax.plot([x - dx, x + dx], [m / MIB, p / MIB], color=color, linewidth=0.8, alpha=0.6)
                 if axes_keys and m is not None:
-                    ax.annotate(axis_label(job, axes_keys), (x, m / MIB), textcoords="offset points", xytext=(6, 4),
-                                fontsize=7, color=color)
+                    ax.annotate(
+                        axis_label(job, axes_keys),
+                        (x, m / MIB),
+                        textcoords="offset points",
+                        xytext=(6, 4),
+                        fontsize=7,
+                        color=color,
+                    )
             ax.set_title(f"stage {stage}: {title.split(' per stage')[0]}", fontsize=10)
             ax.set_xlabel("throughput (tokens/s)")
             ax.set_ylabel(title.replace(" per stage", ""))
@@ -68,11 +88,25 @@ def render_png(jobs: list[Job], path: Path) -> bool:
     if any((j.summary or {}).get("peak_memory_kind") == "cpu_max_rss" for j in done):
         for stage in range(stages):
             grid[1][stage].set_ylabel("peak memory (MiB; CPU: resident set)")
-    handles = [Line2D([], [], marker=MARKERS.get(v.split("/")[0], "P"), color=colors[v], linestyle="none",
-                      markersize=8, label=v) for v in variants]
-    handles += [Line2D([], [], marker="o", color="0.3", linestyle="none", markersize=8, label="measured (filled)"),
-                Line2D([], [], marker="o", markerfacecolor="none", markeredgecolor="0.3", linestyle="none",
-                       markersize=9, label="predicted (hollow)")]
+    handles = [
+        Line2D(
+            [], [], marker=MARKERS.get(v.split("/")[0], "P"), color=colors[v], linestyle="none", markersize=8, label=v
+        )
+        for v in variants
+    ]
+    handles += [
+        Line2D([], [], marker="o", color="0.3", linestyle="none", markersize=8, label="measured (filled)"),
+        Line2D(
+            [],
+            [],
+            marker="o",
+            markerfacecolor="none",
+            markeredgecolor="0.3",
+            linestyle="none",
+            markersize=9,
+            label="predicted (hollow)",
+        ),
+    ]
     # "outside": constrained layout gives the legend its own column, so it never covers a panel.
     fig.legend(handles=handles, loc="outside right center", fontsize=9, frameon=True, title="mode / setting")
     fig.suptitle("Recompute: memory per stage against throughput", fontsize=12)

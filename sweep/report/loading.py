@@ -3,6 +3,7 @@ job order, with the planner's plan for trained jobs that wrote no plan.json.
 
 Per-stage figures are lists, one entry per stage, None where unknown; bytes throughout.
 """
+
 import json
 import os
 from dataclasses import dataclass, field
@@ -25,10 +26,10 @@ RUN_KEYS = ("seq_len", "micro_batch_size", "micro_batches", "pipeline_stages", "
 class Job:
     num: str
     path: Path
-    summary: Optional[dict] = None
+    summary: dict | None = None
     plan: Optional["RunPlan"] = None
     config: dict = field(default_factory=dict)
-    failure: Optional[str] = None
+    failure: str | None = None
     plan_source: str = "summary.json"
     """Where the predictions come from: plan.json, config.yaml (planned by this report) or summary.json."""
 
@@ -94,21 +95,21 @@ class Job:
         out["device"] = run.get("device", plan.target.device if plan is not None else None)
         return out
 
-    def measured_activation(self) -> Optional[list]:
+    def measured_activation(self) -> list | None:
         return (self.summary or {}).get("activation_bytes_per_stage")
 
-    def measured_peak_activation(self) -> Optional[list]:
+    def measured_peak_activation(self) -> list | None:
         return (self.summary or {}).get("peak_activation_bytes_per_stage")
 
-    def measured_peak_memory(self) -> Optional[list]:
+    def measured_peak_memory(self) -> list | None:
         return (self.summary or {}).get("peak_memory_bytes_per_stage")
 
-    def predicted_activation(self) -> Optional[list]:
+    def predicted_activation(self) -> list | None:
         if self.plan is not None:
             return [s.activation_bytes_per_microbatch for s in self.plan.stages]
         return (self.summary or {}).get("planned_activation_bytes_per_stage")
 
-    def predicted_peak_activation(self) -> Optional[list]:
+    def predicted_peak_activation(self) -> list | None:
         if self.plan is not None:
             return [s.peak_activation_bytes for s in self.plan.stages]
         planned = self.predicted_activation()
@@ -117,17 +118,17 @@ class Job:
             return [None if p is None else p * n for p, n in zip(planned, in_flight)]
         return None
 
-    def predicted_peak_memory(self) -> Optional[list]:
+    def predicted_peak_memory(self) -> list | None:
         if self.plan is not None:
             return [s.predicted_peak_bytes for s in self.plan.stages]
         return None
 
     @property
-    def tokens_per_s(self) -> Optional[float]:
+    def tokens_per_s(self) -> float | None:
         return (self.summary or {}).get("tokens_per_s")
 
     @property
-    def step_time_s(self) -> Optional[float]:
+    def step_time_s(self) -> float | None:
         return (self.summary or {}).get("step_time_s")
 
 
@@ -138,7 +139,7 @@ def _deepspeed_on_cpu() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def _read_json(path: Path) -> Optional[dict]:
+def _read_json(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -173,8 +174,13 @@ def plan_from_config(job: Job) -> Optional["RunPlan"]:
 
         model = GPTConfig(**cfg["model"])
         recompute = GROUP_SCHEMAS["recompute"][job.mode](**job.recompute)
-        run = RunShape(Topology(s["pipeline_stages"], s["data_parallel_size"]), Target(s["device"], s["precision"]),
-                       s["micro_batches"], s["micro_batch_size"], cfg["parallel"]["zero_stage"])
+        run = RunShape(
+            Topology(s["pipeline_stages"], s["data_parallel_size"]),
+            Target(s["device"], s["precision"]),
+            s["micro_batches"],
+            s["micro_batch_size"],
+            cfg["parallel"]["zero_stage"],
+        )
         # For auto, the analytic plan (no costs): a job planned with recompute.profile=true may have chosen otherwise.
         layout = build_layout(model, recompute, run, cfg["parallel"]["partition_method"], cfg["seed"])
         return plan_run(model, recompute, layout, run)
@@ -186,7 +192,7 @@ def _job_order(path: Path) -> tuple[str, int]:
     """Jobs of one multirun (`0`, `1`, ...) in number order; a second multirun into the same directory
     (`hydra.sweep.subdir=auto_${hydra.job.num}`) after them, in its own order."""
     prefix = path.name.rstrip("0123456789")
-    suffix = path.name[len(prefix):]
+    suffix = path.name[len(prefix) :]
     return prefix, int(suffix) if suffix else -1
 
 
@@ -194,8 +200,11 @@ def load_jobs(sweep_dir: Path, plan_missing: bool = True) -> list[Job]:
     """Every job directory of the sweep, in job order. `plan_missing`: plan trained jobs that wrote no
     plan.json from their config (their `plan_source` says which)."""
     jobs = []
-    dirs = [p for p in sweep_dir.iterdir()
-            if p.is_dir() and (p.name.isdigit() or any((p / name).exists() for name in JOB_FILES))]
+    dirs = [
+        p
+        for p in sweep_dir.iterdir()
+        if p.is_dir() and (p.name.isdigit() or any((p / name).exists() for name in JOB_FILES))
+    ]
     for path in sorted(dirs, key=_job_order):
         job = Job(path.name, path, _read_json(path / "summary.json"), _read_plan(path / "plan.json"))
         try:

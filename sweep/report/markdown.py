@@ -1,9 +1,9 @@
 """report.md: the jobs' counts and shape, what the columns mean, where the predictions come from, the table
 (one row per job that did not fail; memory in MiB, per stage as `stage 0 / stage 1 / ...`), the failed jobs'
 messages, the planner's largest error, and the figure."""
+
 import statistics
 from pathlib import Path
-from typing import Optional
 
 from sweep.job import FAILED
 from sweep.report.loading import Job
@@ -13,11 +13,11 @@ FIGURE = "![memory per stage against tokens/s](report.png)"
 NO_FIGURE = "(no figure: no job has both a throughput and a memory figure)"
 
 
-def _mib(values: Optional[list]) -> str:
+def _mib(values: list | None) -> str:
     if not values:
         return "n/a"
 
-    def one(v: Optional[float]) -> str:
+    def one(v: float | None) -> str:
         if v is None:
             return "n/a"
         m = v / MIB
@@ -26,13 +26,13 @@ def _mib(values: Optional[list]) -> str:
     return " / ".join(one(v) for v in values)
 
 
-def _pct(value: Optional[float], signed: bool = True) -> str:
+def _pct(value: float | None, signed: bool = True) -> str:
     if value is None:
         return "n/a"
     return f"{value * 100:+.1f}%" if signed else f"{value * 100:.1f}%"
 
 
-def _pcts(values: Optional[list]) -> str:
+def _pcts(values: list | None) -> str:
     if not values:
         return "n/a"
     return " / ".join(_pct(v, signed=False) for v in values)
@@ -45,17 +45,25 @@ def render_markdown(sweep_dir: Path, jobs: list[Job], figure: bool = True) -> st
     n_axes = len(axes)
     done = [j for j in jobs if j.status == "done"]
     kinds = sorted({(j.summary or {}).get("peak_memory_kind", "?") for j in done})
-    lines = [f"# Recompute report: {sweep_dir.name}", "",
-             f"{len(jobs)} jobs in `{sweep_dir}`: {sum(j.status == 'done' for j in jobs)} done, "
-             f"{sum(j.status == 'failed' for j in jobs)} failed, {sum(j.status == 'planned' for j in jobs)} "
-             f"planned only (dry run), {sum(j.status == 'incomplete' for j in jobs)} incomplete.", ""]
+    lines = [
+        f"# Recompute report: {sweep_dir.name}",
+        "",
+        f"{len(jobs)} jobs in `{sweep_dir}`: {sum(j.status == 'done' for j in jobs)} done, "
+        f"{sum(j.status == 'failed' for j in jobs)} failed, {sum(j.status == 'planned' for j in jobs)} "
+        f"planned only (dry run), {sum(j.status == 'incomplete' for j in jobs)} incomplete.",
+        "",
+    ]
     if done:
         s = done[0].summary
         model = done[0].config.get("model", {})
-        lines += [f"Shape: model {model.get('n_layer')} layers, h={model.get('n_embd')}, {model.get('n_head')} heads, "
-                  f"attention {model.get('attention')}, dropout {model.get('dropout')}; {s.get('pipeline_stages')} "
-                  f"stages x {s.get('data_parallel_size')} data-parallel; {s.get('device')} {s.get('precision')}"
-                  + (f"; sweep axes: {', '.join(axes)}" if axes else "") + ".", ""]
+        lines += [
+            f"Shape: model {model.get('n_layer')} layers, h={model.get('n_embd')}, {model.get('n_head')} heads, "
+            f"attention {model.get('attention')}, dropout {model.get('dropout')}; {s.get('pipeline_stages')} "
+            f"stages x {s.get('data_parallel_size')} data-parallel; {s.get('device')} {s.get('precision')}"
+            + (f"; sweep axes: {', '.join(axes)}" if axes else "")
+            + ".",
+            "",
+        ]
     lines += [
         "Per-stage values are listed stage 0 / stage 1 / ...; memory in MiB (2^20 bytes). *act/mb*: bytes kept "
         "for backward per micro-batch (measured with saved-tensor hooks on one step); *pred.*: the planner's; "
@@ -69,32 +77,65 @@ def render_markdown(sweep_dir: Path, jobs: list[Job], figure: bool = True) -> st
     for job in done:
         sources[job.plan_source] = sources.get(job.plan_source, 0) + 1
     if sources:
-        names = {"plan.json": "the job's plan.json", "config.yaml": "planned here from the job's config.yaml",
-                 "summary.json": "the plan in summary.json (no peak-memory prediction)"}
+        names = {
+            "plan.json": "the job's plan.json",
+            "config.yaml": "planned here from the job's config.yaml",
+            "summary.json": "the plan in summary.json (no peak-memory prediction)",
+        }
         lines += ["Predictions: " + "; ".join(f"{names[k]} ({n} jobs)" for k, n in sorted(sources.items())) + ".", ""]
-    header = ["job", "mode", "interval/modules", *axes, "tokens/s", "overhead", "act/mb", "act/mb pred.", "error",
-              "peak act", "saving", "peak mem", "peak mem pred."]
+    header = [
+        "job",
+        "mode",
+        "interval/modules",
+        *axes,
+        "tokens/s",
+        "overhead",
+        "act/mb",
+        "act/mb pred.",
+        "error",
+        "peak act",
+        "saving",
+        "peak mem",
+        "peak mem pred.",
+    ]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "|".join("---:" if i >= 3 + n_axes or i == 0 else "---" for i in range(len(header))) + "|")
     for job, row in zip(jobs, table):
         if job.status == "failed":
             continue
         (num, _, mode, setting, *axis_values, tps, overhead, act, pred, error, peak, saving, mem, pred_mem) = row
-        cells = [num, mode, setting, *[str(v) for v in axis_values],
-                 "n/a" if tps is None else f"{tps:,.0f}", _pct(overhead), _mib(act), _mib(pred),
-                 _pct(error, signed=False), _mib(peak), _pcts(saving), _mib(mem), _mib(pred_mem)]
+        cells = [
+            num,
+            mode,
+            setting,
+            *[str(v) for v in axis_values],
+            "n/a" if tps is None else f"{tps:,.0f}",
+            _pct(overhead),
+            _mib(act),
+            _mib(pred),
+            _pct(error, signed=False),
+            _mib(peak),
+            _pcts(saving),
+            _mib(mem),
+            _mib(pred_mem),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     failed = [j for j in jobs if j.status == "failed"]
     if failed:
         lines += ["", "## Failed jobs", ""]
         for job in failed:
             first, *more = job.failure.splitlines()
-            lines.append(f"- job {job.num} ({job.variant}): {first}"
-                         + (f" (+{len(more)} more lines in `{job.num}/{FAILED}`)" if more else ""))
+            lines.append(
+                f"- job {job.num} ({job.variant}): {first}"
+                + (f" (+{len(more)} more lines in `{job.num}/{FAILED}`)" if more else "")
+            )
     errors = [row[columns.index("predicted_vs_measured_max_error")] for row in table]
     errors = [e for e in errors if e is not None]
     if errors:
-        lines += ["", f"Predicted vs measured activation bytes per micro-batch: largest error {max(errors) * 100:.2f}% "
-                      f"over {len(errors)} jobs (median {statistics.median(errors) * 100:.2f}%)."]
+        lines += [
+            "",
+            f"Predicted vs measured activation bytes per micro-batch: largest error {max(errors) * 100:.2f}% "
+            f"over {len(errors)} jobs (median {statistics.median(errors) * 100:.2f}%).",
+        ]
     lines += ["", FIGURE if figure else NO_FIGURE, ""]
     return "\n".join(lines)

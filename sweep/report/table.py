@@ -1,15 +1,39 @@
 """The report's numbers: which jobs share a shape, each shape's `none` job, the sweep's axes, and the table
 (one row per job, plain values: bytes, ratios) that the markdown, the figure and W&B show."""
+
 from typing import Any
 
 from sweep.report.loading import Job
 
-MIB = 1024 ** 2
-SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size", "attention", "dropout", "seq_len", "micro_batch_size",
-              "micro_batches", "pipeline_stages", "data_parallel_size", "precision", "device")
+MIB = 1024**2
+SHAPE_KEYS = (
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "vocab_size",
+    "attention",
+    "dropout",
+    "seq_len",
+    "micro_batch_size",
+    "micro_batches",
+    "pipeline_stages",
+    "data_parallel_size",
+    "precision",
+    "device",
+)
 """What must match for a job to be compared with a `none` job."""
-AXIS_NAMES = {"seq_len": "s", "micro_batch_size": "b", "micro_batches": "m", "pipeline_stages": "stages",
-              "n_layer": "L", "n_embd": "h", "attention": "attn", "dropout": "p", "precision": "", "device": ""}
+AXIS_NAMES = {
+    "seq_len": "s",
+    "micro_batch_size": "b",
+    "micro_batches": "m",
+    "pipeline_stages": "stages",
+    "n_layer": "L",
+    "n_embd": "h",
+    "attention": "attn",
+    "dropout": "p",
+    "precision": "",
+    "device": "",
+}
 """Shape entries that can be a sweep axis, with their short names in labels ("": the value alone)."""
 
 
@@ -43,10 +67,22 @@ def rows(jobs: list[Job]) -> tuple[list[str], list[list[Any]]]:
     """The report table as plain values (bytes, ratios), one row per job: for W&B and the markdown."""
     base = baselines(jobs)
     axes = varying_axes(jobs)
-    columns = ["job", "status", "mode", "interval/modules", *axes, "tokens_per_s", "time_overhead_vs_none",
-               "activation_bytes_per_microbatch_per_stage", "predicted_activation_bytes_per_stage",
-               "predicted_vs_measured_max_error", "peak_activation_bytes_per_stage", "saving_vs_none_per_stage",
-               "peak_memory_bytes_per_stage", "predicted_peak_bytes_per_stage"]
+    columns = [
+        "job",
+        "status",
+        "mode",
+        "interval/modules",
+        *axes,
+        "tokens_per_s",
+        "time_overhead_vs_none",
+        "activation_bytes_per_microbatch_per_stage",
+        "predicted_activation_bytes_per_stage",
+        "predicted_vs_measured_max_error",
+        "peak_activation_bytes_per_stage",
+        "saving_vs_none_per_stage",
+        "peak_memory_bytes_per_stage",
+        "predicted_peak_bytes_per_stage",
+    ]
     table = []
     for job in jobs:
         none = base.get(shape_key(job))
@@ -62,9 +98,26 @@ def rows(jobs: list[Job]) -> tuple[list[str], list[list[Any]]]:
         peak = job.measured_peak_activation()
         saving = None
         if none is not None and peak and none.measured_peak_activation():
-            saving = [None if a is None or b in (None, 0) else 1.0 - a / b
-                      for a, b in zip(peak, none.measured_peak_activation())]
-        table.append([job.num, job.status, job.mode, job.setting, *[shape[k] for k in axes], job.tokens_per_s,
-                      overhead, measured, predicted, error, peak, saving, job.measured_peak_memory(),
-                      job.predicted_peak_memory()])
+            saving = [
+                None if a is None or b in (None, 0) else 1.0 - a / b
+                for a, b in zip(peak, none.measured_peak_activation())
+            ]
+        table.append(
+            [
+                job.num,
+                job.status,
+                job.mode,
+                job.setting,
+                *[shape[k] for k in axes],
+                job.tokens_per_s,
+                overhead,
+                measured,
+                predicted,
+                error,
+                peak,
+                saving,
+                job.measured_peak_memory(),
+                job.predicted_peak_memory(),
+            ]
+        )
     return columns, table

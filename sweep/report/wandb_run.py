@@ -1,8 +1,9 @@
 """The sweep's W&B report run (job_type `report`, in the sweep's group): the report table as a W&B Table and
 report.png as an Image."""
+
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from harness.wandb_logger import init_wandb_run
 from sweep.report.loading import Job
@@ -18,7 +19,7 @@ def _cell(value: Any) -> Any:
     return value
 
 
-def log_to_wandb(sweep_dir: Path, jobs: list[Job], png: Optional[Path], logger: Any) -> Optional[Path]:
+def log_to_wandb(sweep_dir: Path, jobs: list[Job], png: Path | None, logger: Any) -> Path | None:
     """One W&B run (job_type `report`) in the sweep's group holding the table and the image. `logger` is
     the sweep's logger config (mapping); nothing is logged for logger=none or mode=disabled. Returns the
     run's local directory."""
@@ -27,10 +28,18 @@ def log_to_wandb(sweep_dir: Path, jobs: list[Job], png: Optional[Path], logger: 
     if logger.get("name", "wandb") != "wandb" or mode == "disabled":
         return None
     group = logger.get("group") or sweep_dir.name
-    run = init_wandb_run(mode, logger.get("init_timeout_s", 30.0), project=logger.get("project") or "stagecheck",
-                         entity=logger.get("entity"), group=group, job_type="report", name=f"{group}-report",
-                         dir=str(sweep_dir), tags=list(logger.get("tags") or []) + ["report"],
-                         config={"sweep_dir": str(sweep_dir)})
+    run = init_wandb_run(
+        mode,
+        logger.get("init_timeout_s", 30.0),
+        project=logger.get("project") or "stagecheck",
+        entity=logger.get("entity"),
+        group=group,
+        job_type="report",
+        name=f"{group}-report",
+        dir=str(sweep_dir),
+        tags=list(logger.get("tags") or []) + ["report"],
+        config={"sweep_dir": str(sweep_dir)},
+    )
     import wandb  # here, not on top: the multirun callback imports this package, and only a report that logs needs it
 
     columns, table = rows(jobs)
