@@ -24,10 +24,9 @@ from parallel.layout import build_layout
 from parallel.local_stages import LocalPipeline
 from parallel.recompute_profile import profile_block
 from parallel.run_plan import block_choices, plan_run
-from parallel.shapes import GIB, RunShape, Shape, Target, Topology
+from parallel.shapes import GIB, MIB, RunShape, Shape, Target, Topology
 
 STAGES, MICRO_BATCHES = 2, 6
-MiB = 2**20
 
 
 class Plan:
@@ -129,8 +128,8 @@ def main() -> None:
         f"{args.reps} interleaved repetitions, CPU time on 1 thread"
     )
     print(
-        f"stage 0 needs: uniform full(1) {need_full / MiB:.2f} MiB, uniform selective {need_sel / MiB:.2f} MiB "
-        f"-> budget {budget / MiB:.2f} MiB (recompute.budget_gb={budget / GIB:.6f})"
+        f"stage 0 needs: uniform full(1) {need_full / MIB:.2f} MiB, uniform selective {need_sel / MIB:.2f} MiB "
+        f"-> budget {budget / MIB:.2f} MiB (recompute.budget_gb={budget / GIB:.6f})"
     )
     print("profile (s per block forward part): " + ", ".join(f"{k} {v:.4f}" for k, v in seconds.items()))
     print()
@@ -146,7 +145,7 @@ def main() -> None:
         choices = [",".join(sorted(set(st["choices"]))) for st in plan.layout.as_dict()]
         fits = "yes" if max(peaks) <= budget else "no"
         print(
-            f"| {plan.name} | {choices[0]} | {choices[1]} | {peaks[0] / MiB:.2f}, {peaks[1] / MiB:.2f} | {fits} | "
+            f"| {plan.name} | {choices[0]} | {choices[1]} | {peaks[0] / MIB:.2f}, {peaks[1] / MIB:.2f} | {fits} | "
             f"{statistics.median(tps):.0f} | {ratios[0]:.3f}, {statistics.median(ratios):.3f}, {ratios[-1]:.3f} |"
         )
 

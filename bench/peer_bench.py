@@ -34,9 +34,8 @@ from parallel.config import FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.layout import build_layout
 from parallel.local_stages import LocalPipeline
 from parallel.recompute import note_stored  # the observers stagecheck's own segments report to
-from parallel.shapes import RunShape, Target, Topology
+from parallel.shapes import MIB, RunShape, Target, Topology
 
-MIB = 2**20
 STAGECHECK_MODES = {
     "stagecheck none": NoRecompute(),
     "stagecheck full(1)": FullRecompute(interval="1"),

@@ -24,7 +24,7 @@ from parallel.config import FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.layout import build_layout
 from parallel.local_stages import LocalPipeline
 from parallel.run_plan import plan_run
-from parallel.shapes import RunShape, Target, Topology
+from parallel.shapes import MIB, RunShape, Target, Topology
 
 MODES = {
     "none": NoRecompute(),
@@ -33,7 +33,6 @@ MODES = {
     "full(1)": FullRecompute(interval="1"),
     "full(stage)": FullRecompute(interval="stage"),
 }
-MiB = 2**20
 
 
 def model_config(n_layer: int, seq_len: int, dropout: float, attention: str) -> GPTConfig:
@@ -92,7 +91,7 @@ def batches_for(cfg: GPTConfig, micro_batch_size: int, micro_batches: int):
 
 
 def mib(n: int) -> str:
-    return f"{n / MiB:.2f}"
+    return f"{n / MIB:.2f}"
 
 
 def bytes_table(shapes, dropout: float, attention: str, modes: dict) -> list[str]:

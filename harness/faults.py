@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from parallel.shapes import GIB
+
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
 EXIT_NONFINITE = 3
@@ -200,8 +202,6 @@ def _flag_device() -> torch.device:
 
 # ---- output directory ----------------------------------------------------------------------------------
 
-GB = 1024**3
-
 
 def checkpoint_bytes(n_params: int, precision: str) -> int:
     """Estimated size of one checkpoint: weights (4 bytes fp32, else 2 plus a 4-byte fp32 master copy)
@@ -242,14 +242,14 @@ def check_free_space(
     free = shutil.disk_usage(run_dir).free if free_bytes is None else free_bytes
     if free < need:
         raise ValueError(
-            f"hydra.run.dir={str(run_dir)!r} has {free / GB:.1f} GiB free, less than one checkpoint "
-            f"(about {need / GB:.1f} GiB: {n_params:,} parameters with their Adam state): free space or "
+            f"hydra.run.dir={str(run_dir)!r} has {free / GIB:.1f} GiB free, less than one checkpoint "
+            f"(about {need / GIB:.1f} GiB: {n_params:,} parameters with their Adam state): free space or "
             f"choose another hydra.run.dir"
         )
     if free < need * (keep + 1):
         return (
-            f"hydra.run.dir={str(run_dir)!r} has {free / GB:.1f} GiB free; train.keep_checkpoints={keep} "
-            f"plus the one being written need about {need * (keep + 1) / GB:.1f} GiB"
+            f"hydra.run.dir={str(run_dir)!r} has {free / GIB:.1f} GiB free; train.keep_checkpoints={keep} "
+            f"plus the one being written need about {need * (keep + 1) / GIB:.1f} GiB"
         )
     return None
 

@@ -6,6 +6,6 @@ from parallel.auto_recompute import CostTable
 from parallel.layout import PipelineLayout, build_layout
 
 
-def plan_layout(ctx: RunContext, costs: CostTable | None = None) -> PipelineLayout:
+def layout_of(ctx: RunContext, costs: CostTable | None = None) -> PipelineLayout:
     run = ctx.run
     return build_layout(run.model, run.recompute, ctx.shape, run.parallel.partition_method, run.seed, costs)

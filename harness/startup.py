@@ -34,10 +34,10 @@ def run_from_hydra(cfg: DictConfig, job: JobHooks) -> None:
         # modules that import it come only after validate() has chosen one.
         os.environ.setdefault("DS_ACCELERATOR", "cpu" if ctx.run.dry_run else ctx.target.device)
         from harness.dry_run import dry_run
-        from harness.run_layout import plan_layout
+        from harness.run_layout import layout_of
         from harness.trainer import train
 
-        layout = plan_layout(ctx)  # recompute=auto may not fit its budget
+        layout = layout_of(ctx)  # recompute=auto may not fit its budget
     except ValueError as error:
         message = f"stagecheck: error: {error}"
         print(message, file=sys.stderr)

@@ -11,7 +11,7 @@ from harness.accounting import Accounting
 from harness.context import RunContext
 from harness.metrics import MetricsLog, median_after_warmup
 from harness.run_control import RunControl
-from harness.run_layout import plan_layout
+from harness.run_layout import layout_of
 from harness.wandb_logger import open_wandb
 from parallel.auto_recompute import measured_costs
 from parallel.dist_env import node_name
@@ -43,7 +43,7 @@ def replan_with_profile(ctx: RunContext) -> PipelineLayout:
             + ", ".join(f"{k} {v:.4g}" for k, v in seconds[0].items()),
             flush=True,
         )
-    return plan_layout(ctx, measured_costs(Shape.of(run.model, run.train.micro_batch_size), target, seconds[0]))
+    return layout_of(ctx, measured_costs(Shape.of(run.model, run.train.micro_batch_size), target, seconds[0]))
 
 
 def train(ctx: RunContext, layout: PipelineLayout) -> None:

@@ -34,33 +34,10 @@ def wandb_agent_fields(group: str | None) -> dict:
 
 
 class WandbLogger:
-    def __init__(
-        self,
-        config: WandbLoggerConfig,
-        run_dir: Path,
-        run_config: dict,
-        job_type: str,
-        extra_tags: list[str],
-        job_fields: dict,
-        run_id: str | None = None,
-    ):
-        """`job_fields`: W&B fields the job sets (a sweep job's group and name)."""
-        kwargs = dict(
-            project=config.project,
-            entity=config.entity,
-            dir=str(run_dir),
-            config=run_config,
-            group=config.group,
-            job_type=job_type,
-            tags=list(config.tags) + extra_tags,
-            name=run_dir.name,
-        )
-        kwargs.update(job_fields)
-        if run_id is not None:
-            # A resumed run continues the same W&B run. Offline, wandb writes a new offline-run-* directory
-            # per launch (its _step restarting at 0): records carry explicit steps, `wandb sync` each piece.
-            kwargs.update(id=run_id, resume="allow")
-        self.run = init_wandb_run(config.mode, config.init_timeout_s, **kwargs)
+    """The W&B run of the rank that holds the loss."""
+
+    def __init__(self, run):
+        self.run = run
 
     def log(self, record: dict, step: int) -> None:
         self.run.log(record, step=step)
@@ -81,6 +58,23 @@ def open_wandb(
     job_fields: dict,
     run_id: str | None = None,
 ) -> WandbLogger | None:
+    """None for logger=none or logger.mode=disabled. `job_fields`: what the job sets (a sweep job's group and
+    name); `run_id`: the W&B run a resumed run continues."""
     if not isinstance(config, WandbLoggerConfig) or config.mode == "disabled":
         return None
-    return WandbLogger(config, run_dir, run_config, job_type, extra_tags, job_fields, run_id)
+    kwargs = dict(
+        project=config.project,
+        entity=config.entity,
+        dir=str(run_dir),
+        config=run_config,
+        group=config.group,
+        job_type=job_type,
+        tags=list(config.tags) + extra_tags,
+        name=run_dir.name,
+    )
+    kwargs.update(job_fields)
+    if run_id is not None:
+        # A resumed run continues the same W&B run. Offline, wandb writes a new offline-run-* directory
+        # per launch (its _step restarting at 0): records carry explicit steps, `wandb sync` each piece.
+        kwargs.update(id=run_id, resume="allow")
+    return WandbLogger(init_wandb_run(config.mode, config.init_timeout_s, **kwargs))

@@ -10,6 +10,7 @@ import torch
 
 from model import GPTConfig
 
+MIB = 1024**2
 GIB = 1024**3
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

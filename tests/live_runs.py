@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.runs import DEEPSPEED, REPO, cpu_env, free_port
+from tests.runs import REPO, cpu_env, deepspeed_command
 
 
 @dataclass
@@ -74,16 +74,7 @@ def start(run_dir: Path, *overrides: str, nproc: int = 2, env_extra: dict | None
     """`deepspeed --num_gpus N train.py ...` in its own process group, output to <run_dir>.log."""
     log = run_dir.with_name(run_dir.name + f".{int(time.time() * 1000)}.log")
     env = cpu_env(run_dir.parent, **(env_extra or {}))
-    cmd = [
-        str(DEEPSPEED),
-        "--num_gpus",
-        str(nproc),
-        "--master_port",
-        str(free_port()),
-        "train.py",
-        f"hydra.run.dir={run_dir}",
-        *overrides,
-    ]
+    cmd = deepspeed_command(nproc, f"hydra.run.dir={run_dir}", *overrides)
     with open(log, "w") as handle:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
     return LiveRun(proc, run_dir, log, time.monotonic())

@@ -38,39 +38,25 @@ def cpu_env(tmp: Path, **extra: str) -> dict:
     return env
 
 
+def deepspeed_command(nproc: int, *args: str) -> list[str]:
+    """The deepspeed launcher on `nproc` local ranks, on a port of its own (launches in parallel never meet)."""
+    return [str(DEEPSPEED), "--num_gpus", str(nproc), "--master_port", str(free_port()), "train.py", *args]
+
+
 def launch(
     run_dir: Path, *overrides: str, nproc: int = 2, timeout: float = 600, check: bool = True, env: dict | None = None
 ) -> subprocess.CompletedProcess:
     """`deepspeed --num_gpus N train.py hydra.run.dir=RUN_DIR ...` as a user types it."""
-    cmd = [
-        str(DEEPSPEED),
-        "--num_gpus",
-        str(nproc),
-        "--master_port",
-        str(free_port()),
-        "train.py",
-        f"hydra.run.dir={run_dir}",
-        *overrides,
-    ]
-    return _run(cmd, run_dir, timeout, check, env)
+    return _run(deepspeed_command(nproc, f"hydra.run.dir={run_dir}", *overrides), run_dir, timeout, check, env)
 
 
 def launch_multirun(
     sweep_dir: Path, *overrides: str, nproc: int = 2, timeout: float = 600, check: bool = True, env: dict | None = None
 ) -> subprocess.CompletedProcess:
     """`deepspeed --num_gpus N train.py -m hydra.sweep.dir=SWEEP_DIR ...`: a Hydra sweep inside one launch."""
-    cmd = [
-        str(DEEPSPEED),
-        "--num_gpus",
-        str(nproc),
-        "--master_port",
-        str(free_port()),
-        "train.py",
-        "-m",
-        f"hydra.sweep.dir={sweep_dir}",
-        *overrides,
-    ]
-    return _run(cmd, sweep_dir, timeout, check, env)
+    return _run(
+        deepspeed_command(nproc, "-m", f"hydra.sweep.dir={sweep_dir}", *overrides), sweep_dir, timeout, check, env
+    )
 
 
 def python_run(

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from parallel.shapes import MIB
 from sweep.report import write_report
 from sweep.report.loading import load_jobs
-from sweep.report.table import MIB, rows
+from sweep.report.table import rows
 from tests import wandb_file
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "sweep_report"

@@ -4,8 +4,9 @@ measurement (filled)."""
 
 from pathlib import Path
 
+from parallel.shapes import MIB
 from sweep.report.loading import Job
-from sweep.report.table import MIB, axis_label, varying_axes
+from sweep.report.table import axis_label, varying_axes
 
 MARKERS = {"none": "o", "full": "s", "selective": "^", "auto": "D"}
 """One marker per recompute mode (another mode gets "P")."""

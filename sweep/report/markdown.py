@@ -5,9 +5,10 @@ messages, the planner's largest error, and the figure."""
 import statistics
 from pathlib import Path
 
+from parallel.shapes import MIB
 from sweep.job import FAILED
 from sweep.report.loading import Job
-from sweep.report.table import MIB, rows, varying_axes
+from sweep.report.table import rows, varying_axes
 
 FIGURE = "![memory per stage against tokens/s](report.png)"
 NO_FIGURE = "(no figure: no job has both a throughput and a memory figure)"

@@ -5,7 +5,6 @@ from typing import Any
 
 from sweep.report.loading import Job
 
-MIB = 1024**2
 SHAPE_KEYS = (
     "n_layer",
     "n_head",
