@@ -3,8 +3,8 @@ of all ranks (preemption request, non-finite loss or gradients), checkpoint cade
 
 The trainer calls, on every rank:
 
-    control = RunControl(ctx, engine)           # after building the engine
-    control.attach(metrics)                                    # the loss rank's MetricsLog, or None
+    control = RunControl(ctx, engine)              # after building the engine
+    control.attach(metrics)                        # the loss rank's MetricsLog, or None
     for step in range(control.start_step + 1, steps + 1):
         loss = engine.train_batch(...)
         verdict = control.check_step(step, loss)   # one all-reduce: every rank gets the same verdict
