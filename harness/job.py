@@ -1,12 +1,11 @@
 """What a run does differently when it is one job of a sweep. A plain run uses `JobHooks` as it is; the
 sweep package (sweep/job.py) overrides it, and train.py picks which. harness/ never imports sweep/."""
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 from omegaconf import DictConfig
-
-from harness.wandb_logger import wandb_agent_fields
 
 
 class JobHooks:
@@ -26,5 +25,7 @@ class JobHooks:
         return body
 
     def wandb_fields(self, run_dir: Path, group: str | None) -> dict:
-        """Fields this job adds to wandb.init (group, name)."""
-        return wandb_agent_fields(group)
+        """Fields this job adds to wandb.init (group, name): under a W&B sweep agent, the run joins the group
+        `wandb-sweep-<id>` unless logger.group is set."""
+        sweep_id = os.environ.get("WANDB_SWEEP_ID")
+        return {"group": group or f"wandb-sweep-{sweep_id}"} if sweep_id else {}

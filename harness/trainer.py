@@ -93,7 +93,7 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
             run_config,
             job_type=run.recompute.mode,
             extra_tags=[f"model:{run.model.n_layer}L-{run.model.n_embd}h", f"stages:{topology.pipeline_stages}"],
-            job_fields=ctx.job.wandb_fields(run_dir, getattr(run.logger, "group", None)),
+            job=ctx.job,
             run_id=control.wandb_run_id,
         )
         metrics = MetricsLog(

@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from harness.job import JobHooks
 from schema.logger import WandbLoggerConfig
 
 
@@ -25,12 +26,6 @@ def init_wandb_run(mode: str, timeout_s: float, **kwargs):
             raise
         print(f"stagecheck: W&B online init failed ({error}); logging offline instead", file=sys.stderr)
         return wandb.init(mode="offline", **kwargs)
-
-
-def wandb_agent_fields(group: str | None) -> dict:
-    """Under a W&B sweep agent, the run joins the group `wandb-sweep-<id>` unless logger.group is set."""
-    sweep_id = os.environ.get("WANDB_SWEEP_ID")
-    return {"group": group or f"wandb-sweep-{sweep_id}"} if sweep_id else {}
 
 
 class WandbLogger:
@@ -55,11 +50,11 @@ def open_wandb(
     run_config: dict,
     job_type: str,
     extra_tags: list[str],
-    job_fields: dict,
+    job: JobHooks,
     run_id: str | None = None,
 ) -> WandbLogger | None:
-    """None for logger=none or logger.mode=disabled. `job_fields`: what the job sets (a sweep job's group and
-    name); `run_id`: the W&B run a resumed run continues."""
+    """None for logger=none or logger.mode=disabled. `job` adds its fields (a sweep job's group and name);
+    `run_id`: the W&B run a resumed run continues."""
     if not isinstance(config, WandbLoggerConfig) or config.mode == "disabled":
         return None
     kwargs = dict(
@@ -72,7 +67,7 @@ def open_wandb(
         tags=list(config.tags) + extra_tags,
         name=run_dir.name,
     )
-    kwargs.update(job_fields)
+    kwargs.update(job.wandb_fields(run_dir, config.group))
     if run_id is not None:
         # A resumed run continues the same W&B run. Offline, wandb writes a new offline-run-* directory
         # per launch (its _step restarting at 0): records carry explicit steps, `wandb sync` each piece.
