@@ -1,6 +1,6 @@
 """stagecheck's recompute modes against a Hugging Face GPT-2 peer, interleaved in one invocation.
 
-    .venv/bin/pip install -r requirements-bench.txt     # transformers (the peer); no torch of its own
+    (transformers, the peer, is pinned in requirements.txt; it uses the installed torch)
     DS_ACCELERATOR=cpu .venv/bin/python -m bench.peer_bench [--rounds 15] [--steps 1] [--attention math]
 
 Every configuration trains the same GPT shape, single process, on the same batches (the synthetic token

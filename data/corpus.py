@@ -1,4 +1,4 @@
-"""Which files make up a text corpus, its cache key, and how it becomes byte tokens."""
+"""Which files make up a text corpus, its cache key, its bytes and texts, and how its tokens are written."""
 
 from __future__ import annotations
 
@@ -78,6 +78,13 @@ def _walk(root: str, exclude_dir: str | None, skip_dirs: frozenset[str], suffix:
     return tuple(sorted(found))
 
 
+def resolve_corpus(path: str | None, cache_dir: str) -> tuple[CorpusFiles, str]:
+    """The files of ``data.path`` (the cache folder left out) and their fingerprint. Listing and stat-ing the
+    sources is cheap; only their contents are expensive, and those are read once per corpus version."""
+    files = list_corpus_files(path, exclude_dir=os.path.abspath(cache_dir))
+    return files, fingerprint(files)
+
+
 def fingerprint(files: CorpusFiles) -> str:
     """Hex digest of (format, file paths, sizes, mtimes): changes when any source changes."""
     entries = []
@@ -88,12 +95,8 @@ def fingerprint(files: CorpusFiles) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def iter_token_chunks(files: CorpusFiles) -> Iterable[np.ndarray]:
-    """Byte tokens of each accepted file, in order, as uint16 arrays.
-
-    Files are concatenated with no separator: a byte vocabulary has no spare id for one,
-    and plain concatenation keeps every byte of the source recoverable from the cache.
-    """
+def iter_file_bytes(files: CorpusFiles) -> Iterable[bytes]:
+    """The bytes of each accepted file, in order (folder walks skip files that are not UTF-8)."""
     for path in files.paths:
         with open(path, "rb") as handle:
             raw = handle.read()
@@ -102,15 +105,27 @@ def iter_token_chunks(files: CorpusFiles) -> Iterable[np.ndarray]:
                 raw.decode("utf-8")
             except UnicodeDecodeError:
                 continue  # binary or legacy-encoded file; see CorpusFiles.require_utf8
-        yield np.frombuffer(raw, dtype=np.uint8).astype(np.uint16)
+        yield raw
 
 
-def write_tokens(files: CorpusFiles, out_path: str) -> int:
-    """Write the corpus's byte tokens to ``out_path`` as raw uint16; returns the token count."""
+def iter_texts(files: CorpusFiles) -> Iterable[str]:
+    """Each accepted file as text: a single named file that is not UTF-8 has its invalid bytes replaced by
+    U+FFFD, since a text tokenizer needs characters (the bytes tokenizer reads them as they are)."""
+    for raw in iter_file_bytes(files):
+        yield raw.decode("utf-8", errors="replace")
+
+
+def write_tokens(files: CorpusFiles, chunks: Iterable[np.ndarray], out_path: str) -> int:
+    """Write ``chunks`` (the uint16 token ids of ``files``, in order) to ``out_path`` as raw uint16; returns the
+    token count.
+
+    Files are concatenated with no separator: the bytes vocabulary has no spare id for one, and plain
+    concatenation keeps every byte of the source recoverable from the cache.
+    """
     count = 0
     with open(out_path, "wb") as out:
-        for chunk in iter_token_chunks(files):
-            chunk.tofile(out)
+        for chunk in chunks:
+            chunk.astype(np.uint16, copy=False).tofile(out)
             count += int(chunk.shape[0])
         out.flush()
         # Durable before the rename publishes it: a reader must never map a short file.

@@ -25,6 +25,8 @@ class TokenSource(Protocol):
     vocab_size: int
     # Corpus length in tokens; None when unbounded (synthetic).
     num_tokens: int | None
+    # Whether val_batch has held-out tokens to draw from.
+    has_val: bool
 
     def batch(
         self, seed: int, step: int, dp_rank: int, micro: int, micro_batch_size: int, seq_len: int
@@ -32,6 +34,16 @@ class TokenSource(Protocol):
         """(inputs, labels), int64 (B, T) each, labels = inputs shifted by one token.
 
         A pure function of (seed, step, dp_rank, micro) and the shape arguments.
+        """
+        ...
+
+    def val_batch(
+        self, seed: int, index: int, micro_batch_size: int, seq_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The index-th fixed validation micro-batch, int64 (B, T) each, like batch().
+
+        A pure function of (seed, index) and the shape arguments, drawn from held-out tokens that batch() never
+        samples (synthetic: from a seed stream no training batch uses). Raises ValueError when has_val is False.
         """
         ...
 
@@ -49,7 +61,7 @@ def open_token_source(config: DataConfig, model_vocab_size: int) -> TokenSource:
     if isinstance(config, TextDataConfig):
         return open_text_source(config)
     if isinstance(config, MemmapDataConfig):
-        return ArrayTokenSource(config.path, vocab_size=config.vocab_size, check_ids=True)
+        return ArrayTokenSource(config.path, vocab_size=config.vocab_size, check_ids=True, val_path=config.val_path)
     raise TypeError(
         f"open_token_source() needs a SyntheticDataConfig, TextDataConfig or MemmapDataConfig, "
         f"got {type(config).__name__} (convert an OmegaConf node with OmegaConf.to_object)"

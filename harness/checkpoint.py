@@ -7,8 +7,9 @@ Layout of <run dir>/checkpoints/:
         layer_NN-model_states.pt        DeepSpeed: the weights of layer NN, written by its stage
         mp_rank_NN_model_states.pt      DeepSpeed: optimizer, LR scheduler, engine counters, per stage
         stagecheck_rank_00001.pt        ours: the RNG states of rank 1 (Python, NumPy, torch CPU, CUDA)
+        stagecheck_tokenizer.json       ours: the run's tokenizer (tokenizer.json beside it for BPE)
         stagecheck.json                 ours, written by rank 0 once every rank has finished: the step,
-                                        the data position, the W&B run id, the topology
+                                        the data position, the W&B run id, the topology, the model config
 
 DeepSpeed keeps no data position and no RNG state. The data position is the step: a batch is a pure
 function of (seed, step, dp_rank, micro) (data/sampling.py), so a run resumed after step k draws
@@ -28,13 +29,15 @@ import secrets
 import shutil
 import string
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from data.tokenizer import META_FILE as TOKENIZER_META
+from data.tokenizer import TOKENIZER_FILE
 from harness.context import RunContext
 from harness.faults import save_delay_for_test
 from harness.files import atomic_write, atomic_write_json, atomic_write_text, fsync_path
@@ -45,6 +48,7 @@ LATEST = "latest"
 META = "stagecheck.json"
 TAG_PATTERN = re.compile(r"^step_(\d{8,})$")
 FORMAT_VERSION = 1
+TOKENIZER_FILES = (TOKENIZER_META, TOKENIZER_FILE)
 
 
 def tag_for(step: int) -> str:
@@ -174,6 +178,14 @@ def prune(root: Path, keep: int) -> list[Path]:
     return removed
 
 
+def copy_tokenizer(run_dir: Path, tag_dir: Path) -> None:
+    """The run's tokenizer files (data/tokenizer.py) go into each checkpoint too, so a checkpoint copied away from
+    its run still decodes with the tokenizer that trained it (generate.py, export_hf.py)."""
+    for name in TOKENIZER_FILES:
+        if (run_dir / name).is_file():
+            shutil.copyfile(run_dir / name, tag_dir / name)
+
+
 # ---- save and load -----------------------------------------------------------------------------------------
 
 
@@ -181,11 +193,13 @@ class Checkpointer:
     """Saves and loads through the DeepSpeed engine; every method is collective (all ranks call it)."""
 
     def __init__(self, ctx: RunContext, engine, wandb_run_id: str | None):
+        self.run_dir = ctx.run_dir
         self.root = checkpoints_dir(ctx.run_dir)
         self.engine = engine
         self.rank = ctx.env.rank
         self.topology = ctx.topology
         self.seed = ctx.run.seed
+        self.model = asdict(ctx.run.model)
         self.keep = ctx.run.train.keep_checkpoints
         self.wandb_run_id = wandb_run_id
 
@@ -209,6 +223,7 @@ class Checkpointer:
             time.sleep(delay)
         dist.barrier()  # every rank's files are written
         if self.rank == 0:
+            copy_tokenizer(self.run_dir, path)
             for child in path.iterdir():
                 if child.is_file():
                     fsync_path(child)  # a power cut must not leave `latest` naming unwritten pages
@@ -228,6 +243,7 @@ class Checkpointer:
                 "sampling": "each batch is a pure function of (seed, step, dp_rank, micro)",
             },
             "seed": self.seed,
+            "model": self.model,  # the shape, so the checkpoint alone rebuilds the model (harness/consolidate.py)
             "world_size": self.topology.world_size,
             "pipeline_stages": self.topology.pipeline_stages,
             "data_parallel_size": self.topology.data_parallel_size,

@@ -2,7 +2,8 @@
 
 No launcher, no process group, no deepspeed.initialize: the model is only ever built on the meta device
 (to count parameters), split into stages by the same partition routine training uses, and planned by
-parallel/run_plan.py. Prints the per-stage table and writes plan.json to the run directory.
+parallel/run_plan.py. Prints the per-stage table (with a warning for each stage that holds no block) and
+the predicted step time, and writes plan.json to the run directory.
 """
 
 from harness.context import RunContext
@@ -14,7 +15,7 @@ from parallel.run_plan import RunPlan, plan_run
 def dry_run(ctx: RunContext, layout: PipelineLayout) -> RunPlan:
     run = ctx.run
     plan = plan_run(run.model, run.recompute, layout, ctx.shape)
-    lines = layout.describe() + plan.lines()
+    lines = layout.describe() + layout.empty_stage_warnings() + plan.lines()
     if layout.budgets is not None:
         lines += layout.describe_budgets(run.recompute)
     if ctx.env.rank == 0:

@@ -49,18 +49,22 @@ class MetricsLog:
         if self.wandb:
             self.wandb.log(record, step=record["step"])
         step = record["step"]
-        if step % self.print_every == 0 or step == self.total_steps:
+        if step % self.print_every == 0 or step == self.total_steps or "val_loss" in record:  # every eval shows
             line = (
                 f"step {step}/{self.total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
                 f"{record['tokens_per_s']:,.0f} tok/s | {record['step_time_s']:.3f} s/step"
             )
-            end = "\r" if self._live and step < self.total_steps else "\n"
+            if "val_loss" in record:
+                line += f" | val {record['val_loss']:.4f}"
+            # On a terminal each line overwrites the last, except the evaluated steps': the val loss history stays.
+            end = "\r" if self._live and step < self.total_steps and "val_loss" not in record else "\n"
             print(line, end=end, flush=True)
 
     def write_summary(self, summary: dict) -> None:
         atomic_write_json(self.run_dir / "summary.json", summary)  # a crash mid-write never leaves half a summary
         if self.wandb:
-            self.wandb.update_summary({k: v for k, v in summary.items() if k != "losses"})
+            # The histories are W&B's history already (every step's record); the summary keeps the last values.
+            self.wandb.update_summary({k: v for k, v in summary.items() if k not in ("losses", "val_losses")})
 
     def close(self, exit_code: int = 0) -> None:
         if self._file.closed:

@@ -4,8 +4,13 @@
 from harness.context import RunContext
 from parallel.auto_recompute import CostTable
 from parallel.layout import PipelineLayout, build_layout
+from parallel.step_costs import analytic_rates
 
 
 def layout_of(ctx: RunContext, costs: CostTable | None = None) -> PipelineLayout:
-    run = ctx.run
-    return build_layout(run.model, run.recompute, ctx.shape, run.parallel.partition_method, run.seed, costs)
+    """Analytic step times charge at train.peak_tflops when set; else a CUDA target is planned as an H100
+    (the GPU is not queried at start-up: that would create a CUDA context on every rank before DeepSpeed
+    picks each rank's device) and a CPU one as a nominal core."""
+    run, target = ctx.run, ctx.target
+    rates = analytic_rates(target.device, target.precision, run.train.peak_tflops)
+    return build_layout(run.model, run.recompute, ctx.shape, run.parallel.partition_method, run.seed, costs, rates)

@@ -13,6 +13,7 @@ from harness import preemption
 from harness.checkpoint import check_compatible, resume_point
 from harness.context import RunContext
 from harness.faults import EXIT_CONFIG, check_output_dir, run_guarded
+from harness.init_from import resolve_init_from
 from harness.job import JobHooks
 from harness.run_dir import check_run_dir, remove_if_empty
 from model import gpt_layers, model_param_count
@@ -59,6 +60,7 @@ def run_from_hydra(cfg: DictConfig, job: JobHooks) -> None:
 def validate(cfg: DictConfig, run_dir: Path, env: DistEnv, job: JobHooks) -> RunContext:
     """Config values, topology, device, data, the checkpoint to resume and the run directory; raises
     ValueError. (The layout, planned next, checks recompute=auto's budget.)"""
+    resolve_init_from(cfg, HydraConfig.get().overrides.task)  # model.init_from sets the model's shape
     run = to_run_config(cfg)
     world_size = dry_run_world_size(run, env) if run.dry_run else env.world_size
     # A dry run plans for CUDA (train.device=cuda or auto) whether or not this machine has a GPU.

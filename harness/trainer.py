@@ -6,12 +6,16 @@ import warnings
 import torch
 from omegaconf import OmegaConf
 
-from data import open_token_source
+from data import open_token_source, save_run_tokenizer
 from harness.accounting import Accounting
 from harness.context import RunContext
+from harness.evaluation import Evaluator, val_summary
+from harness.init_from import hf_initial_weights
 from harness.metrics import MetricsLog, median_after_warmup
 from harness.run_control import RunControl
 from harness.run_layout import layout_of
+from harness.run_summary import done_line, wandb_sync_command
+from harness.timeline import publish_trace
 from harness.wandb_logger import open_wandb
 from parallel.auto_recompute import measured_costs
 from parallel.dist_env import node_name
@@ -20,6 +24,7 @@ from parallel.layout import PipelineLayout
 from parallel.recompute_profile import profile_block
 from parallel.run_plan import plan_run
 from parallel.shapes import Shape
+from parallel.trace import StepTracer
 
 # DeepSpeed's pipeline sends activations with c10d broadcasts inside autograd; torch warns once per
 # rank that the op has no autograd kernel. DeepSpeed handles those gradients itself: noise.
@@ -67,17 +72,30 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
     if layout.budgets is not None and rank == 0:
         for line in layout.describe_budgets(run.recompute):
             print("stagecheck: " + line, flush=True)
-    engine = build_engine(layout, run.train, run.parallel, topology.data_parallel_size, target.precision, target.device)
+    engine = build_engine(
+        layout,
+        run.train,
+        run.parallel,
+        topology.data_parallel_size,
+        target.precision,
+        target.device,
+        initial_weights=hf_initial_weights(ctx),  # model.init_from, unless resuming
+    )
     # Dropout draws from this stream; every recompute mode consumes it identically.
     torch.manual_seed(run.seed * 1009 + rank)
     # Resume (weights, optimizer, scheduler, RNG states) or start fresh; checkpoints, preemption, NaN policy.
     control = RunControl(ctx, engine)
     # Activation bytes (metered on train.measure_step only), in-flight micro-batches, FLOP/s, MFU, peak memory.
     accounting = Accounting(ctx, plan_run(run.model, run.recompute, layout, ctx.shape), engine)
+    # Per-instruction timings of train.trace_step on every rank (trace.json, timeline.png, bubbles per stage).
+    tracer = StepTracer(engine, run.train.traced_step, target.device)
 
     dp_rank = engine.grid.get_data_parallel_rank()
     needs_data = engine.is_first_stage() or engine.is_last_stage()
     source = open_token_source(run.data, run.model.vocab_size) if needs_data else None
+    if rank == 0:  # generate.py and export_hf.py find the tokenizer that trained the model here
+        save_run_tokenizer(run.data, run_dir)
+    evaluator = Evaluator(ctx, engine, source)  # train.eval_every: val loss on fixed batches
     holds_loss = engine.is_last_stage() and dp_rank == 0
     metrics = None
     if holds_loss:
@@ -118,11 +136,14 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
             )
         lr = engine.get_lr()[0]
         accounting.before_step(step)
+        tracer.begin(step)  # on the traced step: a barrier, then every rank's clock starts
         start = time.perf_counter()
         loss = engine.train_batch(data_iter=batches)
         step_time = time.perf_counter() - start
+        tracer.end(step)
         accounting.after_step(step, step_time)
         verdict = control.check_step(step, loss)  # collective: preemption request, non-finite loss/grads
+        evaluated = evaluator.evaluate_if_due(step)  # collective when due; after the step's timing and metering
         if metrics:
             grad_norm = engine.get_global_grad_norm()
             metrics.log_step(
@@ -135,6 +156,7 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
                     "tokens": tokens_per_step * step,
                     **accounting.step_record(step_time),
                     **({"grad_norm": float(grad_norm)} if grad_norm is not None else {}),
+                    **evaluated,
                     **verdict.record,
                 }
             )
@@ -145,26 +167,31 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
     torch.distributed.all_gather_object(gathered, (engine.module.tied_weight_digest(), node_name()))
     digests = [digest for digest, _ in gathered]
     accounted = accounting.gather()  # collective too
+    traced = tracer.gather()  # collective when a step was traced: every rank's trace to the loss rank
     if metrics:
         records = metrics.records
-        metrics.write_summary(
-            {
-                "recompute": run.recompute.mode,
-                "recompute_config": vars(run.recompute),
-                "layout": layout.as_dict(),
-                **topology.as_dict(),
-                "micro_batches": t.micro_batches,
-                "micro_batch_size": t.micro_batch_size,
-                "seq_len": run.model.seq_len,
-                "steps": t.steps,
-                "device": target.device,
-                "precision": target.precision,
-                "losses": [r["loss"] for r in records],
-                "tokens_per_s": median_after_warmup([r["tokens_per_s"] for r in records]),
-                "step_time_s": median_after_warmup([r["step_time_s"] for r in records]),
-                "tied_weight_sha256_per_rank": digests,
-                "node_per_rank": [node for _, node in gathered],  # SLURM node name (SLURMD_NODENAME), else host name
-                **accounted,
-            }
-        )
+        summary = {
+            "recompute": run.recompute.mode,
+            "recompute_config": vars(run.recompute),
+            "layout": layout.as_dict(),
+            **topology.as_dict(),
+            "micro_batches": t.micro_batches,
+            "micro_batch_size": t.micro_batch_size,
+            "seq_len": run.model.seq_len,
+            "steps": t.steps,
+            "device": target.device,
+            "precision": target.precision,
+            "losses": [r["loss"] for r in records],
+            **val_summary(records),
+            "tokens_per_s": median_after_warmup([r["tokens_per_s"] for r in records]),
+            "step_time_s": median_after_warmup([r["step_time_s"] for r in records]),
+            "predicted_step_time_s": accounting.plan.predicted_step_time_s,  # parallel/step_sim.py
+            "tied_weight_sha256_per_rank": digests,
+            "node_per_rank": [node for _, node in gathered],  # SLURM node name (SLURMD_NODENAME), else host name
+            **accounted,
+            **publish_trace(traced, run_dir, metrics.wandb),  # trace.json, timeline.png, bubbles
+        }
+        metrics.write_summary(summary)
+        sync_command = wandb_sync_command(metrics.wandb)
         metrics.close()
+        print(done_line(summary, run_dir, sync_command), flush=True)  # the run's last line, after W&B's finish

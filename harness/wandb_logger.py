@@ -40,6 +40,12 @@ class WandbLogger:
     def update_summary(self, values: dict) -> None:
         self.run.summary.update(values)
 
+    def save_files(self, paths: list[Path], base: Path) -> None:
+        """Attach files to the run under their path below `base` (offline: copied into the run's files/ at
+        once, uploaded by `wandb sync`)."""
+        for path in paths:
+            self.run.save(str(path), base_path=str(base), policy="now")
+
     def finish(self, exit_code: int = 0) -> None:
         self.run.finish(exit_code=exit_code)
 

@@ -1,6 +1,6 @@
 """A GPT-2-family decoder in pure PyTorch: no DeepSpeed, Hydra or W&B here."""
 
-from model.config import ATTENTION_KERNELS, GPTConfig
+from model.config import ACTIVATIONS, ATTENTION_KERNELS, GPTConfig
 from model.gpt import (
     FIRST_BLOCK_INDEX,
     GPT,
@@ -12,10 +12,12 @@ from model.gpt import (
     layer_param_counts,
     lm_loss,
     model_param_count,
+    module_entries,
 )
 from model.layers import Block
 
 __all__ = [
+    "ACTIVATIONS",
     "ATTENTION_KERNELS",
     "GPTConfig",
     "FIRST_BLOCK_INDEX",
@@ -28,5 +30,6 @@ __all__ = [
     "layer_param_counts",
     "lm_loss",
     "model_param_count",
+    "module_entries",
     "Block",
 ]

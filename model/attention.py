@@ -57,9 +57,18 @@ class AttentionCore(nn.Module):
         return scores.view(B, nh, T, T)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q, k, v of the same T positions, each attending to itself and the positions before it."""
         p = self.dropout if self.training else 0.0
         if self.kernel == "sdpa":
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         probs = ScaledCausalSoftmax.apply(self.causal_scores(q, k))  # (B, nh, T, T)
         probs = F.dropout(probs, p=p, training=self.training)
         return probs @ v  # (B, nh, T, hs)
+
+    def attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The queries (B, nh, Tq, hs) of the last Tq of the Tk positions in k, v (B, nh, Tk, hs) -> (B, nh, Tq, hs).
+        For decoding, without dropout. Query i sits at position Tk - Tq + i: the causal mask is shifted by
+        Tk - Tq, which SDPA's `is_causal` (aligned to the top-left corner) does not do."""
+        Tq, Tk = q.shape[2], k.shape[2]
+        visible = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril_(Tk - Tq)  # (Tq, Tk)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible)

@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 ATTENTION_KERNELS = ("sdpa", "math")
+ACTIVATIONS = ("gelu", "gelu_tanh")
 
 
 @dataclass
@@ -24,6 +25,13 @@ class GPTConfig:
     attention: str = "sdpa"
     """Attention kernel: `sdpa` (torch scaled_dot_product_attention, fused where available) or
     `math` (explicit QK^T, fused scaled causal softmax that saves a 16-bit output, dropout, x V)."""
+    activation: str = "gelu"
+    """MLP activation: `gelu` (exact, erf) or `gelu_tanh` (the tanh approximation GPT-2 itself uses, Hugging
+    Face's `gelu_new`): real GPT-2 weights need `gelu_tanh`."""
+    init_from: str | None = None
+    """A local Hugging Face GPT-2 directory (config.json plus model.safetensors or pytorch_model.bin) to start
+    training from; its config.json sets n_layer, n_head, n_embd, seq_len, vocab_size, activation and bias.
+    Ignored when the run resumes from a checkpoint. null: GPT-2 initialisation from the seed."""
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size"):
@@ -40,6 +48,10 @@ class GPTConfig:
         if self.attention not in ATTENTION_KERNELS:
             raise ValueError(
                 f"model.attention={self.attention!r} is unknown: allowed values are {', '.join(ATTENTION_KERNELS)}"
+            )
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(
+                f"model.activation={self.activation!r} is unknown: allowed values are {', '.join(ACTIVATIONS)}"
             )
 
     @property

@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model.config import GPTConfig
+from model.kv_cache import KVCache
 from model.layers import Block, FinalNorm, PositionEmbedding, TokenEmbedding, lm_head
 
 TIED_EMBEDDING = "embedding"
@@ -70,6 +71,12 @@ def gpt_layers(config: GPTConfig, seed: int) -> list[LayerRecipe]:
     ]
 
 
+def module_entries(recipes: Sequence[LayerRecipe]) -> list[int]:
+    """Flat indices of the entries that run as a module and so own a state dict: all but the tied LM head, which
+    runs as a function of the token embedding. DeepSpeed's pipeline writes one weight file for each of these."""
+    return [i for i, recipe in enumerate(recipes) if recipe.forward_fn is None]
+
+
 def layer_param_counts(recipes: Sequence[LayerRecipe]) -> list[int]:
     """Trainable parameters of each entry, counted on the meta device; a tied module counts at each of its
     positions, as in DeepSpeed's `parameters` partition method."""
@@ -113,3 +120,38 @@ class GPT(nn.Module):
         for fn in self.forward_funcs:
             x = fn(x)
         return x
+
+    @classmethod
+    def from_layer_states(cls, config: GPTConfig, states: dict[int, dict[str, torch.Tensor]]) -> "GPT":
+        """The model holding `states` ({flat index: state dict} of every module entry, as layer_states() gives),
+        built without initialising weights that are replaced at once; the tensors are used as given (dtype,
+        device)."""
+        with torch.device("meta"):
+            model = cls(config, seed=0)
+        for index in module_entries(gpt_layers(config, seed=0)):
+            model.forward_funcs[index].load_state_dict(states[index], strict=True, assign=True)
+        return model
+
+    def layer_states(self) -> dict[int, dict[str, torch.Tensor]]:
+        """{flat index: state dict} of every module entry (module_entries): the whole model, the tied weight once."""
+        return {i: self.forward_funcs[i].state_dict() for i in module_entries(gpt_layers(self.config, seed=0))}
+
+    @property
+    def blocks(self) -> list[Block]:
+        return self.forward_funcs[FIRST_BLOCK_INDEX : FIRST_BLOCK_INDEX + self.config.n_layer]
+
+    def new_caches(self, batch: int) -> list[KVCache]:
+        """One empty KV cache per block for `model.seq_len` positions, in the dtype and on the device of the weights."""
+        weight = self.forward_funcs[0].wte.weight
+        c = self.config
+        return [KVCache(batch, c.n_head, c.seq_len, c.head_size, weight.dtype, weight.device) for _ in self.blocks]
+
+    def forward_cached(self, idx: torch.Tensor, caches: Sequence[KVCache]) -> torch.Tensor:
+        """Token ids (B, T) of the T positions after those the caches (one per block) hold -> logits (B, T, vocab):
+        the last T positions of forward() on the whole sequence, computing only these T (incremental decoding)."""
+        token_embedding, position_embedding = self.forward_funcs[:FIRST_BLOCK_INDEX]
+        x = position_embedding(token_embedding(idx), start=caches[0].length)  # (B, T, C)
+        for block, cache in zip(self.blocks, caches, strict=True):
+            x = block.forward_cached(x, cache)
+        final_norm, head = self.forward_funcs[FIRST_BLOCK_INDEX + self.config.n_layer :]
+        return head(final_norm(x))  # (B, T, vocab)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from model.attention import AttentionCore
 from model.config import GPTConfig
+from model.kv_cache import KVCache
 
 INIT_STD = 0.02
 
@@ -67,8 +68,9 @@ class PositionEmbedding(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         gpt2_init_(self, config.n_layer, seed, layer_index)
 
-    def forward(self, tok_emb: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(tok_emb.shape[1], device=tok_emb.device)  # (T,)
+    def forward(self, tok_emb: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """`start`: the position of the first token (decoding with a KV cache continues a sequence)."""
+        pos = torch.arange(start, start + tok_emb.shape[1], device=tok_emb.device)  # (T,)
         return self.drop(tok_emb + self.wpe(pos))
 
 
@@ -81,22 +83,32 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = self.core(q, k, v)  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return tuple(t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+
+    def _project(self, y: torch.Tensor) -> torch.Tensor:
+        B, nh, T, hs = y.shape
+        y = y.transpose(1, 2).contiguous().view(B, T, nh * hs)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._project(self.core(*self._heads(x)))  # (B, T, C)
+
+    def forward_cached(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """x (B, T, C) of the T positions after those in `cache`, whose keys and values it adds -> (B, T, C)."""
+        q, k, v = self._heads(x)
+        k, v = cache.append(k, v)  # (B, nh, cached + T, hs)
+        return self._project(self.core.attend_cached(q, k, v))
 
 
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.act = nn.GELU()
+        # Both variants are nn.GELU, which saves only its input: the memory model's bytes hold for either.
+        self.act = nn.GELU(approximate="tanh" if config.activation == "gelu_tanh" else "none")
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
@@ -117,6 +129,11 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))  # (B, T, C)
+
+    def forward_cached(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """forward() for the T positions after those in `cache` (incremental decoding)."""
+        x = x + self.attn.forward_cached(self.ln_1(x), cache)
         return x + self.mlp(self.ln_2(x))  # (B, T, C)
 
 

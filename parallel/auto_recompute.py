@@ -22,6 +22,7 @@ O(n^2 log F) for the search: milliseconds for 12 blocks a stage, well under a se
 """
 
 import bisect
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,6 +52,8 @@ class CostTable:
     """Recomputing one block's forward inside a segment."""
     segment_discount: float = 0.0
     """Cost a segment saves once (torch's early stop skips the last matmul when nothing after it is saved)."""
+    profile: dict[str, float] | None = None
+    """Measured tables only: the profile's seconds (parallel/recompute_profile.py), costs in seconds."""
 
 
 @dataclass(frozen=True)
@@ -104,11 +107,24 @@ def analytic_costs(shape: Shape, target: Target) -> CostTable:
 
 def measured_costs(shape: Shape, target: Target, seconds: dict[str, float]) -> CostTable:
     """Costs from a profile of one block: seconds of the forward of `block`, `core_attn`, `mlp`,
-    `mlp_act` and `layernorm` (both LayerNorms)."""
-    return _table(shape, target, lambda modules: sum(seconds[m] for m in modules), full_block_cost=seconds["block"])
+    `mlp_act` and `layernorm` (both LayerNorms); the step-time model reads the rest of the profile."""
+    return _table(
+        shape,
+        target,
+        lambda modules: sum(seconds[m] for m in modules),
+        full_block_cost=seconds["block"],
+        profile=dict(seconds),
+    )
 
 
-def _table(shape: Shape, target: Target, cost, full_block_cost: float, segment_discount: float = 0.0) -> CostTable:
+def _table(
+    shape: Shape,
+    target: Target,
+    cost,
+    full_block_cost: float,
+    segment_discount: float = 0.0,
+    profile: dict[str, float] | None = None,
+) -> CostTable:
     options = block_options(shape, target, cost)
     return CostTable(
         tuple(options),
@@ -116,6 +132,7 @@ def _table(shape: Shape, target: Target, cost, full_block_cost: float, segment_d
         options[0].kept_bytes,
         float(full_block_cost),
         float(segment_discount),
+        profile,
     )
 
 
@@ -128,8 +145,10 @@ def _pareto(options: Sequence[BlockOption]) -> list[BlockOption]:
     return kept
 
 
-def _frontiers(n: int, options: Sequence[BlockOption]) -> list[list[tuple[int, float, tuple[int, ...]]]]:
-    """frontier[r]: Pareto points (kept bytes asc, cost desc, counts per option) of r blocks' choices."""
+@functools.lru_cache(maxsize=256)
+def _frontiers(n: int, options: tuple[BlockOption, ...]) -> list[list[tuple[int, float, tuple[int, ...]]]]:
+    """frontier[r]: Pareto points (kept bytes asc, cost desc, counts per option) of r blocks' choices.
+    Cached: the balanced partition asks for the same block counts on every stage."""
     frontier = [[(0, 0.0, (0,) * len(options))]]
     for _ in range(n):
         candidates = sorted(
@@ -148,7 +167,7 @@ def _frontiers(n: int, options: Sequence[BlockOption]) -> list[list[tuple[int, f
 def _candidates(n: int, table: CostTable, in_flight: int):
     """Every plan worth considering: (full blocks m, segments k, frontier of the other n - m blocks),
     with the bytes the full part adds to the stage's total and its cost."""
-    frontiers = _frontiers(n, _pareto(table.options))
+    frontiers = _frontiers(n, tuple(_pareto(table.options)))
     for m in range(n + 1):
         for k in [0] if m == 0 else range(1, m + 1):
             full_bytes = in_flight * k * table.segment_input_bytes + (math.ceil(m / k) * table.block_bytes if m else 0)

@@ -3,7 +3,7 @@
 
 from dataclasses import dataclass, field
 
-PARTITION_METHODS = ("parameters", "uniform", "type:Block")
+PARTITION_METHODS = ("balanced", "parameters", "uniform", "type:Block")
 RECOMPUTE_MODULES = ("core_attn", "mlp_act", "layernorm", "mlp")
 INTERVAL_WORDS = ("stage", "sqrt")
 
@@ -60,9 +60,12 @@ class ParallelConfig:
     data_parallel_size: int | None = None
     """Data-parallel replicas; null means world size / stages. Given, stages x data-parallel must equal
     the world size; a dry run (no launcher) plans for that many ranks."""
-    partition_method: str = "parameters"
-    """How DeepSpeed splits the flat layer list into stages: `parameters` (balance parameter
-    counts), `uniform` (balance layer counts) or `type:Block` (balance transformer blocks)."""
+    partition_method: str = "balanced"
+    """How the flat layer list is split into stages: `balanced` (every stage at least one block, chosen
+    together with each stage's recompute plan to minimise the predicted step time, every stage within
+    the budget of `recompute=auto`), or DeepSpeed's own `parameters` (balance parameter counts: the
+    embeddings weigh like several blocks, so end stages may get no block), `uniform` (balance layer
+    counts) or `type:Block` (balance transformer blocks)."""
     zero_stage: int = 0
     """ZeRO optimizer-state sharding over data-parallel ranks: 0 or 1 (pipelines forbid 2 and 3)."""
 

@@ -1,14 +1,20 @@
 """Process group and DeepSpeed pipeline engine."""
 
 import atexit
+from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
 
 import deepspeed
+import torch
 import torch.distributed.distributed_c10d as c10d
 import torch.nn as nn
 from deepspeed.accelerator import get_accelerator
 from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
+from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+from deepspeed.utils import safe_set_full_fp32_param
+from torch._utils import _flatten_dense_tensors
 
 from parallel.config import OptimConfig, ParallelConfig
 from parallel.dist_env import DistEnv, export_dist_env
@@ -71,6 +77,10 @@ def _param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+InitialWeights = Callable[[RecomputingPipelineModule], dict[nn.Parameter, torch.Tensor]]
+"""This stage's parameters -> their fp32 initial values, read for the built module."""
+
+
 def build_engine(
     layout: PipelineLayout,
     train: OptimConfig,
@@ -78,8 +88,15 @@ def build_engine(
     data_parallel_size: int,
     precision: str,
     device: str,
+    initial_weights: InitialWeights | None = None,
 ):
+    """The engine over this stage's layers; `initial_weights`, when given, supplies the fp32 value of every
+    parameter of the built stage (model.init_from) instead of the seeded GPT-2 initialisation."""
     module = RecomputingPipelineModule(layout.recipes, layout.stages, layout.plans, parallel.partition_method)
+    weights = initial_weights(module) if initial_weights is not None else {}
+    with torch.no_grad():
+        for param, value in weights.items():
+            param.copy_(value)
     config = deepspeed_config(train, parallel, data_parallel_size, precision, device)
     engine, _, _, _ = deepspeed.initialize(
         model=module,
@@ -87,4 +104,23 @@ def build_engine(
         config=config,
         lr_scheduler=partial(warmup_cosine, train=train),
     )
+    _set_fp32_masters(engine.optimizer, weights)
     return engine
+
+
+def _set_fp32_masters(optimizer, weights: dict[nn.Parameter, torch.Tensor]) -> None:
+    """16-bit runs copy their fp32 master weights from the module after deepspeed.initialize cast it to 16
+    bits, so loaded weights would lose their low bits for good: set the masters from the fp32 values. An fp32
+    run's optimizer steps the module's own parameters, loaded above."""
+    if not weights:
+        return
+    if isinstance(optimizer, FP16_Optimizer):  # fp16, fused Adam: one flat fp32 copy per param group
+        for group, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat):
+            flat.data.copy_(_flatten_dense_tensors([weights[param] for param in group]))
+    elif isinstance(optimizer, FP16_UnfusedOptimizer):  # fp16, other optimizers: one fp32 copy per param
+        for group, masters in zip(optimizer.fp16_groups, optimizer.fp32_groups):
+            for param, master in zip(group, masters):
+                master.data.copy_(weights[param])
+    else:  # BF16_Optimizer and ZeRO 1/2 map each parameter to its fp32 fragment; a no-op without one
+        for param, value in weights.items():
+            safe_set_full_fp32_param(param, value)

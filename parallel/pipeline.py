@@ -2,8 +2,10 @@
 
 import hashlib
 from collections.abc import Sequence
+from functools import partial
 
 import torch
+import torch.nn as nn
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 from model import LayerRecipe, lm_loss
@@ -46,6 +48,8 @@ class RecomputingPipelineModule(PipelineModule):
         partition_method: str,
         **kwargs,
     ):
+        # Read by _partition_layers, which DeepSpeed's __init__ calls (plain data: safe before Module.__init__).
+        self._planned_parts = [s.start for s in stages] + [stages[-1].stop]
         super().__init__(
             layers=layer_specs(recipes),
             num_stages=len(stages),
@@ -54,14 +58,28 @@ class RecomputingPipelineModule(PipelineModule):
             activation_checkpoint_interval=0,
             **kwargs,
         )
-        expected = [s.start for s in stages] + [stages[-1].stop]
-        if [int(p) for p in self.parts] != expected:
-            raise RuntimeError(f"DeepSpeed partitioned {list(self.parts)}, the plan assumed {expected}")
+        if [int(p) for p in self.parts] != self._planned_parts:
+            raise RuntimeError(f"DeepSpeed partitioned {list(self.parts)}, the plan assumed {self._planned_parts}")
         self.stage_plan = plans[self.stage_id]
         apply_plan(self.forward_funcs, self.stage_plan)
 
+    def _partition_layers(self, method="uniform"):
+        """DeepSpeed's own methods stay DeepSpeed's (and are cross-checked against the plan); `balanced`
+        boundaries come from the plan (parallel/layout.py), set the way DeepSpeed sets its own."""
+        if method != "balanced":
+            return super()._partition_layers(method=method)
+        self.parts = list(self._planned_parts)
+        self._set_bounds(start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
+
     def forward(self, forward_input):
         return run_stage(self.forward_funcs, self.stage_plan, forward_input)
+
+    def local_layers(self) -> list[tuple[int, nn.Module]]:
+        """(flat index, module) of each layer this stage built; the tied LM head is its embedding's module."""
+        return [
+            (self._local_start + i, fn.args[0] if isinstance(fn, partial) else fn)
+            for i, fn in enumerate(self.forward_funcs)
+        ]
 
     def tied_weight_digest(self) -> str | None:
         """SHA-256 of the tied embedding/LM-head weight held by this stage (first and last stages),

@@ -7,12 +7,12 @@ state, so dropout masks are redrawn identically, and the discarded outputs are d
 """
 
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from functools import partial
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from model import Block, LayerFn
 from parallel.stage_plan import StagePlan
@@ -41,6 +41,45 @@ def note_stored(*tensors) -> None:
                 observer(t)
 
 
+# Brackets around each recompute that backward runs (parallel/trace.py times them); with none registered
+# the checkpoints get torch's own no-op contexts.
+_recompute_observers: list[Callable[[], AbstractContextManager]] = []
+
+
+@contextmanager
+def observe_recompute(observer: Callable[[], AbstractContextManager]):
+    """While active, every recompute runs inside `observer()`: a checkpoint's recompute exactly (its
+    recompute context) and an output-discarding one around the producer's forward."""
+    _recompute_observers.append(observer)
+    try:
+        yield
+    finally:
+        _recompute_observers.remove(observer)
+
+
+@contextmanager
+def _observed_recompute():
+    with ExitStack() as stack:
+        for observer in _recompute_observers:
+            stack.enter_context(observer())
+        yield
+
+
+def _recompute_bracket() -> AbstractContextManager:
+    return _observed_recompute() if _recompute_observers else nullcontext()
+
+
+def _recompute_context_fn():
+    """`context_fn` of every checkpoint: (forward context, recompute context)."""
+    if not _recompute_observers:
+        return noop_context_fn()
+    return nullcontext(), _observed_recompute()
+
+
+def _checkpoint(fn: Callable, *args: torch.Tensor) -> torch.Tensor:
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=_recompute_context_fn)
+
+
 def _run_range(funcs: Sequence[LayerFn], x: torch.Tensor) -> torch.Tensor:
     for fn in funcs:
         x = fn(x)
@@ -55,7 +94,7 @@ def run_stage(funcs: Sequence[LayerFn], plan: StagePlan, x: torch.Tensor) -> tor
         if i in segment_stop:
             stop = segment_stop[i]
             note_stored(x)
-            x = checkpoint(partial(_run_range, funcs[i:stop]), x, use_reentrant=False)
+            x = _checkpoint(partial(_run_range, funcs[i:stop]), x)
             i = stop
         else:
             x = funcs[i](x)
@@ -69,7 +108,7 @@ def _checkpoint_forward(module: nn.Module) -> None:
 
     def forward(*args):
         note_stored(*args)
-        return checkpoint(inner, *args, use_reentrant=False)
+        return _checkpoint(inner, *args)
 
     module.forward = forward
 
@@ -81,7 +120,7 @@ def _checkpoint_pair(first: nn.Module, second: nn.Module) -> None:
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         note_stored(x)
-        return checkpoint(lambda t: second_forward(first_forward(t)), x, use_reentrant=False)
+        return _checkpoint(lambda t: second_forward(first_forward(t)), x)
 
     first.forward, second.forward = (lambda x: x), forward
 
@@ -112,7 +151,7 @@ def _discard_output(producer: nn.Module, consumer: nn.Module) -> None:
             if isinstance(packed, torch.Tensor):
                 return packed
             x_saved, size, stride, offset = packed
-            with torch.no_grad():
+            with torch.no_grad(), _recompute_bracket():
                 return producer_forward(x_saved).as_strided(size, stride, offset)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):

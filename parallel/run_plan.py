@@ -9,9 +9,9 @@ holds auto's choices) through stage_costs and flops, and nothing in planning rea
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from model import GPTConfig, layer_param_counts
-from parallel.auto_recompute import StageBudget
-from parallel.config import RecomputeConfig
+from model import Block, GPTConfig, layer_param_counts
+from parallel.auto_recompute import StageBudget, analytic_costs
+from parallel.config import FullRecompute, NoRecompute, RecomputeConfig, SelectiveRecompute
 from parallel.flops import (
     head_flops_per_token,
     model_flops_per_token,
@@ -24,6 +24,13 @@ from parallel.layout import PipelineLayout
 from parallel.memory_model import attention_kernel, block_full_items, stage_input_bytes, total
 from parallel.shapes import GIB, RunShape, Shape, Target
 from parallel.stage_costs import block_options, stage_memory
+from parallel.stage_plan import plan_stage
+from parallel.step_costs import analytic_rates, layout_costs, predict_step, simulate_stages, time_model
+
+COMPARED_MODES = {"none": NoRecompute(), "selective": SelectiveRecompute(), "full": FullRecompute()}
+"""The uniform modes whose predicted step time plan.json gives beside the chosen plan's (their defaults)."""
+GPU_TARGETS = ("H100", "A100")
+"""A CUDA plan's predicted step time and MFU on these, with analytic costs at their peak."""
 
 
 @dataclass(frozen=True)
@@ -153,6 +160,25 @@ class FlopsEstimate:
 
 
 @dataclass(frozen=True)
+class StepTimeEstimate:
+    """The simulated 1F1B step (parallel/step_sim.py) of the layout, with the costs it was planned with."""
+
+    costs: str
+    """`measured` (recompute.profile) or `analytic` (FLOPs at peak, bytes at bandwidth: a lower bound)."""
+    device: str
+    """What analytic costs are charged at: `cpu` (a nominal core) or a GPU of parallel/flops.py's table."""
+    predicted_step_time_s: float
+    stage_busy_s: tuple[float, ...]
+    stage_idle_s: tuple[float, ...]
+    stage_recompute_s: tuple[float, ...]
+    """Recompute inside the stage's backward passes, over the step."""
+    by_mode_s: dict[str, float]
+    """Predicted step time of `none`, `selective` and `full` on the same stages."""
+    by_gpu: dict[str, dict[str, float]]
+    """CUDA plans: {GPU: {step_time_s, mfu}} with analytic costs at that GPU's peak."""
+
+
+@dataclass(frozen=True)
 class RunPlan:
     target: PlanTarget
     recompute: dict
@@ -172,9 +198,18 @@ class RunPlan:
     flops: FlopsEstimate
     model: dict
     """The model config's fields."""
+    step_time: StepTimeEstimate | None = None
+    """Absent from plan.json files written before the step-time model."""
+
+    @property
+    def predicted_step_time_s(self) -> float | None:
+        return self.step_time.predicted_step_time_s if self.step_time else None
 
     def to_json(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "step_time"}
+        if self.step_time is not None:
+            out.update(asdict(self.step_time), step_time_costs=self.step_time.costs)
+            del out["costs"]
         out.update(
             target=asdict(self.target),
             stages=[s.to_json() for s in self.stages],
@@ -186,10 +221,16 @@ class RunPlan:
 
     @classmethod
     def from_json(cls, data: dict) -> "RunPlan":
-        simple = {f.name: data[f.name] for f in fields(cls)}
+        simple = {f.name: data[f.name] for f in fields(cls) if f.name != "step_time"}
+        step_time = None
+        if "predicted_step_time_s" in data:
+            keys = [f.name for f in fields(StepTimeEstimate) if f.name != "costs"]
+            step_time = StepTimeEstimate(costs=data["step_time_costs"], **{k: data[k] for k in keys})
+            step_time = _tuples(step_time)
         return cls(
             **{
                 **simple,
+                "step_time": step_time,
                 "target": PlanTarget(**data["target"]),
                 "stages": tuple(StageEstimate.from_json(s) for s in data["stages"]),
                 "per_block_activation_bytes": tuple(data["per_block_activation_bytes"]),
@@ -228,6 +269,28 @@ class RunPlan:
             f"model FLOPs/step {flops.model_flops_per_step / 1e12:.3f} TFLOP | hardware FLOPs/step "
             f"{flops.hardware_flops_per_step / 1e12:.3f} TFLOP (x{flops.hardware_over_model:.3f})"
         )
+        if self.step_time is not None:
+            lines += self.step_time_lines()
+        return lines
+
+    def step_time_lines(self) -> list[str]:
+        st = self.step_time
+        source = "measured costs" if st.costs == "measured" else f"analytic costs at {st.device} peak: a lower bound"
+        lines = [
+            f"predicted_step_time_s {st.predicted_step_time_s:.4g} ({source}) | same stages: "
+            + ", ".join(f"{mode} {t:.4g}" for mode, t in st.by_mode_s.items()),
+            "predicted per stage (s): busy "
+            + " ".join(f"{t:.4g}" for t in st.stage_busy_s)
+            + " | idle "
+            + " ".join(f"{t:.4g}" for t in st.stage_idle_s)
+            + " | recompute "
+            + " ".join(f"{t:.4g}" for t in st.stage_recompute_s),
+        ]
+        for gpu, figures in st.by_gpu.items():
+            lines.append(
+                f"predicted on {gpu} (analytic costs at peak, not measured): step {figures['step_time_s']:.4g} s, "
+                f"MFU {figures['mfu']:.1%}"
+            )
         return lines
 
 
@@ -282,6 +345,7 @@ def plan_run(model: GPTConfig, recompute: RecomputeConfig, layout: PipelineLayou
     data_parallel = run.topology.data_parallel_size
     tokens_per_step = run.tokens_per_step(model.seq_len)
     model_flops = model_flops_per_token(model) * tokens_per_step
+    step_time = _step_time(layout, run, shape, counts, model_flops) if layout.timing else None
     recompute_flops = sum(s.recompute_flops_per_step for s in stages) * data_parallel
     return RunPlan(
         target=PlanTarget(target.device, target.precision, model.attention, kernel, model.dropout),
@@ -310,6 +374,48 @@ def plan_run(model: GPTConfig, recompute: RecomputeConfig, layout: PipelineLayou
             hardware_over_model=(model_flops + recompute_flops) / model_flops,
         ),
         model=vars(model),
+        step_time=step_time,
+    )
+
+
+def _step_time(layout: PipelineLayout, run: RunShape, shape: Shape, counts, model_flops: int) -> StepTimeEstimate:
+    timing = layout.timing
+    costs = layout_costs(timing, layout.recipes, layout.stages, layout.plans, run, counts)
+    timeline = simulate_stages(costs, run.micro_batches)
+    is_block = [[layout.recipes[i].module_class is Block for i in s.layers] for s in layout.stages]
+    by_mode = {
+        mode: predict_step(
+            timing, layout.recipes, layout.stages, [plan_stage(b, config) for b in is_block], run, counts
+        ).step_time_s
+        for mode, config in COMPARED_MODES.items()
+    }
+    by_gpu = {}
+    if run.target.device == "cuda":
+        table = analytic_costs(shape, run.target)
+        for gpu in GPU_TARGETS:
+            rates = analytic_rates("cuda", run.target.precision, gpu=gpu)
+            step = predict_step(
+                time_model(shape, run, table, rates), layout.recipes, layout.stages, layout.plans, run, counts
+            ).step_time_s
+            peak = rates.flops_per_s * run.topology.world_size
+            by_gpu[rates.name] = {"step_time_s": step, "mfu": model_flops / step / peak}
+    stages = range(len(layout.stages))
+    return StepTimeEstimate(
+        costs=timing.source,
+        device=timing.rates.name,
+        predicted_step_time_s=timeline.step_time_s,
+        stage_busy_s=tuple(timeline.busy_s(s) for s in stages),
+        stage_idle_s=tuple(timeline.idle_s(s) for s in stages),
+        stage_recompute_s=tuple(run.micro_batches * c.recompute for c in costs),
+        by_mode_s=by_mode,
+        by_gpu=by_gpu,
+    )
+
+
+def _tuples(st: StepTimeEstimate) -> StepTimeEstimate:
+    """JSON lists back into the tuples the dataclass holds."""
+    return StepTimeEstimate(
+        **{**asdict(st), **{k: tuple(getattr(st, k)) for k in ("stage_busy_s", "stage_idle_s", "stage_recompute_s")}}
     )
 
 

@@ -7,7 +7,7 @@ message that names the option to change and its allowed values.
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from data import check_vocab
+from data import check_data_files, check_vocab, data_has_val
 from parallel.config import NoRecompute
 from parallel.shapes import RunShape, Target, Topology
 from schema.run import RunConfig
@@ -76,3 +76,9 @@ def target(run: RunConfig, cuda_available: bool) -> Target:
 def check_data(run: RunConfig) -> None:
     run.data.validate()
     check_vocab(run.data, run.model.vocab_size)
+    check_data_files(run.data, run.model.seq_len)  # too short for a window, ids the model cannot embed
+    if run.train.eval_every and not data_has_val(run.data):
+        raise ValueError(
+            f"train.eval_every={run.train.eval_every} needs a held-out split, and this data has none: "
+            f"set data.val_path=FILE (uint16 tokens, like data.path), or train.eval_every=0"
+        )

@@ -8,6 +8,8 @@ PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 NAN_POLICIES = ("stop", "skip")
 RESUME_OFF = ("false", "no", "off", "none", "")
+DEFAULT_TRACE_STEP = 3
+"""Traced when train.trace_step is null: past the first steps' allocator and JIT warm-up."""
 
 
 def normalize_resume(value) -> str:
@@ -30,10 +32,20 @@ class TrainConfig(OptimConfig):
     """cpu, cuda, or auto (cuda when available)."""
     log_every: int = 1
     """Steps between progress lines (every step is written to metrics.jsonl and W&B)."""
+    eval_every: int = 0
+    """Steps between held-out evaluations (the data's val split, DeepSpeed's eval_batch across all stages);
+    the last step is always evaluated when this is on; 0 turns evaluation off."""
+    eval_batches: int = 8
+    """Batches per evaluation, each train.micro_batches micro-batches per data-parallel rank, drawn from the
+    val split by (seed, batch index) alone: every evaluation of a run sees the same tokens."""
     measure_step: int = 2
     """Step whose forward passes are metered for activation bytes per micro-batch (saved-tensor hooks
     cost Python calls per op, so only this one step); a resumed run meters its first step after it;
     0 disables the measurement."""
+    trace_step: int | None = None
+    """Step whose pipeline instructions every rank times (trace.json, timeline.png, the bubble fraction per
+    stage in summary.json); null: step 3 (after warm-up), or the last step when train.steps < 3; 0 disables
+    the trace. A resumed run traces only when the step is still ahead."""
     peak_tflops: float | None = None
     """Peak dense TFLOP/s of one device at train.precision, for MFU and HFU; null looks the GPU up in
     parallel/flops.py's PEAK_TFLOPS table (none on CPU or an unknown GPU: MFU is then not reported)."""
@@ -67,6 +79,10 @@ class TrainConfig(OptimConfig):
         super().__post_init__()
         if self.log_every <= 0:
             raise ValueError(f"train.log_every={self.log_every} is invalid: it must be a positive integer")
+        if self.eval_every < 0:
+            raise ValueError(f"train.eval_every={self.eval_every} is invalid: it must be steps >= 1, or 0 for no eval")
+        if self.eval_batches < 1:
+            raise ValueError(f"train.eval_batches={self.eval_batches} is invalid: it must be an integer >= 1")
         if self.precision not in PRECISIONS:
             raise ValueError(
                 f"train.precision={self.precision!r} is unknown: allowed values are {', '.join(PRECISIONS)}"
@@ -92,8 +108,20 @@ class TrainConfig(OptimConfig):
             raise ValueError(
                 f"train.measure_step={self.measure_step} is invalid: it must be a step >= 1, or 0 to disable"
             )
+        if self.trace_step is not None and not 0 <= self.trace_step <= self.steps:
+            raise ValueError(
+                f"train.trace_step={self.trace_step} is invalid: it must be a step in [1, train.steps={self.steps}], "
+                f"0 to disable, or null for the default"
+            )
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ValueError(f"train.peak_tflops={self.peak_tflops} is invalid: it must be > 0 (TFLOP/s), or null")
         bad = [s for s in self.inject_nan_at_steps if s <= 0]
         if bad:
             raise ValueError(f"train.inject_nan_at_steps={list(self.inject_nan_at_steps)} is invalid: steps start at 1")
+
+    @property
+    def traced_step(self) -> int | None:
+        """The step train.trace_step names (null: the default one), or None when tracing is off."""
+        if self.trace_step is None:
+            return min(DEFAULT_TRACE_STEP, self.steps)
+        return self.trace_step or None

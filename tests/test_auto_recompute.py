@@ -144,6 +144,8 @@ def test_auto_run_applies_a_per_stage_plan_exact_against_none(tmp_path):
     launch(tmp_path / "none", *common)
     none = summary(tmp_path / "none")
     assert "stagecheck: recompute profile (s per block forward part): " in profiled_run.stdout
+    # ... and the parts the step-time model reads (parallel/step_costs.py)
+    assert all(f"{key} " in profiled_run.stdout for key in ("block_backward", "head_forward", "embedding_backward"))
     assert "stagecheck: plan with the profiled costs:" in profiled_run.stdout
     for name in ("auto", "profiled"):
         auto = summary(tmp_path / name)
@@ -153,3 +155,4 @@ def test_auto_run_applies_a_per_stage_plan_exact_against_none(tmp_path):
         for measured, planned in zip(auto["activation_bytes_per_stage"], auto["planned_activation_bytes_per_stage"]):
             assert measured == pytest.approx(planned, rel=0.05)
         assert all(peak <= 0.0135 * GIB for peak in auto["predicted_peak_bytes_per_stage"])
+        assert auto["predicted_step_time_s"] > 0  # the simulated step of the plan, beside the measured one

@@ -14,7 +14,7 @@ CASES = [
     (["train.micro_batch_size=0"], "train.micro_batch_size=0 is invalid"),
     (
         ["parallel.partition_method=random"],
-        "parallel.partition_method='random' is unknown: allowed values are parameters, uniform, type:Block",
+        "parallel.partition_method='random' is unknown: allowed values are balanced, parameters, uniform, type:Block",
     ),
     (["data=text", "data.path=/no/such/corpus"], "data.path='/no/such/corpus' does not exist"),
     (

@@ -19,12 +19,18 @@ from data import (
     MemmapDataConfig,
     SyntheticDataConfig,
     TextDataConfig,
+    check_data_files,
     check_vocab,
+    data_has_val,
     open_token_source,
     text_cache_path,
 )
+from data.array_source import ArrayTokenSource
 from data.cache import ensure_file, host_id
 from data.corpus import list_corpus_files
+from data.preflight import ID_SAMPLE_BLOCK_TOKENS, ID_SAMPLE_BLOCKS, ID_SAMPLE_END_TOKENS, min_corpus_tokens
+from data.sampling import split_sizes
+from tests.runs import python_run
 
 TEXT = "the quick brown fox jumps over the lazy dog. " * 40
 
@@ -99,18 +105,116 @@ def test_synthetic_uses_the_model_vocabulary():
     assert set(inputs.unique().tolist()) == set(range(7))
 
 
-def test_corpus_shorter_than_window_is_a_clear_error(tmp_path: Path):
+def test_split_shorter_than_window_is_a_clear_error(tmp_path: Path):
     corpus = tmp_path / "tiny.txt"
-    corpus.write_text("abcde")  # 5 tokens
-    source = open_token_source(_text_config(tmp_path, corpus), 256)
-    source.batch(seed=0, step=0, dp_rank=0, micro=0, micro_batch_size=2, seq_len=4)  # 5 needed: ok
-    with pytest.raises(ValueError, match="5 tokens, fewer than seq_len \\+ 1 = 6"):
-        source.batch(seed=0, step=0, dp_rank=0, micro=0, micro_batch_size=2, seq_len=5)
+    corpus.write_text("abcdefghijklmnopqrst")  # 20 tokens: 15 for training, the last 5 held out
+    config = TextDataConfig(path=str(corpus), cache_dir=str(tmp_path / "cache"), val_fraction=0.25)
+    source = open_token_source(config, 256)
+    source.batch(seed=0, step=0, dp_rank=0, micro=0, micro_batch_size=2, seq_len=14)  # 15 needed: ok
+    with pytest.raises(ValueError, match="training split has 15 tokens, fewer than seq_len \\+ 1 = 16"):
+        source.batch(seed=0, step=0, dp_rank=0, micro=0, micro_batch_size=2, seq_len=15)
+    source.val_batch(seed=0, index=0, micro_batch_size=2, seq_len=4)
+    with pytest.raises(ValueError, match="validation split has 5 tokens, fewer than seq_len \\+ 1 = 6"):
+        source.val_batch(seed=0, index=0, micro_batch_size=2, seq_len=5)
 
 
 def test_negative_coordinates_are_refused(any_source):
     with pytest.raises(ValueError, match="step=-1"):
         any_source.batch(seed=0, step=-1, dp_rank=0, micro=0, micro_batch_size=1, seq_len=4)
+
+
+# --- held-out split and validation batches ----------------------------------------------
+
+
+def test_val_batch_is_a_pure_function_of_seed_and_index(any_source):
+    a = any_source.val_batch(seed=1, index=2, micro_batch_size=4, seq_len=16)
+    any_source.val_batch(seed=7, index=0, micro_batch_size=2, seq_len=8)
+    any_source.batch(seed=1, step=2, dp_rank=0, micro=0, micro_batch_size=4, seq_len=16)
+    b = any_source.val_batch(seed=1, index=2, micro_batch_size=4, seq_len=16)
+    assert any_source.has_val
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert a[0].shape == a[1].shape == (4, 16) and a[0].dtype == torch.int64
+    assert torch.equal(a[0][:, 1:], a[1][:, :-1])
+    assert not torch.equal(a[0], any_source.val_batch(seed=1, index=3, micro_batch_size=4, seq_len=16)[0])
+    assert not torch.equal(a[0], any_source.val_batch(seed=2, index=2, micro_batch_size=4, seq_len=16)[0])
+
+
+def test_synthetic_val_stream_differs_from_the_training_stream():
+    source = open_token_source(SyntheticDataConfig(), model_vocab_size=50000)
+    for i in range(5):
+        val = source.val_batch(seed=0, index=i, micro_batch_size=2, seq_len=8)[0]
+        train = source.batch(seed=0, step=i, dp_rank=0, micro=0, micro_batch_size=2, seq_len=8)[0]
+        assert not torch.equal(val, train)
+
+
+def test_text_training_never_samples_the_held_out_tail(tmp_path: Path):
+    # 950 training bytes of "a".."y", then the last 5% held out, all "z": any training window touching the tail
+    # would show a "z".
+    head = ("abcdefghijklmnopqrstuvwxy" * 38).encode()
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(head + b"z" * 50)
+    source = open_token_source(_text_config(tmp_path, corpus), 256)
+    assert (len(source.train_tokens), len(source.val_tokens)) == (950, 50)
+    z = ord("z")
+    for seq_len in (1, 16, 949):
+        for step in range(50):
+            inputs, labels = source.batch(seed=3, step=step, dp_rank=0, micro=0, micro_batch_size=8, seq_len=seq_len)
+            assert int(inputs.max()) < z and int(labels.max()) < z
+    for index in range(20):
+        inputs, labels = source.val_batch(seed=3, index=index, micro_batch_size=8, seq_len=49)
+        assert bool((inputs == z).all()) and bool((labels == z).all())
+
+
+def test_the_split_reaches_both_ends_of_the_training_part(tmp_path: Path):
+    # Token i at position i: windows must reach the last training token and never the first held-out one.
+    path = tmp_path / "positions.bin"
+    np.arange(1000, dtype=np.uint16).tofile(path)
+    source = ArrayTokenSource(str(path), vocab_size=1000, val_fraction=0.1)
+    seen = set()
+    for step in range(400):
+        inputs, labels = source.batch(seed=0, step=step, dp_rank=0, micro=0, micro_batch_size=8, seq_len=4)
+        seen.update(inputs.flatten().tolist() + labels.flatten().tolist())
+    assert min(seen) == 0 and max(seen) == 899
+    val = set()
+    for index in range(200):
+        inputs, labels = source.val_batch(seed=0, index=index, micro_batch_size=8, seq_len=4)
+        val.update(inputs.flatten().tolist() + labels.flatten().tolist())
+    assert min(val) == 900 and max(val) == 999
+
+
+def test_memmap_val_path_is_the_held_out_file(tmp_path: Path):
+    train, val = tmp_path / "train.bin", tmp_path / "val.bin"
+    np.arange(1000, dtype=np.uint16).tofile(train)
+    np.arange(5000, 5100, dtype=np.uint16).tofile(val)
+    config = MemmapDataConfig(path=str(train), val_path=str(val), vocab_size=6000)
+    assert data_has_val(config)
+    source = open_token_source(config, model_vocab_size=6000)
+    inputs, labels = source.val_batch(seed=0, index=0, micro_batch_size=4, seq_len=10)
+    assert int(inputs.min()) >= 5000 and int(labels.max()) < 5100
+    assert torch.equal(inputs[:, 1:] - inputs[:, :-1], torch.ones(4, 9, dtype=torch.int64))  # consecutive tokens
+    assert int(source.batch(0, 0, 0, 0, 4, 10)[0].max()) < 1000  # training reads only train.bin
+    no_val = MemmapDataConfig(path=str(train), vocab_size=6000)
+    assert not data_has_val(no_val)
+    source = open_token_source(no_val, model_vocab_size=6000)
+    assert not source.has_val
+    with pytest.raises(ValueError, match="no validation tokens: set data.val_path"):
+        source.val_batch(seed=0, index=0, micro_batch_size=1, seq_len=4)
+
+
+def test_memmap_val_file_ids_are_checked_per_batch(tmp_path: Path):
+    train, val = tmp_path / "train.bin", tmp_path / "val.bin"
+    np.zeros(100, dtype=np.uint16).tofile(train)
+    np.full(100, 300, dtype=np.uint16).tofile(val)
+    source = open_token_source(MemmapDataConfig(path=str(train), val_path=str(val), vocab_size=256), 256)
+    with pytest.raises(ValueError, match="data.val_path=.* holds token id 300, outside data.vocab_size=256"):
+        source.val_batch(seed=0, index=0, micro_batch_size=1, seq_len=8)
+
+
+def test_val_fraction_out_of_range_is_refused(tmp_path: Path):
+    for bad in (0.0, -0.1, 0.51, 1.0):
+        with pytest.raises(ValueError, match=r"data.val_fraction=.* is out of range.*\(0, 0.5\]"):
+            TextDataConfig(val_fraction=bad).validate()
+    TextDataConfig(val_fraction=0.5).validate()
 
 
 # --- text corpus and cache ---------------------------------------------------------------
@@ -425,3 +529,101 @@ def test_open_refuses_model_vocab_too_small(tmp_path: Path):
     with pytest.raises(ValueError, match="model.vocab_size=128"):
         open_token_source(_text_config(tmp_path, None), model_vocab_size=128)
     assert not (tmp_path / "cache").exists()  # refused before any build
+
+
+# --- data problems refused at start-up ---------------------------------------------------
+
+
+def _start_up_case(tmp_path: Path, case: str) -> tuple[list[str], str]:
+    """(overrides, the message expected) of one bad-data case, its files made under tmp_path."""
+    corpus_dir = tmp_path / "corpus"
+    corpus_dir.mkdir()
+    text = ["data=text", f"data.cache_dir={tmp_path / 'cache'}"]
+    if case == "val_fraction":
+        return [*text, "data.val_fraction=0.7"], "data.val_fraction=0.7 is out of range"
+    if case == "empty_folder":
+        return [*text, f"data.path={corpus_dir}"], f"data.path='{corpus_dir}' holds no files"
+    if case == "short_corpus":
+        (corpus_dir / "a.txt").write_text("x" * 1000)  # 50 held out < 65
+        return [*text, f"data.path={corpus_dir}", "model.seq_len=64"], "each split needs model.seq_len + 1 = 65"
+    train = tmp_path / "train.bin"
+    if case == "memmap_ids":
+        np.full(5000, 300, dtype=np.uint16).tofile(train)
+        return ["data=memmap", f"data.path={train}", "data.vocab_size=256"], "data.path=" + repr(
+            str(train)
+        ) + " holds token id 300 at position 0, outside data.vocab_size=256"
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case", ["val_fraction", "empty_folder", "short_corpus", "memmap_ids"])
+def test_data_problems_are_refused_at_start_up(tmp_path: Path, case: str):
+    overrides, message = _start_up_case(tmp_path, case)
+    run_dir = tmp_path / "run"
+    result = python_run(run_dir, "model=tiny", "train.device=cpu", *overrides, check=False, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not run_dir.exists() and not (tmp_path / "cache").exists()  # nothing built, no run directory
+
+
+def test_text_length_is_bounded_by_bytes_then_known_from_the_cache(tmp_path: Path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("ab " * 400)  # 1200 bytes; as bytes, 60 held out >= 33
+    config = TextDataConfig(path=str(corpus), cache_dir=str(tmp_path / "cache"), tokenizer="bpe", bpe_vocab_size=300)
+    check_data_files(config, seq_len=32)  # no cache yet: 1200 bytes could be 1200 tokens
+    open_token_source(config, 300)  # GPT-2's split and one merge: "ab", 399 x " ab", " "
+    with pytest.raises(ValueError, match=r"has 401 bpe tokens: .* 380 for training and 21 held out.*= 33"):
+        check_data_files(config, seq_len=32)
+    check_data_files(config, seq_len=20)
+
+
+def test_a_folder_of_binary_files_is_refused_reading_only_what_it_needs(tmp_path: Path):
+    root = tmp_path / "docs"
+    root.mkdir()
+    (root / "blob.bin").write_bytes(b"\xff\xfe" * 100)
+    config = TextDataConfig(path=str(root), cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match="selects no text"):
+        check_data_files(config, seq_len=8)
+    (root / "text.txt").write_text("y" * 100_000)
+    check_data_files(config, seq_len=8)
+    assert min_corpus_tokens(8, 0.05) == 161  # the 161st token makes the held-out part 9 long
+    assert split_sizes(161, 0.05) == (152, 9) and split_sizes(160, 0.05) == (152, 8)
+
+
+def test_memmap_files_too_short_for_a_window_are_refused(tmp_path: Path):
+    train, val = tmp_path / "train.bin", tmp_path / "val.bin"
+    np.zeros(65, dtype=np.uint16).tofile(train)
+    np.zeros(10, dtype=np.uint16).tofile(val)
+    check_data_files(MemmapDataConfig(path=str(train), vocab_size=256), seq_len=64)
+    with pytest.raises(ValueError, match=r"data.path=.* holds 65 tokens, fewer than model.seq_len \+ 1 = 66"):
+        check_data_files(MemmapDataConfig(path=str(train), vocab_size=256), seq_len=65)
+    with pytest.raises(ValueError, match=r"data.val_path=.* holds 10 tokens, fewer than model.seq_len \+ 1 = 65"):
+        check_data_files(MemmapDataConfig(path=str(train), val_path=str(val), vocab_size=256), seq_len=64)
+    with pytest.raises(ValueError, match=r"data.val_path=.* does not exist"):
+        MemmapDataConfig(path=str(train), val_path=str(tmp_path / "nope.bin")).validate()
+
+
+def test_memmap_ids_are_checked_on_a_sample_at_start_up(tmp_path: Path):
+    n = 4 * ID_SAMPLE_END_TOKENS
+    tokens = np.zeros(n, dtype=np.uint16)
+    tokens[n - 1] = 999  # in the last ids: found
+    path = tmp_path / "train.bin"
+    tokens.tofile(path)
+    config = MemmapDataConfig(path=str(path), vocab_size=256)
+    with pytest.raises(ValueError, match=f"token id 999 at position {n - 1}, outside data.vocab_size=256"):
+        check_data_files(config, seq_len=8)
+    # An id between the sampled blocks passes start-up; the per-batch check still refuses it.
+    tokens[n - 1] = 0
+    middle = np.zeros(n, dtype=bool)
+    middle[ID_SAMPLE_END_TOKENS : n - ID_SAMPLE_END_TOKENS] = True
+    rng = np.random.default_rng(0)
+    for start in rng.integers(0, n - ID_SAMPLE_BLOCK_TOKENS, size=ID_SAMPLE_BLOCKS):
+        middle[start : start + ID_SAMPLE_BLOCK_TOKENS] = False
+    hidden = int(np.flatnonzero(middle)[0])
+    tokens[hidden] = 999
+    tokens.tofile(path)
+    check_data_files(config, seq_len=8)
+    source = open_token_source(config, model_vocab_size=256)
+    with pytest.raises(ValueError, match="token id 999"):
+        for step in range(2000):
+            source.batch(seed=0, step=step, dp_rank=0, micro=0, micro_batch_size=64, seq_len=256)

@@ -9,6 +9,7 @@ import pytest
 from model import GPTConfig
 from parallel.config import NoRecompute
 from parallel.layout import build_layout
+from parallel.run_plan import RunPlan
 from parallel.shapes import RunShape, Target, Topology
 from tests.runs import python_run
 
@@ -46,11 +47,23 @@ def test_gpt3_175b_on_8_stages_plans_in_seconds_without_a_launcher(tmp_path):
     # The same partition training would use (DeepSpeed's routine, on the meta device).
     cfg = GPTConfig(n_layer=96, n_head=96, n_embd=12288, seq_len=2048, vocab_size=50257)
     run = RunShape(Topology(8), Target("cuda", "bf16"), micro_batches=4, micro_batch_size=2)
-    layout = build_layout(cfg, NoRecompute(), run, "parameters", seed=1234)
+    layout = build_layout(cfg, NoRecompute(), run, "balanced", seed=1234)
     assert [s["layers"] for s in plan["stages"]] == [[r.start, r.stop] for r in layout.stages]
     assert 170e9 < sum(s["params"] for s in plan["stages"]) < 177e9  # the tied embedding counts on both ends
     out = result.stdout
     assert "stagecheck: plan for cuda bf16" in out and "pred. peak" in out
+    # The predicted step, with analytic costs, for the plan, the uniform modes and two GPU targets.
+    assert plan["step_time_costs"] == "analytic" and plan["predicted_step_time_s"] > 0
+    assert set(plan["by_mode_s"]) == {"none", "selective", "full"} and plan["by_mode_s"]["none"] == pytest.approx(
+        plan["predicted_step_time_s"]
+    )
+    assert plan["by_mode_s"]["full"] > plan["by_mode_s"]["none"]  # full recompute adds a forward to each backward
+    h100, a100 = plan["by_gpu"]["H100"], plan["by_gpu"]["A100"]
+    assert a100["step_time_s"] > h100["step_time_s"] and 0 < h100["mfu"] < 1 and 0 < a100["mfu"] < 1
+    assert len(plan["stage_busy_s"]) == len(plan["stage_idle_s"]) == 8
+    assert RunPlan.from_json(plan).to_json() == plan  # the sweep report reads it back, step time included
+    for line in ("predicted_step_time_s", "analytic costs", "predicted on H100", "predicted on A100", "MFU"):
+        assert line in out
     # Nothing of a training run: no process group, no engine, no outputs but plan.json.
     assert "init_distributed" not in out + result.stderr and "DeepSpeed info" not in out + result.stderr
     assert sorted(p.name for p in run_dir.iterdir()) == ["plan.json"]
@@ -78,6 +91,26 @@ def test_gpt3_175b_on_16_stages_matches_the_paper_per_block(tmp_path):
     choices = plan["block_choices"]
     assert choices["none"]["activation_bytes"] == pytest.approx(paper["none"], rel=0.10)
     assert choices["full"]["activation_bytes"] == pytest.approx(paper["full"], rel=0.10)
+
+
+def test_balanced_gives_gpt2_on_4_stages_a_block_on_every_stage_and_parameters_warns(tmp_path):
+    balanced = python_run(tmp_path / "b", "model=gpt2", "data=synthetic", "parallel.pipeline_stages=4", "dry_run=true")
+    plan = json.loads((tmp_path / "b" / "plan.json").read_text())
+    assert all(s["blocks"] >= 1 for s in plan["stages"]) and sum(s["blocks"] for s in plan["stages"]) == 12
+    assert "holds no transformer block" not in balanced.stdout
+    by_parameters = python_run(
+        tmp_path / "p",
+        "model=gpt2",
+        "data=synthetic",
+        "parallel.pipeline_stages=4",
+        "parallel.partition_method=parameters",
+        "dry_run=true",
+    )
+    plan = json.loads((tmp_path / "p" / "plan.json").read_text())
+    assert [s["blocks"] for s in plan["stages"]] == [0, 6, 6, 0]  # DeepSpeed weighs the embedding like ~5 blocks
+    warnings = [line for line in by_parameters.stdout.splitlines() if "holds no transformer block" in line]
+    assert len(warnings) == 2 and "stage 0" in warnings[0] and "stage 3" in warnings[1]
+    assert "parallel.partition_method=balanced" in warnings[0]
 
 
 BAD = [

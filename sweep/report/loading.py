@@ -124,12 +124,33 @@ class Job:
         return None
 
     @property
+    def val_loss(self) -> float | None:
+        """The last held-out loss (train.eval_every); None for a job trained without evaluation."""
+        return (self.summary or {}).get("val_loss")
+
+    @property
     def tokens_per_s(self) -> float | None:
         return (self.summary or {}).get("tokens_per_s")
 
     @property
     def step_time_s(self) -> float | None:
         return (self.summary or {}).get("step_time_s")
+
+    @property
+    def predicted_step_time_s(self) -> float | None:
+        """The step-time simulator's prediction for the job's plan, where the run recorded one."""
+        return (self.summary or {}).get("predicted_step_time_s")
+
+    @property
+    def bubble_fraction_per_stage(self) -> list | None:
+        """Idle share of the traced step per stage (train.trace_step); None when no step was traced."""
+        return (self.summary or {}).get("bubble_fraction_per_stage")
+
+    @property
+    def timeline(self) -> Path | None:
+        """The traced step's timeline.png, when the job wrote one."""
+        path = self.path / "timeline.png"
+        return path if path.is_file() else None
 
 
 def _deepspeed_on_cpu() -> None:

@@ -39,6 +39,10 @@ def _pcts(values: list | None) -> str:
     return " / ".join(_pct(v, signed=False) for v in values)
 
 
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1e3:,.1f}"
+
+
 def render_markdown(sweep_dir: Path, jobs: list[Job], figure: bool = True) -> str:
     """report.md's text; `figure`: report.png was drawn (else a line says why there is none)."""
     columns, table = rows(jobs)
@@ -71,7 +75,10 @@ def render_markdown(sweep_dir: Path, jobs: list[Job], figure: bool = True) -> st
         "*error*: largest |measured/predicted - 1| over stages. *peak act*: act/mb x micro-batches in flight "
         "under 1F1B; *saving*: 1 - peak act / peak act of `none` at the same shape; *overhead*: step time / "
         f"step time of `none` - 1. *peak mem*: measured ({', '.join(kinds) or 'n/a'}; on CPU the resident set "
-        "includes the interpreter and libraries) and the planner's prediction (states + activations + buffers).",
+        "includes the interpreter and libraries) and the planner's prediction (states + activations + buffers). "
+        "*val loss*: the last held-out loss (n/a: trained without train.eval_every). *step time*: median after "
+        "warm-up, in ms; *pred.*: the step-time simulator's; *bubble*: idle share of the traced step per stage "
+        "(train.trace_step; timelines below).",
         "",
     ]
     sources = {}
@@ -98,13 +105,18 @@ def render_markdown(sweep_dir: Path, jobs: list[Job], figure: bool = True) -> st
         "saving",
         "peak mem",
         "peak mem pred.",
+        "val loss",
+        "step time",
+        "step time pred.",
+        "bubble",
     ]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "|".join("---:" if i >= 3 + n_axes or i == 0 else "---" for i in range(len(header))) + "|")
     for job, row in zip(jobs, table):
         if job.status == "failed":
             continue
-        (num, _, mode, setting, *axis_values, tps, overhead, act, pred, error, peak, saving, mem, pred_mem) = row
+        *row, step_time, predicted_time, bubbles = row
+        (num, _, mode, setting, *axis_values, tps, overhead, act, pred, error, peak, saving, mem, pred_mem, val) = row
         cells = [
             num,
             mode,
@@ -119,6 +131,10 @@ def render_markdown(sweep_dir: Path, jobs: list[Job], figure: bool = True) -> st
             _pcts(saving),
             _mib(mem),
             _mib(pred_mem),
+            "n/a" if val is None else f"{val:.4f}",
+            _ms(step_time),
+            _ms(predicted_time),
+            _pcts(bubbles),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     failed = [j for j in jobs if j.status == "failed"]
@@ -139,4 +155,11 @@ def render_markdown(sweep_dir: Path, jobs: list[Job], figure: bool = True) -> st
             f"over {len(errors)} jobs (median {statistics.median(errors) * 100:.2f}%).",
         ]
     lines += ["", FIGURE if figure else NO_FIGURE, ""]
+    traced = [j for j in jobs if j.timeline is not None]
+    if traced:
+        lines += ["## Timelines of the traced steps", ""]
+        for job in traced:
+            folder = job.path.relative_to(sweep_dir).as_posix()
+            lines += [f"Job {job.num} ({job.variant}), [trace.json]({folder}/trace.json):", ""]
+            lines += [f"![timeline of job {job.num}]({folder}/timeline.png)", ""]
     return "\n".join(lines)

@@ -81,6 +81,10 @@ def rows(jobs: list[Job]) -> tuple[list[str], list[list[Any]]]:
         "saving_vs_none_per_stage",
         "peak_memory_bytes_per_stage",
         "predicted_peak_bytes_per_stage",
+        "val_loss",
+        "step_time_s",
+        "predicted_step_time_s",
+        "bubble_fraction_per_stage",
     ]
     table = []
     for job in jobs:
@@ -117,6 +121,10 @@ def rows(jobs: list[Job]) -> tuple[list[str], list[list[Any]]]:
                 saving,
                 job.measured_peak_memory(),
                 job.predicted_peak_memory(),
+                job.val_loss,
+                job.step_time_s,
+                job.predicted_step_time_s,
+                job.bubble_fraction_per_stage,
             ]
         )
     return columns, table

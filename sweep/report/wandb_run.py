@@ -1,5 +1,5 @@
-"""The sweep's W&B report run (job_type `report`, in the sweep's group): the report table as a W&B Table and
-report.png as an Image."""
+"""The sweep's W&B report run (job_type `report`, in the sweep's group): the report table as a W&B Table,
+report.png and each traced job's timeline.png as Images."""
 
 import math
 from pathlib import Path
@@ -46,6 +46,9 @@ def log_to_wandb(sweep_dir: Path, jobs: list[Job], png: Path | None, logger: Any
     record = {"report": wandb.Table(columns=columns, data=[[_cell(v) for v in row] for row in table])}
     if png is not None and png.exists():
         record["report_png"] = wandb.Image(str(png), caption="memory per stage against tokens/s")
+    for job in jobs:
+        if job.timeline is not None:
+            record[f"timeline/{job.num}"] = wandb.Image(str(job.timeline), caption=f"job {job.num} ({job.variant})")
     run.log(record)
     run.summary["jobs"] = len(jobs)
     run.summary["failed_jobs"] = sum(j.status == "failed" for j in jobs)

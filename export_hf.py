@@ -1,0 +1,22 @@
+"""stagecheck: export a checkpoint as a Hugging Face GPT-2 directory (transformers' GPT2LMHeadModel loads it).
+
+python export_hf.py checkpoint=outputs/RUN out=exports/my-gpt2
+"""
+
+import hydra
+from omegaconf import DictConfig
+
+from harness.command import run_command
+from harness.hf_export import export_hf
+from schema.scripts import register_script_schemas, to_script_config
+
+register_script_schemas()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="export_hf")
+def main(cfg: DictConfig) -> None:
+    run_command(lambda: print(f"stagecheck: exported {export_hf(to_script_config(cfg))}", flush=True))
+
+
+if __name__ == "__main__":
+    main()

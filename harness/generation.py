@@ -1,0 +1,46 @@
+"""generate.py: sample text from a checkpoint on one process, with the tokenizer the run trained with."""
+
+from pathlib import Path
+
+import torch
+
+from data.tokenizer import load_tokenizer
+from harness.consolidate import consolidate
+from model.sampling import SamplingConfig, generate
+from schema.scripts import GenerateConfig
+
+
+def choose_device(device: str) -> torch.device:
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device=cuda, but torch sees no CUDA device: use device=cpu or device=auto")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device)
+
+
+def sample_text(config: GenerateConfig) -> str:
+    """The prompt and its continuation, decoded. Raises ValueError naming the option for bad input."""
+    device = choose_device(config.device)
+    loaded = consolidate(Path(config.checkpoint), option="checkpoint")
+    try:
+        tokenizer = load_tokenizer(loaded.tokenizer_dir)
+    except ValueError as error:
+        raise ValueError(f"checkpoint={config.checkpoint!r}: the run's tokenizer cannot be loaded: {error}") from None
+    try:
+        prompt = tokenizer.encode(config.prompt)
+    except ValueError as error:
+        raise ValueError(f"prompt={config.prompt!r} cannot be encoded by the run's tokenizer: {error}") from None
+    if not prompt:
+        raise ValueError(f"prompt={config.prompt!r} encodes to no token: give text the tokenizer maps to tokens")
+    seq_len = loaded.model.config.seq_len
+    if len(prompt) + config.max_new_tokens > seq_len:
+        raise ValueError(
+            f"max_new_tokens={config.max_new_tokens} plus the prompt's {len(prompt)} tokens exceeds the model's "
+            f"seq_len={seq_len} positions: set max_new_tokens <= {seq_len - len(prompt)} or shorten the prompt"
+        )
+    sampling = SamplingConfig(
+        config.max_new_tokens, config.temperature, config.top_k, config.seed, vocab_size=tokenizer.vocab_size
+    )
+    model = loaded.model.to(device)
+    new_tokens = generate(model, torch.tensor([prompt], device=device), sampling)  # (1, max_new_tokens)
+    return tokenizer.decode(prompt + new_tokens[0].tolist())

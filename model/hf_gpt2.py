@@ -1,0 +1,150 @@
+"""Hugging Face GPT-2 <-> our GPT: the config fields and the tensor names, both ways. Pure PyTorch.
+
+HF's GPT2LMHeadModel holds the same weights as our flat layer list, under other names and with its
+Conv1D weights stored (in, out) where our nn.Linear stores (out, in). HF names here are written without
+the `transformer.` prefix that GPT2LMHeadModel's own state dict adds (the reader accepts both).
+"""
+
+from collections.abc import Callable
+
+import torch
+
+from model.config import GPTConfig
+from model.gpt import FIRST_BLOCK_INDEX, gpt_layers
+
+HF_PREFIX = "transformer."
+LAYER_NORM_EPS = 1e-5  # our nn.LayerNorm's default, GPT-2's layer_norm_epsilon
+
+# HF activation_function -> model.activation; the first name of each is the one an export writes.
+HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+HF_ACTIVATION_OF = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
+
+# Our parameter names inside a Block -> HF's inside `h.{i}`; True where the weight is a Conv1D (transposed).
+_BLOCK_NAMES = {
+    "ln_1.weight": ("ln_1.weight", False),
+    "ln_1.bias": ("ln_1.bias", False),
+    "attn.c_attn.weight": ("attn.c_attn.weight", True),
+    "attn.c_attn.bias": ("attn.c_attn.bias", False),
+    "attn.c_proj.weight": ("attn.c_proj.weight", True),
+    "attn.c_proj.bias": ("attn.c_proj.bias", False),
+    "ln_2.weight": ("ln_2.weight", False),
+    "ln_2.bias": ("ln_2.bias", False),
+    "mlp.c_fc.weight": ("mlp.c_fc.weight", True),
+    "mlp.c_fc.bias": ("mlp.c_fc.bias", False),
+    "mlp.c_proj.weight": ("mlp.c_proj.weight", True),
+    "mlp.c_proj.bias": ("mlp.c_proj.bias", False),
+}
+
+
+def gpt_config_from_hf(hf_config: dict, where: str = "model.init_from") -> dict:
+    """Our model.* shape fields from a HF GPT-2 config.json dict; ValueError starting with `where` (the option
+    that named the directory) for a variant our model does not compute."""
+
+    def refuse(reason: str) -> ValueError:
+        return ValueError(f"{where}: {reason}; only GPT-2 (GPT2LMHeadModel) configs map onto this model")
+
+    if not isinstance(hf_config, dict):
+        raise refuse(f"config.json holds a {type(hf_config).__name__}, not an object")
+    if hf_config.get("model_type", "gpt2") != "gpt2":
+        raise refuse(f"config.json model_type={hf_config['model_type']!r}, not 'gpt2'")
+    fields = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd", "seq_len": "n_positions"}
+    fields["vocab_size"] = "vocab_size"
+    shape = {}
+    for ours, theirs in fields.items():
+        value = hf_config.get(theirs)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise refuse(f"config.json {theirs}={value!r} must be a positive integer")
+        shape[ours] = value
+    n_inner = hf_config.get("n_inner")
+    if n_inner is not None and n_inner != 4 * shape["n_embd"]:
+        raise refuse(f"config.json n_inner={n_inner} is not 4 * n_embd = {4 * shape['n_embd']}")
+    if hf_config.get("tie_word_embeddings", True) is not True:
+        raise refuse("config.json tie_word_embeddings is false; the LM head must be tied to the token embedding")
+    eps = hf_config.get("layer_norm_epsilon", LAYER_NORM_EPS)
+    if eps != LAYER_NORM_EPS:
+        raise refuse(f"config.json layer_norm_epsilon={eps!r}, not {LAYER_NORM_EPS}")
+    for flag, wanted in (
+        ("scale_attn_weights", True),
+        ("scale_attn_by_inverse_layer_idx", False),
+        ("reorder_and_upcast_attn", False),
+    ):
+        if hf_config.get(flag, wanted) is not wanted:
+            raise refuse(f"config.json {flag}={hf_config[flag]!r}, only {str(wanted).lower()} is supported")
+    activation = hf_config.get("activation_function", "gelu_new")
+    if activation not in HF_ACTIVATIONS:
+        raise refuse(f"config.json activation_function={activation!r} is not one of {', '.join(HF_ACTIVATIONS)}")
+    return {**shape, "activation": HF_ACTIVATIONS[activation], "bias": True}
+
+
+def hf_config_from_gpt(config: GPTConfig) -> dict:
+    """A config.json dict that transformers' GPT2LMHeadModel.from_pretrained loads for `config`."""
+    if not config.bias:
+        raise ValueError("model.bias=false cannot be exported: Hugging Face GPT-2 always has biases")
+    return {
+        "model_type": "gpt2",
+        "architectures": ["GPT2LMHeadModel"],
+        "n_layer": config.n_layer,
+        "n_head": config.n_head,
+        "n_embd": config.n_embd,
+        "n_positions": config.seq_len,
+        "vocab_size": config.vocab_size,
+        "n_inner": None,
+        "activation_function": HF_ACTIVATION_OF[config.activation],
+        "layer_norm_epsilon": LAYER_NORM_EPS,
+        "resid_pdrop": config.dropout,
+        "embd_pdrop": config.dropout,
+        "attn_pdrop": config.dropout,
+        "initializer_range": 0.02,
+        "scale_attn_weights": True,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+    }
+
+
+def layer_hf_names(config: GPTConfig, flat_index: int) -> dict[str, tuple[str, bool]]:
+    """One flat layer's parameter names -> (HF name, transposed?). The tied LM head (the last entry) is the
+    token embedding again, so it reads `wte.weight` too."""
+    last_block = FIRST_BLOCK_INDEX + config.n_layer
+    if flat_index in (0, last_block + 1):
+        return {"wte.weight": ("wte.weight", False)}
+    if flat_index == 1:
+        return {"wpe.weight": ("wpe.weight", False)}
+    if FIRST_BLOCK_INDEX <= flat_index < last_block:
+        block = f"h.{flat_index - FIRST_BLOCK_INDEX}."
+        return {ours: (block + theirs, transposed) for ours, (theirs, transposed) in _BLOCK_NAMES.items()}
+    if flat_index == last_block:
+        return {"ln_f.weight": ("ln_f.weight", False), "ln_f.bias": ("ln_f.bias", False)}
+    raise IndexError(f"flat layer {flat_index} does not exist in a model of {config.n_layer} blocks")
+
+
+def layer_state_from_hf(config: GPTConfig, flat_index: int, get: Callable[[str], torch.Tensor]) -> dict:
+    """One flat layer's state dict, reading only its own HF tensors through `get(hf_name)`."""
+    state = {}
+    for ours, (theirs, transposed) in layer_hf_names(config, flat_index).items():
+        tensor = get(theirs)
+        state[ours] = tensor.t().contiguous() if transposed else tensor
+    return state
+
+
+def hf_state_from_layers(config: GPTConfig, layer_states: dict[int, dict[str, torch.Tensor]]) -> dict:
+    """Our per-flat-layer state dicts -> GPT2LMHeadModel's state dict (`transformer.` names, Conv1D weights
+    transposed back). The tied LM head is left out, as HF's own save_pretrained does."""
+    state = {}
+    for flat_index, layer_state in layer_states.items():
+        for ours, (theirs, transposed) in layer_hf_names(config, flat_index).items():
+            tensor = layer_state[ours]
+            state[HF_PREFIX + theirs] = tensor.t().contiguous() if transposed else tensor
+    return state
+
+
+def hf_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name the model reads -> its shape in the HF file, from our layers built on the meta
+    device (so the two can never disagree)."""
+    shapes = {}
+    with torch.device("meta"):
+        for flat_index, recipe in enumerate(gpt_layers(config, seed=0)):
+            params = dict(recipe.build().named_parameters())
+            for ours, (theirs, transposed) in layer_hf_names(config, flat_index).items():
+                shape = tuple(params[ours].shape)
+                shapes[theirs] = shape[::-1] if transposed else shape
+    return shapes

@@ -1,0 +1,235 @@
+"""Seconds of each pipeline instruction on each stage, for the step-time simulator (parallel/step_sim.py).
+
+Two sources, one shape. `measured`: `recompute.profile=true` times a block's forward, backward and
+recompute parts, the embeddings and the head with its loss on the device (parallel/recompute_profile.py).
+`analytic` (the fallback, and the only choice in a dry run): FLOPs at the device's peak plus the
+elementwise work's bytes at its memory bandwidth, transfers at a link bandwidth. Analytic seconds assume
+peak throughput, so they are a lower bound on the time a real device takes.
+
+The recompute a plan adds is read from the auto planner's CostTable (FLOP-equivalents for the analytic
+table, seconds for a measured one), so the planner and the simulator price a choice the same way.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from model import Block, LayerRecipe, layer_param_counts
+from parallel.auto_recompute import MACHINE_BALANCE, CostTable
+from parallel.flops import block_forward_flops, head_forward_flops, lookup_peak_tflops
+from parallel.partition import StageRange
+from parallel.shapes import FP32, RunShape, Shape
+from parallel.stage_plan import StagePlan
+from parallel.step_sim import Timeline, simulate
+
+# Nominal rates of a target without a measured profile. A CPU rank here: one core's fp32 matmuls; a CUDA
+# rank whose GPU is unknown is planned as an H100. Stage-to-stage links: one 400 Gb/s NIC between GPU
+# nodes; gloo over loopback between CPU processes.
+CPU_FLOPS_PER_S = 5e10
+DEFAULT_GPU = "H100"
+LINK_BYTES_PER_S = {"cuda": 50e9, "cpu": 2e9}
+ADAM_BYTES_PER_PARAM = 7 * FP32
+"""AdamW reads the fp32 weight, gradient and two moments and writes back the weight and moments."""
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """What the analytic model charges work at."""
+
+    name: str
+    flops_per_s: float
+    """Peak matmul throughput at the run's precision."""
+    bytes_per_s: float
+    """Memory bandwidth, for elementwise work (the planner's machine balance: peak FLOP/s per byte/s)."""
+    link_bytes_per_s: float
+    """Point-to-point bandwidth between neighbouring stages and across data-parallel replicas."""
+
+
+def analytic_rates(
+    device: str, precision: str, peak_tflops: float | None = None, gpu: str | None = None
+) -> DeviceRates:
+    """`peak_tflops` (train.peak_tflops) wins; else the GPU's entry in parallel/flops.py's table (`gpu`, or
+    an H100 when unknown); a CPU gets a nominal core."""
+    if device == "cpu":
+        name, flops = "cpu", (peak_tflops * 1e12 if peak_tflops else CPU_FLOPS_PER_S)
+    else:
+        name = gpu if gpu and lookup_peak_tflops(gpu, precision) else DEFAULT_GPU
+        flops = (peak_tflops or lookup_peak_tflops(name, precision)) * 1e12
+    return DeviceRates(name, flops, flops / MACHINE_BALANCE[device], LINK_BYTES_PER_S[device])
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Seconds of each instruction on one stage (per micro-batch, or per step for the last three)."""
+
+    forward: float
+    backward: float
+    """Without the recompute the plan adds."""
+    recompute: float
+    """What the plan's recompute adds to each backward pass."""
+    send_activation: float
+    send_grad: float
+    reduce_tied: float
+    reduce_grads: float
+    optimizer: float
+    load: float = 0.0
+
+    def by_instruction(self) -> dict[str, float]:
+        """Seconds by DeepSpeed instruction name."""
+        return {
+            "LoadMicroBatch": self.load,
+            "ForwardPass": self.forward,
+            "BackwardPass": self.backward + self.recompute,
+            "SendActivation": self.send_activation,
+            "RecvActivation": self.send_activation,
+            "SendGrad": self.send_grad,
+            "RecvGrad": self.send_grad,
+            "ReduceTiedGrads": self.reduce_tied,
+            "ReduceGrads": self.reduce_grads,
+            "OptimizerStep": self.optimizer,
+        }
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    """Seconds per micro-batch of the model's parts on one device, and the price of the CostTable's unit."""
+
+    source: str
+    """`measured` (a profile on the device) or `analytic`."""
+    rates: DeviceRates
+    table: CostTable
+    seconds_per_cost: float
+    """Seconds per unit of the table's recompute costs (1 for a measured table)."""
+    block_forward: float
+    block_backward: float
+    embedding_forward: float
+    embedding_backward: float
+    head_forward: float
+    """Final norm, LM head and loss."""
+    head_backward: float
+    transfer: float
+    """One micro-batch's hidden states between neighbouring stages (activation or gradient)."""
+    tied_weight_bytes: int
+    param_bytes: int
+    """Bytes of one parameter (its gradient travels in the same dtype)."""
+    optimizer_per_param: float
+    """Seconds of the optimizer step per parameter."""
+
+    def recompute_cost(self, plan: StagePlan, blocks_in: dict[tuple[int, int], int]) -> float:
+        """The table's cost of a plan: each selective block's option, each segment's blocks. `blocks_in`:
+        blocks inside each of the plan's segments."""
+        by_modules = {frozenset(o.modules): o.cost for o in self.table.options}
+        cost = sum(by_modules[frozenset(modules)] for modules in plan.selective.values())
+        for segment in plan.segments:
+            cost += blocks_in[segment] * self.table.full_block_cost - self.table.segment_discount
+        return cost
+
+    def stage(
+        self, stage: int, stages: int, blocks: int, recompute_cost: float, params: int, run: RunShape
+    ) -> StageCosts:
+        """One stage holding `blocks` blocks (plus the embeddings on the first, the head on the last)."""
+        first, last = stage == 0, stage == stages - 1
+        forward = blocks * self.block_forward + first * self.embedding_forward + last * self.head_forward
+        backward = blocks * self.block_backward + first * self.embedding_backward + last * self.head_backward
+        link = self.rates.link_bytes_per_s
+        dp = run.topology.data_parallel_size
+        return StageCosts(
+            forward=forward,
+            backward=backward,
+            recompute=recompute_cost * self.seconds_per_cost,
+            send_activation=0.0 if last else self.transfer,
+            send_grad=0.0 if first else self.transfer,
+            # Two ranks all-reduce the tied embedding's gradient: each sends and receives it once.
+            reduce_tied=2 * self.tied_weight_bytes / link if stages > 1 and (first or last) else 0.0,
+            # A ring all-reduce moves 2 (dp - 1) / dp of the gradients through each rank.
+            reduce_grads=2 * (dp - 1) / dp * params * self.param_bytes / link,
+            optimizer=params * self.optimizer_per_param,
+        )
+
+
+def time_model(shape: Shape, run: RunShape, table: CostTable, rates: DeviceRates) -> TimeModel:
+    """Measured where the table carries a profile (parallel/recompute_profile.py's keys), analytic elsewhere."""
+    d, bsh, tokens = run.target.dtype_bytes, shape.bsh, shape.b * shape.s
+    flops, bandwidth = rates.flops_per_s, rates.bytes_per_s
+    matmul = block_forward_flops(shape) / flops
+    # The analytic table's full-block cost is the forward's matmuls plus its elementwise bytes (FLOP-
+    # equivalents); backward does twice the matmuls and about the same elementwise work again. (A measured
+    # table's full-block cost is the forward without autograd: the profile's block_forward replaces it.)
+    measured = table.profile is not None
+    block = table.full_block_cost if measured else table.full_block_cost / flops
+    # Embedding: gather, position add, dropout; its backward scatters the gradient back (bandwidth-bound).
+    embedding = 4 * bsh * d / bandwidth
+    # Head: final LayerNorm, the (h x V) matmul, then softmax and cross-entropy over fp32 logits.
+    head_elementwise = (4 * bsh * d + 3 * tokens * shape.vocab * FP32) / bandwidth
+    seconds = {
+        "block_forward": block,
+        "block_backward": block + matmul,
+        "embedding_forward": embedding,
+        "embedding_backward": embedding,
+        "head_forward": head_forward_flops(shape) / flops + head_elementwise,
+        "head_backward": 2 * head_forward_flops(shape) / flops + head_elementwise,
+        "optimizer_per_param": ADAM_BYTES_PER_PARAM / bandwidth,
+    }
+    # A measured table's costs are seconds: its profile replaces the analytic parts it times.
+    seconds.update(table.profile or {})
+    return TimeModel(
+        source="measured" if measured else "analytic",
+        rates=rates,
+        table=table,
+        seconds_per_cost=1.0 if measured else 1.0 / flops,
+        block_forward=seconds["block_forward"],
+        block_backward=seconds["block_backward"],
+        embedding_forward=seconds["embedding_forward"],
+        embedding_backward=seconds["embedding_backward"],
+        head_forward=seconds["head_forward"],
+        head_backward=seconds["head_backward"],
+        transfer=bsh * d / rates.link_bytes_per_s,
+        tied_weight_bytes=shape.vocab * shape.h * d,
+        param_bytes=d,
+        optimizer_per_param=seconds["optimizer_per_param"],
+    )
+
+
+def layout_costs(
+    model: TimeModel,
+    recipes: Sequence[LayerRecipe],
+    stages: Sequence[StageRange],
+    plans: Sequence[StagePlan],
+    run: RunShape,
+    param_counts: Sequence[int] | None = None,
+) -> list[StageCosts]:
+    """Each stage's costs under a layout (partition plus per-stage plans). `param_counts`:
+    model.layer_param_counts(recipes), when the caller has it already."""
+    counts = param_counts or layer_param_counts(recipes)
+    costs = []
+    for stage, plan in zip(stages, plans):
+        is_block = [recipes[i].module_class is Block for i in stage.layers]
+        blocks_in = {(a, b): sum(is_block[a:b]) for a, b in plan.segments}
+        costs.append(
+            model.stage(
+                stage.stage,
+                len(stages),
+                sum(is_block),
+                model.recompute_cost(plan, blocks_in),
+                sum(counts[i] for i in stage.layers),
+                run,
+            )
+        )
+    return costs
+
+
+def predict_step(
+    model: TimeModel,
+    recipes: Sequence[LayerRecipe],
+    stages: Sequence[StageRange],
+    plans: Sequence[StagePlan],
+    run: RunShape,
+    param_counts: Sequence[int] | None = None,
+) -> Timeline:
+    """The simulated step of a layout."""
+    return simulate_stages(layout_costs(model, recipes, stages, plans, run, param_counts), run.micro_batches)
+
+
+def simulate_stages(costs: Sequence[StageCosts], micro_batches: int) -> Timeline:
+    """The simulated step of stages with these costs."""
+    seconds = [c.by_instruction() for c in costs]
+    return simulate(micro_batches, len(costs), lambda ins: seconds[ins.stage][ins.name])

@@ -1,0 +1,139 @@
+"""The step time of a pipeline, predicted by replaying DeepSpeed's own 1F1B `TrainSchedule` as an event
+simulation (pure: no process group).
+
+Each stage runs its instruction list in order. A local instruction (load, forward, backward, the
+data-parallel reduce, the optimizer step) starts when the stage is free. Communication is a rendezvous:
+DeepSpeed's p2p sends are broadcasts in 2-rank groups, and on gloo (and NCCL) both sides block until the
+peer posts its side, so a send of micro-batch m on stage s and the matching recv on its neighbour start
+together, when the later of the two arrives, and both are busy for the transfer. ReduceTiedGrads is a
+collective of the first and the last stage, which hold the tied embedding; elsewhere it does nothing.
+
+Micro-batches are not named in DeepSpeed's instructions (they carry a buffer id), but under 1F1B every
+stage runs each kind of per-micro-batch instruction in micro-batch order, so the k-th of a kind belongs
+to micro-batch k; that is how a send finds its recv.
+"""
+
+import functools
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from deepspeed.runtime.pipe.schedule import TrainSchedule
+
+PER_STEP = ("ReduceTiedGrads", "ReduceGrads", "OptimizerStep")
+"""Instructions that run once per step; every other kind runs once per micro-batch."""
+COMPUTE = ("LoadMicroBatch", "ForwardPass", "BackwardPass", "OptimizerStep")
+"""What counts as busy (parallel/trace.py's split): the rest is communication or waiting."""
+
+
+@dataclass(frozen=True)
+class Instruction:
+    stage: int
+    index: int
+    """Position in the stage's instruction list."""
+    name: str
+    """DeepSpeed's instruction class name: ForwardPass, SendActivation, ReduceTiedGrads, ..."""
+    micro_batch: int | None
+    """None for the once-per-step instructions."""
+
+
+@dataclass(frozen=True)
+class Interval:
+    instruction: Instruction
+    posted_s: float
+    """When the stage reached the instruction (a rendezvous may start later)."""
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class Timeline:
+    stages: int
+    micro_batches: int
+    intervals: tuple[Interval, ...]
+    """Every instruction of every stage, in completion order."""
+
+    @property
+    def step_time_s(self) -> float:
+        return max(i.end_s for i in self.intervals)
+
+    def of_stage(self, stage: int) -> list[Interval]:
+        """The stage's intervals in its schedule order."""
+        return sorted((i for i in self.intervals if i.instruction.stage == stage), key=lambda i: i.instruction.index)
+
+    def busy_s(self, stage: int) -> float:
+        """Seconds the stage computes (load, forward, backward, optimizer step), as a traced run's
+        `stage_busy_s` counts them; transfers, reduces and waits are idle."""
+        return sum(i.end_s - i.start_s for i in self.of_stage(stage) if i.instruction.name in COMPUTE)
+
+    def idle_s(self, stage: int) -> float:
+        return self.step_time_s - self.busy_s(stage)
+
+
+@functools.lru_cache(maxsize=1024)
+def instructions(micro_batches: int, stages: int, stage: int) -> tuple[Instruction, ...]:
+    """DeepSpeed's TrainSchedule for one stage, flattened, each instruction with its micro-batch (cached:
+    the balanced partition simulates one shape many times)."""
+    seen: Counter[str] = Counter()
+    out = []
+    for commands in TrainSchedule(micro_batches=micro_batches, stages=stages, stage_id=stage).steps():
+        for command in commands:
+            name = type(command).__name__
+            micro_batch = None if name in PER_STEP else seen[name]
+            seen[name] += 1
+            out.append(Instruction(stage, len(out), name, micro_batch))
+    return tuple(out)
+
+
+def _meeting(ins: Instruction, stages: int) -> tuple | None:
+    """The rendezvous an instruction takes part in (the same key on both sides), or None when local."""
+    m = ins.micro_batch
+    if ins.name == "SendActivation":
+        return ("activation", ins.stage, m)
+    if ins.name == "RecvActivation":
+        return ("activation", ins.stage - 1, m)
+    if ins.name == "SendGrad":
+        return ("grad", ins.stage, m)
+    if ins.name == "RecvGrad":
+        return ("grad", ins.stage + 1, m)
+    if ins.name == "ReduceTiedGrads" and stages > 1 and ins.stage in (0, stages - 1):
+        return ("tied",)
+    return None
+
+
+def simulate(micro_batches: int, stages: int, cost: Callable[[Instruction], float]) -> Timeline:
+    """Replay the schedule with `cost(instruction)` seconds per instruction. A rendezvous lasts the
+    shorter of its sides' costs: a measured blocking call includes its wait, and the side that arrived
+    last waited least."""
+    programs = [instructions(micro_batches, stages, s) for s in range(stages)]
+    clock = [0.0] * stages
+    pc = [0] * stages
+    posted: dict[tuple, list[tuple[Instruction, float]]] = {}
+    intervals: list[Interval] = []
+    while any(pc[s] < len(programs[s]) for s in range(stages)):
+        progressed = False
+        for s in range(stages):
+            while pc[s] < len(programs[s]):
+                ins = programs[s][pc[s]]
+                key = _meeting(ins, stages)
+                if key is None:
+                    end = clock[s] + cost(ins)
+                    intervals.append(Interval(ins, clock[s], clock[s], end))
+                    clock[s], pc[s], progressed = end, pc[s] + 1, True
+                    continue
+                parties = posted.setdefault(key, [])
+                if all(p.stage != s for p, _ in parties):
+                    parties.append((ins, clock[s]))
+                if len(parties) < 2:
+                    break  # blocked until the peer arrives
+                start = max(t for _, t in parties)
+                end = start + min(cost(p) for p, _ in parties)
+                for p, t in parties:
+                    intervals.append(Interval(p, t, start, end))
+                    clock[p.stage], pc[p.stage] = end, pc[p.stage] + 1
+                del posted[key]
+                progressed = True
+        if not progressed:
+            stuck = {s: programs[s][pc[s]].name for s in range(stages) if pc[s] < len(programs[s])}
+            raise RuntimeError(f"the schedule deadlocks under rendezvous sends: stages blocked at {stuck}")
+    return Timeline(stages, micro_batches, tuple(intervals))

@@ -1,0 +1,87 @@
+"""The configs of the commands that use a trained checkpoint, generate.py and export_hf.py, registered with Hydra.
+
+Types are checked when Hydra composes the config; `validate()` checks the values, once, before anything is
+loaded. Options are top-level (`checkpoint=PATH`, not `generate.checkpoint=PATH`), so messages name them so.
+"""
+
+from dataclasses import dataclass
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+DEVICES = ("auto", "cpu", "cuda")
+CHECKPOINT_HINT = "give a run directory (its latest checkpoint), its checkpoints/ directory or a step directory"
+
+
+def _check_checkpoint(checkpoint: str | None) -> None:
+    if not checkpoint:
+        raise ValueError(f"checkpoint={checkpoint!r} is not set: {CHECKPOINT_HINT}")
+
+
+@dataclass
+class GenerateConfig:
+    """python generate.py checkpoint=PATH prompt="..." max_new_tokens=N temperature=T top_k=K seed=S"""
+
+    checkpoint: str | None = None
+    """The checkpoint to sample from: a run directory (its latest checkpoint), its checkpoints/ directory or a
+    checkpoints/step_NNNNNNNN directory."""
+    prompt: str = "\n"
+    """Text the sample continues, encoded with the tokenizer the run trained with. Hydra trims an unquoted value
+    and refuses one holding a comma, a bracket or parenthesis: quote it inside the shell's quotes,
+    'prompt="def main("'."""
+    max_new_tokens: int = 100
+    """Tokens to generate; the prompt's tokens plus these must fit in the model's seq_len positions."""
+    temperature: float = 0.8
+    """Softmax temperature, >= 0: below 1 sharper, above 1 flatter; 0 = greedy (always the most likely token)."""
+    top_k: int | None = 200
+    """Sample only among the top_k most likely tokens, >= 1; null = the whole vocabulary."""
+    seed: int = 1337
+    """Seeds the sampler: the same seed, checkpoint and device give the same text."""
+    device: str = "auto"
+    """Where the model runs: cpu, cuda, or auto (cuda when available)."""
+
+    def validate(self) -> None:
+        _check_checkpoint(self.checkpoint)
+        if not self.prompt:
+            raise ValueError("prompt='' is empty: give at least one character for the sample to continue")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} is invalid: it must be an integer >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} is invalid: it must be >= 0 (0 = greedy)")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k={self.top_k} is invalid: it must be an integer >= 1, or null for no limit")
+        if self.device not in DEVICES:
+            raise ValueError(f"device={self.device!r} is unknown: allowed values are {', '.join(DEVICES)}")
+
+
+@dataclass
+class ExportConfig:
+    """python export_hf.py checkpoint=PATH out=DIR"""
+
+    checkpoint: str | None = None
+    """The checkpoint to export: a run directory (its latest checkpoint), its checkpoints/ directory or a
+    checkpoints/step_NNNNNNNN directory."""
+    out: str | None = None
+    """A new (or empty) directory to write the Hugging Face GPT-2 into: config.json, model.safetensors, and for a
+    BPE tokenizer tokenizer.json and tokenizer_config.json. Never overwritten."""
+
+    def validate(self) -> None:
+        _check_checkpoint(self.checkpoint)
+        if not self.out:
+            raise ValueError(f"out={self.out!r} is not set: give a new directory to write the Hugging Face model into")
+
+
+SCRIPT_SCHEMAS = {"generate_schema": GenerateConfig, "export_hf_schema": ExportConfig}
+
+
+def register_script_schemas() -> None:
+    store = ConfigStore.instance()
+    for name, schema in SCRIPT_SCHEMAS.items():
+        store.store(name=name, node=schema)
+
+
+def to_script_config(cfg: DictConfig):
+    """The composed config as its typed dataclass, values validated; raises ValueError."""
+    config = OmegaConf.to_object(cfg)
+    config.validate()
+    return config
