@@ -60,7 +60,7 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
             f"{topology.data_parallel_size} data-parallel | recompute={run.recompute} | {target.device} "
             f"{target.precision} | run dir {run_dir}"
         )
-        for line in layout.describe():
+        for line in layout.describe() + layout.empty_stage_warnings():
             print("stagecheck: " + line, flush=True)
 
     init_process_group(ctx.env, target.device, run.train.collective_timeout_s)
