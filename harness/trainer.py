@@ -86,7 +86,8 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
     # Resume (weights, optimizer, scheduler, RNG states) or start fresh; checkpoints, preemption, NaN policy.
     control = RunControl(ctx, engine)
     # Activation bytes (metered on train.measure_step only), in-flight micro-batches, FLOP/s, MFU, peak memory.
-    accounting = Accounting(ctx, plan_run(run.model, run.recompute, layout, ctx.shape), engine)
+    plan = plan_run(run.model, run.recompute, layout, ctx.shape)
+    accounting = Accounting(ctx, plan, engine)
     # Per-instruction timings of train.trace_step on every rank (trace.json, timeline.png, bubbles per stage).
     tracer = StepTracer(engine, run.train.traced_step, target.device)
 
@@ -185,7 +186,10 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
             **val_summary(records),
             "tokens_per_s": median_after_warmup([r["tokens_per_s"] for r in records]),
             "step_time_s": median_after_warmup([r["step_time_s"] for r in records]),
-            "predicted_step_time_s": accounting.plan.predicted_step_time_s,  # parallel/step_sim.py
+            "predicted_step_time_s": plan.predicted_step_time_s,  # parallel/step_sim.py
+            "step_time_costs": plan.step_time.costs
+            if plan.step_time
+            else None,  # measured (recompute.profile) or analytic
             "tied_weight_sha256_per_rank": digests,
             "node_per_rank": [node for _, node in gathered],  # SLURM node name (SLURMD_NODENAME), else host name
             **accounted,

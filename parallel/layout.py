@@ -96,6 +96,8 @@ class PipelineLayout:
                     for local, flat in enumerate(s.layers)
                     if self.recipes[flat].module_class is Block
                 ],
+                # full(1) and full(stage) make the same choices: the segments tell them apart
+                "segments": [[s.start + a, s.start + b] for a, b in p.segments],
             }
             for s, p in zip(self.stages, self.plans)
         ]
