@@ -16,6 +16,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from schema.run import GROUP_SCHEMAS, RunConfig
+from schema.scripts import SCRIPT_SCHEMAS
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -74,6 +75,9 @@ def render() -> str:
             parts.append(group_section(f.name, docs.get(f.name, ""), chosen.get(f.name)))
         elif is_schema(f.type):
             parts.append(node_section(f.name, f.type, docs.get(f.name, ""), chosen.get(f.name)))
+    for name, schema in SCRIPT_SCHEMAS.items():
+        script = name.removesuffix("_schema")
+        parts.append(section(f"## `python {script}.py`", schema, "", dataclasses.fields(schema), {}))
     return "\n\n".join(parts) + "\n"
 
 
@@ -187,6 +191,8 @@ def literal(value: Any) -> str:
         return str(value).lower()
     if isinstance(value, list):
         return "[" + ", ".join(literal(v) for v in value) + "]"
+    if isinstance(value, str) and not value.isprintable():  # generate.py's prompt "\n": one table row
+        return '"' + value.encode("unicode_escape").decode() + '"'
     return str(value) if value != "" else '""'
 
 
