@@ -3,10 +3,11 @@ simulation (pure: no process group).
 
 Each stage runs its instruction list in order. A local instruction (load, forward, backward, the
 data-parallel reduce, the optimizer step) starts when the stage is free. Communication is a rendezvous:
-DeepSpeed's p2p sends are broadcasts in 2-rank groups, and on gloo (and NCCL) both sides block until the
-peer posts its side, so a send of micro-batch m on stage s and the matching recv on its neighbour start
-together, when the later of the two arrives, and both are busy for the transfer. ReduceTiedGrads is a
-collective of the first and the last stage, which hold the tied embedding; elsewhere it does nothing.
+DeepSpeed 0.19.8's p2p uses torch.distributed send/recv, and on gloo a send blocks until the peer posts
+its recv (measured: docs/measurement.md), so a send of micro-batch m on stage s and the matching recv on
+its neighbour start together, when the later of the two arrives, and both are busy for the transfer.
+ReduceTiedGrads is a collective of the first and the last stage, which hold the tied embedding; elsewhere it
+does nothing.
 
 Micro-batches are not named in DeepSpeed's instructions (they carry a buffer id), but under 1F1B every
 stage runs each kind of per-micro-batch instruction in micro-batch order, so the k-th of a kind belongs
