@@ -26,7 +26,15 @@ from parallel.partition import StageRange, balanced_block_counts, partition_laye
 from parallel.shapes import GIB, RunShape, Shape
 from parallel.stage_costs import stage_memory
 from parallel.stage_plan import StagePlan, plan_stage
-from parallel.step_costs import DeviceRates, StageCosts, TimeModel, analytic_rates, simulate_stages, time_model
+from parallel.step_costs import (
+    DeviceRates,
+    StageCosts,
+    TimeModel,
+    analytic_rates,
+    simulate_stages,
+    stage_range_costs,
+    time_model,
+)
 
 
 @dataclass(frozen=True)
@@ -185,16 +193,7 @@ class _StagePlanner:
         plan, budget = self.plan(stage)
         if budget is not None and budget.choice is None:
             return None
-        is_block = [self.recipes[i].module_class is Block for i in stage.layers]
-        blocks_in = {(a, b): sum(is_block[a:b]) for a, b in plan.segments}
-        return self.timing.stage(
-            stage.stage,
-            self.run.topology.pipeline_stages,
-            sum(is_block),
-            self.timing.recompute_cost(plan, blocks_in),
-            sum(self.counts[i] for i in stage.layers),
-            self.run,
-        )
+        return stage_range_costs(self.timing, self.recipes, stage, plan, self.run, self.counts)
 
     def _hypothetical(self, stage: int, blocks: int) -> StageRange:
         """Stage `stage` holding `blocks` blocks: blocks are identical, so only its ends matter."""

@@ -200,21 +200,29 @@ def layout_costs(
     """Each stage's costs under a layout (partition plus per-stage plans). `param_counts`:
     model.layer_param_counts(recipes), when the caller has it already."""
     counts = param_counts or layer_param_counts(recipes)
-    costs = []
-    for stage, plan in zip(stages, plans):
-        is_block = [recipes[i].module_class is Block for i in stage.layers]
-        blocks_in = {(a, b): sum(is_block[a:b]) for a, b in plan.segments}
-        costs.append(
-            model.stage(
-                stage.stage,
-                len(stages),
-                sum(is_block),
-                model.recompute_cost(plan, blocks_in),
-                sum(counts[i] for i in stage.layers),
-                run,
-            )
-        )
-    return costs
+    return [stage_range_costs(model, recipes, stage, plan, run, counts) for stage, plan in zip(stages, plans)]
+
+
+def stage_range_costs(
+    model: TimeModel,
+    recipes: Sequence[LayerRecipe],
+    stage: StageRange,
+    plan: StagePlan,
+    run: RunShape,
+    param_counts: Sequence[int],
+) -> StageCosts:
+    """One stage's costs: the layers `stage` spans (a real stage, or the balanced search's hypothetical one)
+    under `plan`. `param_counts`: model.layer_param_counts(recipes)."""
+    is_block = [recipes[i].module_class is Block for i in stage.layers]
+    blocks_in = {(a, b): sum(is_block[a:b]) for a, b in plan.segments}
+    return model.stage(
+        stage.stage,
+        run.topology.pipeline_stages,
+        sum(is_block),
+        model.recompute_cost(plan, blocks_in),
+        sum(param_counts[i] for i in stage.layers),
+        run,
+    )
 
 
 def predict_step(
