@@ -219,30 +219,43 @@ def read_result(variant: Variant, round_: int, run_dir: Path, cpu_s: float, wall
     return Result(variant, round_, summary, steps, cpu_s, wall_s)
 
 
-def trace_replay_s(summary: dict) -> float | None:
-    """The traced step's own mean instruction costs replayed through the simulator (the shortest send/recv
-    stands for a transfer: the rest of a blocking send or recv is waiting for the peer)."""
-    if "trace_costs" not in summary:
-        return None
+def traced_costs(summary: dict) -> list[StageCosts]:
+    """Each stage's mean traced instruction seconds in the simulator's terms (parallel/step_costs.py): the
+    shortest send/recv stands for a transfer, the rest of a blocking send or recv is waiting for the peer. The
+    backward is BackwardPass, or BackwardInput + BackwardWeight under zb-h1, without the recompute inside it; the
+    recompute is a RecomputeEarly where the stage runs one, else what ran inside the backward."""
 
     def s(costs: dict, key: str) -> float:
         return costs.get(key) or 0.0
 
-    stages = [
-        StageCosts(
-            forward=s(c, "forward_s"),
-            backward=s(c, "backward_s") - s(c, "recompute_s"),
-            recompute=s(c, "recompute_s"),
-            send_activation=s(c, "p2p_min_s"),
-            send_grad=s(c, "p2p_min_s"),
-            reduce_tied=s(c, "reduce_tied_grads_s"),
-            reduce_grads=s(c, "reduce_grads_s"),
-            optimizer=s(c, "optimizer_s"),
-            load=s(c, "load_s"),
+    out = []
+    for c in summary["trace_costs"]:
+        early = c.get("early_recompute_s") is not None
+        backward = (
+            c["backward_s"] if c.get("backward_s") is not None else s(c, "backward_input_s") + s(c, "backward_weight_s")
         )
-        for c in summary["trace_costs"]
-    ]
-    return simulate_stages(stages, summary["micro_batches"]).step_time_s
+        out.append(
+            StageCosts(
+                forward=s(c, "forward_s"),
+                backward=backward - (0.0 if early else s(c, "recompute_s")),
+                recompute=s(c, "early_recompute_s") if early else s(c, "recompute_s"),
+                send_activation=s(c, "p2p_min_s"),
+                send_grad=s(c, "p2p_min_s"),
+                reduce_tied=s(c, "reduce_tied_grads_s"),
+                reduce_grads=s(c, "reduce_grads_s"),
+                optimizer=s(c, "optimizer_s"),
+                load=s(c, "load_s"),
+                weight_grad=s(c, "backward_weight_s"),
+            )
+        )
+    return out
+
+
+def trace_replay_s(summary: dict) -> float | None:
+    """The traced step's own mean instruction costs replayed through the simulator."""
+    if "trace_costs" not in summary:
+        return None
+    return simulate_stages(traced_costs(summary), summary["micro_batches"]).step_time_s
 
 
 def profile_replay_s(cfg: GPTConfig, variant: Variant, summary: dict, seconds: dict) -> float | None:

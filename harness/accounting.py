@@ -1,11 +1,13 @@
 """What each rank holds and computes during training: measured activation bytes per micro-batch (on
-one step only), micro-batches in flight under 1F1B, peak memory, and FLOP/s, MFU and HFU.
+one step only), micro-batches in flight under 1F1B, peak memory (the resident set, and on the same step the peak
+of live tensors against the planner's), and FLOP/s, MFU and HFU.
 
 The trainer calls `before_step` / `after_step` around each step, adds `step_record` to the logged
 metrics, and merges `gather()` (a collective: every rank calls it) into summary.json and W&B.
 """
 
 import statistics
+from dataclasses import asdict
 
 import torch
 
@@ -14,6 +16,7 @@ from parallel.activation_meter import ActivationMeter, attach_to_pipeline, peak_
 from parallel.flops import lookup_peak_tflops
 from parallel.run_plan import RunPlan
 from parallel.schedule import in_flight_micro_batches
+from parallel.tensor_peak import TensorPeak, TensorPeakMeter
 
 
 def peak_tflops(configured: float | None, device: str, precision: str) -> float | None:
@@ -23,6 +26,27 @@ def peak_tflops(configured: float | None, device: str, precision: str) -> float 
     if device != "cuda":
         return None
     return lookup_peak_tflops(torch.cuda.get_device_name(), precision)
+
+
+def live_peak(per_micro_batch: list[int], in_flight: int) -> int:
+    """The most activation bytes held at once: 1F1B holds consecutive micro-batches, in_flight of them at its
+    peak (parallel/stage_plan.py's StagePlan.recomputes_micro_batch), so the largest window sum."""
+    window = min(in_flight, len(per_micro_batch))
+    return max(sum(per_micro_batch[i : i + window]) for i in range(len(per_micro_batch) - window + 1))
+
+
+def tensor_peaks(first: list[dict], plan: RunPlan) -> dict:
+    """Measured (parallel/tensor_peak.py, on the metered step) against predicted peak tensor bytes per stage
+    (the first data-parallel rank of each stage)."""
+    measured = [r["tensor_peak"] for r in first]
+    return {
+        "measured_peak_tensor_bytes_per_stage": [m and m["peak_bytes"] for m in measured],
+        "measured_baseline_tensor_bytes_per_stage": [m and m["baseline_bytes"] for m in measured],
+        "tensor_peak_unaccounted_bytes_per_stage": [m and m["unaccounted_bytes"] for m in measured],
+        "tensor_peak_op_per_stage": [m and m["peak_op"] for m in measured],
+        "predicted_peak_tensor_bytes_per_stage": [s.predicted_peak_tensor_bytes for s in plan.stages],
+        "predicted_peak_tensor_terms_per_stage": [s.peak_tensor_terms for s in plan.stages],
+    }
 
 
 class Accounting:
@@ -38,13 +62,18 @@ class Accounting:
         self.stage_plan = plan.stages[engine.stage_id]
         self.peak_tflops = peak_tflops(ctx.run.train.peak_tflops, ctx.target.device, ctx.target.precision)
         self.step_times: list[float] = []
+        self.tensor_meter = TensorPeakMeter(self.device)  # live tensor bytes of the metered step
+        self.tensor_peak: TensorPeak | None = None
 
     def before_step(self, step: int) -> None:
         """Arm the meter for the first step at or after train.measure_step (0: never)."""
         self.meter.armed = self.measure_step > 0 and self.measured_step is None and step >= self.measure_step
+        if self.meter.armed:
+            self.tensor_meter.start()
 
     def after_step(self, step: int, step_time: float) -> None:
         if self.meter.armed:
+            self.tensor_peak = self.tensor_meter.stop()
             self.meter.armed = False
             self.measured_step = step
         self.step_times.append(step_time)
@@ -63,15 +92,23 @@ class Accounting:
         recorded = self.meter.bytes_per_micro_batch()
         step_time = statistics.median(self.step_times) if self.step_times else None
         stage = self.stage_plan
+        in_flight = in_flight_micro_batches(self.engine.micro_batches, self.engine.num_stages, self.engine.stage_id)
         return {
             "stage": self.engine.stage_id,
             "dp_rank": self.engine.grid.get_data_parallel_rank(),
             "activation_bytes": max(recorded) if recorded else None,
+            "activation_bytes_per_micro_batch": recorded or None,
+            "planned_activation_bytes_per_micro_batch": [
+                stage.activation_bytes_per_microbatch
+                if self.engine.module.stage_plan.recomputes_micro_batch(i)
+                else stage.plain_activation_bytes_per_microbatch
+                for i in range(self.engine.micro_batches)
+            ],
+            "peak_activation_bytes": live_peak(recorded, in_flight) if recorded else None,
             "stage_input_bytes": max(self.meter.stage_input_bytes()) if recorded else None,
-            "in_flight": in_flight_micro_batches(
-                self.engine.micro_batches, self.engine.num_stages, self.engine.stage_id
-            ),
+            "in_flight": in_flight,
             "peak_memory_bytes": peak_memory_bytes(self.device),
+            "tensor_peak": asdict(self.tensor_peak) if self.tensor_peak else None,
             "step_time_s": step_time,
             "tflops": stage.model_flops_per_step / step_time / 1e12 if step_time else None,
             "hardware_tflops": stage.hardware_flops_per_step / step_time / 1e12 if step_time else None,
@@ -91,13 +128,16 @@ class Accounting:
             "planned_activation_bytes_per_stage": [s.activation_bytes_per_microbatch for s in self.plan.stages],
             "in_flight_microbatches_per_stage": [r["in_flight"] for r in first],
             "predicted_peak_bytes_per_stage": [s.predicted_peak_bytes for s in self.plan.stages],
-            "peak_activation_bytes_per_stage": [
-                None if a is None else a * r["in_flight"] for a, r in zip(activation, first)
+            "activation_bytes_per_micro_batch_per_stage": [r["activation_bytes_per_micro_batch"] for r in first],
+            "planned_activation_bytes_per_micro_batch_per_stage": [
+                r["planned_activation_bytes_per_micro_batch"] for r in first
             ],
+            "peak_activation_bytes_per_stage": [r["peak_activation_bytes"] for r in first],
             "peak_memory_bytes_per_stage": [
                 max(r["peak_memory_bytes"] for r in ranks if r["stage"] == s) for s in range(stages)
             ],
             "peak_memory_kind": "cuda_max_allocated" if self.device == "cuda" else "cpu_max_rss",
+            **tensor_peaks(first, self.plan),
             "model_flops_per_step": self.plan.flops.model_flops_per_step,
             "hardware_flops_per_step": self.plan.flops.hardware_flops_per_step,
             "tflops_per_rank": [r["tflops"] for r in ranks],

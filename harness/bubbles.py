@@ -1,9 +1,10 @@
 """A traced step's time per stage: busy, idle (the pipeline bubble), recompute, and the mean cost of each
 instruction per micro-batch (what a step-time simulator replays).
 
-Busy is compute: loading a micro-batch, forward, backward (the recompute inside it included) and the
-optimizer step. Everything else is idle: the gaps between instructions and the send/recv and gradient
-all-reduces, which mostly wait for a peer (docs/measurement.md: gloo's point-to-point is a rendezvous).
+Busy is compute: loading a micro-batch, forward, backward (the recompute inside it included; under zb-h1 its
+two halves, B and W), early recompute and the optimizer step. Everything else is idle: the gaps between
+instructions and the send/recv and gradient all-reduces, which mostly wait for a peer (docs/measurement.md:
+gloo's point-to-point is a rendezvous).
 A stage's figures are the mean over its data-parallel ranks.
 """
 
@@ -15,6 +16,9 @@ CATEGORY = {
     "LoadMicroBatch": "load",
     "ForwardPass": "forward",
     "BackwardPass": "backward",
+    "BackwardInput": "backward B",
+    "BackwardWeight": "backward W",
+    "RecomputeEarly": "early recompute",
     RECOMPUTE: "recompute",
     "SendActivation": "p2p",
     "RecvActivation": "p2p",
@@ -26,7 +30,7 @@ CATEGORY = {
 }
 """The category of each traced interval: its colour in timeline.png and its `cat` in trace.json."""
 
-BUSY = ("load", "forward", "backward", "optimizer")
+BUSY = ("load", "forward", "backward", "backward B", "backward W", "early recompute", "optimizer")
 
 
 def _seconds(rank: RankTrace, categories: tuple[str, ...]) -> float:
@@ -40,13 +44,16 @@ def _mean_duration(ranks: list[RankTrace], name: str) -> float | None:
 
 def _costs(ranks: list[RankTrace]) -> dict:
     """Mean seconds per instruction on one stage (None where the stage runs none of it)."""
-    backwards = sum(1 for r in ranks for i in r.instructions if i.name == "BackwardPass")
+    backwards = sum(1 for r in ranks for i in r.instructions if i.name in ("BackwardPass", "BackwardInput"))
     recompute = sum(i.duration_s for r in ranks for i in r.recomputes)
     p2p = [i.duration_s for r in ranks for i in r.instructions if CATEGORY[i.name] == "p2p"]
     return {
         "load_s": _mean_duration(ranks, "LoadMicroBatch"),
         "forward_s": _mean_duration(ranks, "ForwardPass"),
         "backward_s": _mean_duration(ranks, "BackwardPass"),
+        "backward_input_s": _mean_duration(ranks, "BackwardInput"),
+        "backward_weight_s": _mean_duration(ranks, "BackwardWeight"),
+        "early_recompute_s": _mean_duration(ranks, "RecomputeEarly"),
         "recompute_s": recompute / backwards if backwards else 0.0,
         "reduce_tied_grads_s": _mean_duration(ranks, "ReduceTiedGrads"),
         "reduce_grads_s": _mean_duration(ranks, "ReduceGrads"),

@@ -8,19 +8,12 @@ from data.tokenizer import load_tokenizer
 from harness.consolidate import consolidate
 from model.sampling import SamplingConfig, generate
 from schema.scripts import GenerateConfig
-
-
-def choose_device(device: str) -> torch.device:
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device=cuda, but torch sees no CUDA device: use device=cpu or device=auto")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(device)
+from schema.training import resolve_device
 
 
 def sample_text(config: GenerateConfig) -> str:
     """The prompt and its continuation, decoded. Raises ValueError naming the option for bad input."""
-    device = choose_device(config.device)
+    device = torch.device(resolve_device(config.device, torch.cuda.is_available(), "device"))
     loaded = consolidate(Path(config.checkpoint), option="checkpoint")
     try:
         tokenizer = load_tokenizer(loaded.tokenizer_dir)

@@ -13,4 +13,7 @@ def layout_of(ctx: RunContext, costs: CostTable | None = None) -> PipelineLayout
     picks each rank's device) and a CPU one as a nominal core."""
     run, target = ctx.run, ctx.target
     rates = analytic_rates(target.device, target.precision, run.train.peak_tflops)
-    return build_layout(run.model, run.recompute, ctx.shape, run.parallel.partition_method, run.seed, costs, rates)
+    parallel = run.parallel
+    return build_layout(
+        run.model, run.recompute, ctx.shape, parallel.partition_method, run.seed, costs, rates, parallel.schedule
+    )

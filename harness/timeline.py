@@ -12,6 +12,9 @@ COLOURS = {
     "load": "#2ca02c",
     "forward": "#1f77b4",
     "backward": "#ff7f0e",
+    "backward B": "#ffbb78",
+    "backward W": "#17becf",
+    "early recompute": "#e377c2",
     "recompute": "#9467bd",
     "p2p": "#b0b0b0",
     "reduce": "#8c564b",
@@ -28,7 +31,8 @@ def _us(seconds: float) -> float:
 
 def chrome_trace(trace: StepTrace) -> dict:
     """One process per stage ("stage N"), one thread per data-parallel rank, one complete ("X") event per
-    instruction; a recompute is an event nested inside its backward pass on the same thread."""
+    instruction; a recompute is an event nested inside its backward pass (or its early recompute) on the
+    same thread."""
     events = []
     for stage in range(trace.stages):
         events.append({"ph": "M", "name": "process_name", "pid": stage, "args": {"name": f"stage {stage}"}})
@@ -94,7 +98,7 @@ def render_timeline(trace: StepTrace, path: Path) -> None:
                 continue
             bars = [(i.start_s * 1e3, i.duration_s * 1e3) for i in rank.instructions if CATEGORY[i.name] == category]
             ax.broken_barh(bars, (bottom, height), facecolors=COLOURS[category], edgecolor="white", linewidth=0.4)
-        # Recompute over the middle of its backward bar, so the backward around it stays visible.
+        # Recompute over the middle of its backward (or early recompute) bar, so the bar around it stays visible.
         bars = [(i.start_s * 1e3, i.duration_s * 1e3) for i in rank.recomputes]
         ax.broken_barh(bars, (bottom + height * 0.2, height * 0.6), facecolors=COLOURS["recompute"])
     ax.set_ylim(trace.stages - 0.5, -0.5)  # stage 0 on top
@@ -107,11 +111,19 @@ def render_timeline(trace: StepTrace, path: Path) -> None:
     fig.legend(handles=handles, loc="outside right center", fontsize=9, frameon=True)
     ax.set_title(
         f"step {trace.step}: {trace.step_time_s * 1e3:.1f} ms, {trace.micro_batches} micro-batches, "
-        f"{trace.stages} stages (1F1B)",
+        f"{trace.stages} stages ({schedule_name(trace)})",
         fontsize=11,
     )
     atomic_write(path, lambda handle: fig.savefig(handle, format="png", dpi=110), binary=True)
     plt.close(fig)
+
+
+def schedule_name(trace: StepTrace) -> str:
+    """What the trace shows it ran: ZB-H1 splits the backward into B and W; early recompute has its own
+    instruction."""
+    names = {i.name for r in trace.ranks for i in r.instructions}
+    name = "ZB-H1" if "BackwardInput" in names else "1F1B"
+    return name + (" + early recompute" if "RecomputeEarly" in names else "")
 
 
 def write_timeline(trace: StepTrace, run_dir: Path) -> list[Path]:

@@ -62,6 +62,8 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
         )
         for line in layout.describe() + layout.empty_stage_warnings():
             print("stagecheck: " + line, flush=True)
+        if run.model.packed_dropout and run.model.dropout == 0:
+            print("stagecheck: model.packed_dropout=true is a no-op: model.dropout is 0, so no masks are kept")
 
     init_process_group(ctx.env, target.device, run.train.collective_timeout_s)
     if layout.budgets is not None and run.recompute.profile:

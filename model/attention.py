@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model.config import GPTConfig
+from model.packed_dropout import packed_dropout
 
 
 class ScaledCausalSoftmax(torch.autograd.Function):
@@ -40,6 +41,7 @@ class AttentionCore(nn.Module):
         super().__init__()
         self.kernel = config.attention
         self.dropout = config.dropout
+        self.drop = packed_dropout if config.packed_dropout else F.dropout  # SDPA draws its own mask
         self.scale = 1.0 / math.sqrt(config.head_size)
         self._masks: dict[tuple, torch.Tensor] = {}
 
@@ -62,7 +64,7 @@ class AttentionCore(nn.Module):
         if self.kernel == "sdpa":
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         probs = ScaledCausalSoftmax.apply(self.causal_scores(q, k))  # (B, nh, T, T)
-        probs = F.dropout(probs, p=p, training=self.training)
+        probs = self.drop(probs, p, self.training)
         return probs @ v  # (B, nh, T, hs)
 
     def attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The GPT as a flat sequence of layers, and that sequence run in one process.
 
 Flat sequence: [token embedding, position embedding, block 0 .. block N-1, final norm, LM head].
-The LM head is the token embedding module again (tied), called through `lm_head`.
+The LM head is the token embedding module again (tied), called through `lm_head`; under the fused loss
+(`model.loss_chunk_tokens` > 0) through `final_hidden`, and the loss makes the logits (model/fused_loss.py).
 """
 
 from collections.abc import Callable, Sequence
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 
 from model.config import GPTConfig
 from model.kv_cache import KVCache
-from model.layers import Block, FinalNorm, PositionEmbedding, TokenEmbedding, lm_head
+from model.layers import Block, FinalNorm, PositionEmbedding, TokenEmbedding, final_hidden, lm_head
 
 TIED_EMBEDDING = "embedding"
 FIRST_BLOCK_INDEX = 2  # after the token and position embeddings
@@ -60,14 +61,17 @@ def build_layers(recipes: Sequence[LayerRecipe]) -> tuple[nn.ModuleList, list[La
     return modules, funcs
 
 
-def gpt_layers(config: GPTConfig, seed: int) -> list[LayerRecipe]:
+def gpt_layers(config: GPTConfig, seed: int, logits: bool = False) -> list[LayerRecipe]:
+    """The flat sequence. Its LM head returns the final hidden states when `model.loss_chunk_tokens` fuses the
+    logits into the loss, unless `logits` (the unpipelined GPT: sampling, export and references need logits)."""
+    head = lm_head if logits or config.loss_chunk_tokens == 0 else final_hidden
     blocks = [LayerRecipe(Block, (config, seed, FIRST_BLOCK_INDEX + i)) for i in range(config.n_layer)]
     return [
         LayerRecipe(TokenEmbedding, (config, seed, 0), tie_key=TIED_EMBEDDING),
         LayerRecipe(PositionEmbedding, (config, seed, 1)),
         *blocks,
         LayerRecipe(FinalNorm, (config, seed, FIRST_BLOCK_INDEX + config.n_layer)),
-        LayerRecipe(TokenEmbedding, (config, seed, 0), tie_key=TIED_EMBEDDING, forward_fn=lm_head),
+        LayerRecipe(TokenEmbedding, (config, seed, 0), tie_key=TIED_EMBEDDING, forward_fn=head),
     ]
 
 
@@ -108,12 +112,13 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 class GPT(nn.Module):
-    """The whole flat sequence in one process (no pipeline): the reference the pipeline must match."""
+    """The whole flat sequence in one process (no pipeline): the reference the pipeline must match. It always
+    returns logits, whatever `model.loss_chunk_tokens` says."""
 
     def __init__(self, config: GPTConfig, seed: int):
         super().__init__()
         self.config = config
-        self.layers, self.forward_funcs = build_layers(gpt_layers(config, seed))
+        self.layers, self.forward_funcs = build_layers(gpt_layers(config, seed, logits=True))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = idx  # (B, T) token ids, then (B, T, C), finally (B, T, vocab) logits

@@ -8,11 +8,12 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from model.attention import AttentionCore
 from model.config import GPTConfig
 from model.kv_cache import KVCache
+from model.packed_dropout import dropout_layer
+from model.weight_grad import Linear, linear
 
 INIT_STD = 0.02
 
@@ -54,9 +55,22 @@ class TokenEmbedding(nn.Module):
         return self.wte(idx)  # (B, T, C)
 
 
+def head_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Hidden states (..., C) -> logits (..., vocab) through the tied weight (vocab, C): the LM head's one matmul,
+    for lm_head and the fused loss (model/fused_loss.py) alike. Through model/weight_grad.py's `linear`, so a
+    zero-bubble schedule can defer the unfused head's weight gradient."""
+    return linear(x, weight)
+
+
 def lm_head(embedding: TokenEmbedding, x: torch.Tensor) -> torch.Tensor:
     """Final hidden states (B, T, C) -> logits (B, T, vocab) through the tied embedding."""
-    return F.linear(x, embedding.wte.weight)
+    return head_logits(x, embedding.wte.weight)
+
+
+def final_hidden(embedding: TokenEmbedding, x: torch.Tensor) -> torch.Tensor:
+    """The LM head under the fused loss (model.loss_chunk_tokens > 0): the final hidden states (B, T, C) pass
+    through, and the loss makes the logits chunk by chunk from the tied weight the stage holds."""
+    return x
 
 
 class PositionEmbedding(nn.Module):
@@ -65,7 +79,7 @@ class PositionEmbedding(nn.Module):
     def __init__(self, config: GPTConfig, seed: int, layer_index: int):
         super().__init__()
         self.wpe = nn.Embedding(config.seq_len, config.n_embd)
-        self.drop = nn.Dropout(config.dropout)
+        self.drop = dropout_layer(config.dropout, config.packed_dropout)
         gpt2_init_(self, config.n_layer, seed, layer_index)
 
     def forward(self, tok_emb: torch.Tensor, start: int = 0) -> torch.Tensor:
@@ -78,10 +92,10 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.n_head = config.n_head
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_attn = Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.core = AttentionCore(config)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.resid_dropout = nn.Dropout(config.dropout)
+        self.c_proj = Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = dropout_layer(config.dropout, config.packed_dropout)
 
     def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, T, C = x.shape
@@ -106,11 +120,11 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_fc = Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         # Both variants are nn.GELU, which saves only its input: the memory model's bytes hold for either.
         self.act = nn.GELU(approximate="tanh" if config.activation == "gelu_tanh" else "none")
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
-        self.dropout = nn.Dropout(config.dropout)
+        self.c_proj = Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = dropout_layer(config.dropout, config.packed_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.c_proj(self.act(self.c_fc(x))))  # (B, T, C)

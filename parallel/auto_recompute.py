@@ -25,7 +25,7 @@ import bisect
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from parallel.flops import block_forward_flops, mlp_output_matmul_flops, selective_recompute_flops
 from parallel.memory_model import attention_kernel, block_full_items, total
@@ -67,6 +67,15 @@ class StageChoice:
     working_bytes: int
     """Transient: the largest segment's recomputed activations during its backward."""
     cost: float
+    """Recompute cost of one micro-batch that runs under the choice."""
+    micro_batches: int | None = None
+    """Run the choice for only this many of the stage's in-flight micro-batches (StagePlan.micro_batches);
+    None: for all of them."""
+    plain_kept_bytes: int = 0
+    """What the blocks keep per micro-batch that runs with no recompute (when `micro_batches` is set)."""
+
+    def recomputed_in_flight(self, in_flight: int) -> int:
+        return in_flight if self.micro_batches is None else self.micro_batches
 
 
 def _elementwise_bytes(shape: Shape, target: Target, modules: Sequence[str]) -> int:
@@ -211,12 +220,39 @@ def choose_stage(n: int, table: CostTable, in_flight: int, byte_budget: float) -
     )
 
 
-def to_stage_plan(choice: StageChoice, block_positions: Sequence[int], table: CostTable) -> StagePlan:
-    """The StagePlan (local layer indices) that carries out a StageChoice."""
+def choose_stage_micro_batches(
+    n: int, table: CostTable, in_flight: int, micro_batches: int, byte_budget: float
+) -> StageChoice | None:
+    """`choose_stage` with per-micro-batch recompute: for each k of the in-flight micro-batches, the
+    cheapest plan for the k recomputed ones while the other in_flight - k keep what `none` keeps, priced
+    by the recompute of a whole step (k's plan runs on StagePlan.recomputes_micro_batch's share of the
+    step's micro-batches). The least recompute time wins; ties go to more micro-batches (k = in_flight
+    is choose_stage's own plan)."""
+    plain = n * table.block_bytes
+    best, best_time = None, None
+    for k in range(in_flight, 0, -1):
+        choice = choose_stage(n, table, k, byte_budget - (in_flight - k) * plain)
+        if choice is None:
+            continue
+        time = choice.cost * StagePlan(micro_batches=k, in_flight=in_flight).recomputed_count(micro_batches)
+        if best_time is None or time < best_time:
+            best, best_time = choice, time
+            if k < in_flight:
+                best = replace(choice, micro_batches=k, plain_kept_bytes=plain)
+    return best
+
+
+def to_stage_plan(
+    choice: StageChoice, block_positions: Sequence[int], table: CostTable, in_flight: int | None = None
+) -> StagePlan:
+    """The StagePlan (local layer indices) that carries out a StageChoice; `in_flight` (the stage's) is
+    needed when the choice recomputes for only some micro-batches."""
     modules = {option.choice: option.modules for option in table.options}
     return StagePlan(
         segments=tuple((block_positions[a], block_positions[b - 1] + 1) for a, b in choice.segments),
         selective={block_positions[i]: modules[c] for i, c in enumerate(choice.choices) if c.startswith("selective:")},
+        micro_batches=choice.micro_batches,
+        in_flight=in_flight if choice.micro_batches is not None else None,
     )
 
 
@@ -238,4 +274,6 @@ class StageBudget:
     def predicted_peak_bytes(self) -> int | None:
         if self.choice is None:
             return None
-        return self.fixed_bytes + self.in_flight * self.choice.kept_bytes + self.choice.working_bytes
+        k = self.choice.recomputed_in_flight(self.in_flight)
+        kept = k * self.choice.kept_bytes + (self.in_flight - k) * self.choice.plain_kept_bytes
+        return self.fixed_bytes + kept + self.choice.working_bytes

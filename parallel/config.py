@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 PARTITION_METHODS = ("balanced", "parameters", "uniform", "type:Block")
 RECOMPUTE_MODULES = ("core_attn", "mlp_act", "layernorm", "mlp")
 INTERVAL_WORDS = ("stage", "sqrt")
+SCHEDULE_CHOICES = ("1f1b", "zb-h1", "auto")
 
 
 @dataclass
@@ -68,6 +69,11 @@ class ParallelConfig:
     counts) or `type:Block` (balance transformer blocks)."""
     zero_stage: int = 0
     """ZeRO optimizer-state sharding over data-parallel ranks: 0 or 1 (pipelines forbid 2 and 3)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule of a training step: `1f1b` (DeepSpeed's TrainSchedule), `zb-h1` (Zero Bubble H1: each
+    backward split into the input gradient, sent upstream at once, and the weight gradient, deferred into the
+    bubbles within 1F1B's activation memory) or `auto` (only with `+recompute=auto`: the planner picks the one
+    with the shorter simulated step time within the budget)."""
 
     def __post_init__(self) -> None:
         if self.pipeline_stages is not None and self.pipeline_stages <= 0:
@@ -87,6 +93,18 @@ class ParallelConfig:
             )
         if self.zero_stage not in (0, 1):
             raise ValueError(f"parallel.zero_stage={self.zero_stage} is invalid: pipeline parallelism allows 0 or 1")
+        if self.schedule not in SCHEDULE_CHOICES:
+            raise ValueError(
+                f"parallel.schedule={self.schedule!r} is unknown: allowed values are {', '.join(SCHEDULE_CHOICES)}"
+            )
+
+
+def check_micro_batches(value: int | None) -> None:
+    """`recompute.micro_batches` on its own; schema/checks.py holds it to train.micro_batches."""
+    if value is not None and value < 1:
+        raise ValueError(
+            f"recompute.micro_batches={value} is invalid: it must be from 1 to train.micro_batches, or null (all)"
+        )
 
 
 @dataclass
@@ -95,6 +113,15 @@ class NoRecompute:
 
     mode: str = "none"
     """Option of the `recompute` config group (`+recompute=none`); must stay "none"."""
+    early: bool = False
+    """Present only so that `recompute.early=true` is refused with its reason: nothing is recomputed here."""
+
+    def __post_init__(self) -> None:
+        if self.early:
+            raise ValueError(
+                "recompute.early=true is invalid with +recompute=none: nothing is recomputed under "
+                "+recompute=none; use full, selective or auto, or recompute.early=false"
+            )
 
 
 @dataclass
@@ -107,8 +134,17 @@ class FullRecompute:
     """Blocks per segment: a positive integer, `stage` (one segment per stage: the stage input the
     pipeline already holds is the only thing stored) or `sqrt` (about sqrt(blocks in the stage)).
     Segments start at each stage's first block and never cross a stage boundary."""
+    early: bool = False
+    """Run each micro-batch's recompute as its own pipeline instruction before the stage waits for that
+    micro-batch's output gradient (RecvGrad), instead of inside its backward; the last stage never waits there
+    and recomputes inside backward."""
+    micro_batches: int | None = None
+    """Recompute for only this many of each stage's in-flight micro-batches, those whose activations wait
+    longest (parallel/stage_plan.py's `StagePlan.recomputes_micro_batch` says which); the others run with no
+    recompute. null: all of them. From 1 to train.micro_batches; a stage with fewer in flight recomputes all."""
 
     def __post_init__(self) -> None:
+        check_micro_batches(self.micro_batches)
         self.interval = str(self.interval)
         if self.interval in INTERVAL_WORDS:
             return
@@ -129,8 +165,17 @@ class SelectiveRecompute:
     """What to recompute: `core_attn` (softmax(QK^T)V with its dropout), `mlp_act` (the GELU output
     read by the second MLP matmul), `layernorm` (the LayerNorm outputs read by the QKV and first MLP
     matmuls), `mlp` (the whole MLP with its dropout)."""
+    early: bool = False
+    """Run each micro-batch's recompute as its own pipeline instruction before the stage waits for that
+    micro-batch's output gradient (RecvGrad), instead of inside its backward; the last stage never waits there
+    and recomputes inside backward."""
+    micro_batches: int | None = None
+    """Recompute for only this many of each stage's in-flight micro-batches, those whose activations wait
+    longest (parallel/stage_plan.py's `StagePlan.recomputes_micro_batch` says which); the others run with no
+    recompute. null: all of them. From 1 to train.micro_batches; a stage with fewer in flight recomputes all."""
 
     def __post_init__(self) -> None:
+        check_micro_batches(self.micro_batches)
         unknown = [m for m in self.modules if m not in RECOMPUTE_MODULES]
         if unknown or not self.modules:
             raise ValueError(
@@ -159,6 +204,14 @@ class AutoRecompute:
     profile: bool = False
     """Time each recompute choice on one block on the real device at start-up, and use those seconds as
     costs instead of the analytic FLOP/byte model."""
+    early: bool | None = None
+    """Run each micro-batch's recompute before the stage waits for its output gradient (see
+    `+recompute=full`'s `recompute.early`); null: the planner chooses, per run, the setting with the shorter
+    simulated step time within the budget."""
+    per_micro_batch: bool = False
+    """Also choose, per stage, for how many of its in-flight micro-batches the plan recomputes (the others
+    run with no recompute; see `+recompute=full`'s `recompute.micro_batches`): the least recompute time per
+    step that fits, plans between the all-micro-batch ones. Off: every micro-batch runs its stage's plan."""
 
     def __post_init__(self) -> None:
         if self.budget_gb <= 0:

@@ -22,6 +22,7 @@ from parallel.ds_config import deepspeed_config
 from parallel.layout import PipelineLayout
 from parallel.lr_schedule import warmup_cosine
 from parallel.pipeline import RecomputingPipelineModule
+from parallel.zero_bubble_engine import zero_bubble
 
 
 def init_process_group(env: DistEnv, device: str, timeout_s: float) -> None:
@@ -105,7 +106,7 @@ def build_engine(
         lr_scheduler=partial(warmup_cosine, train=train),
     )
     _set_fp32_masters(engine.optimizer, weights)
-    return engine
+    return zero_bubble(engine, layout)  # every schedule, 1f1b included, through the same engine class
 
 
 def _set_fp32_masters(optimizer, weights: dict[nn.Parameter, torch.Tensor]) -> None:

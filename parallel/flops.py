@@ -121,6 +121,8 @@ def stage_flops(
                 recompute += selective_recompute_flops(shape, plan.selective[local], kernel)
         elif recipe.forward_fn is not None:
             forward += head_forward_flops(shape)
+            # The fused loss makes each chunk's logits again in backward (model/fused_loss.py).
+            recompute += head_forward_flops(shape) if shape.loss_chunk_tokens else 0
     for start, stop in plan.segments:
         recompute += segment_recompute_flops(
             shape, sum(recipes[layers[i]].module_class is Block for i in range(start, stop))

@@ -10,7 +10,7 @@ moves keep what shortens the simulated 1F1B step (parallel/step_sim.py).
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from model import Block, GPTConfig, LayerRecipe, gpt_layers, layer_param_counts
 from parallel.auto_recompute import (
@@ -18,11 +18,13 @@ from parallel.auto_recompute import (
     StageBudget,
     analytic_costs,
     choose_stage,
+    choose_stage_micro_batches,
     least_stage_bytes,
     to_stage_plan,
 )
 from parallel.config import AutoRecompute, RecomputeConfig
 from parallel.partition import StageRange, balanced_block_counts, partition_layers, stages_of_block_counts
+from parallel.pipe_schedule import SCHEDULES
 from parallel.shapes import GIB, RunShape, Shape
 from parallel.stage_costs import stage_memory
 from parallel.stage_plan import StagePlan, plan_stage
@@ -31,6 +33,7 @@ from parallel.step_costs import (
     StageCosts,
     TimeModel,
     analytic_rates,
+    lower_bound_s,
     simulate_stages,
     stage_range_costs,
     time_model,
@@ -46,6 +49,11 @@ class PipelineLayout:
     """`recompute=auto` only: each stage's side of the budget, one per stage."""
     timing: TimeModel | None = None
     """The step-time model the layout was planned with (the run plan predicts the step with it)."""
+    schedule: str = "1f1b"
+    """The concrete schedule every stage runs (parallel/pipe_schedule.py's SCHEDULES); the engine reads it and
+    each plan's `early` and `deferred_weights`."""
+    schedule_options: tuple["ScheduleOption", ...] = ()
+    """Every schedule x early setting the planner priced for these plans (the dry run's table)."""
 
     def empty_stage_warnings(self) -> list[str]:
         """One warning per stage that holds no transformer block: it idles while the others compute."""
@@ -70,9 +78,17 @@ class PipelineLayout:
                 recipe = self.recipes[flat]
                 choice = plan.choice_of(local) if recipe.module_class is Block else ""
                 names.append(f"{flat}:{recipe.name}" + (f"[{choice}]" if choice and choice != "none" else ""))
-            lines.append(
-                f"stage {stage.stage}: layers {stage.start}..{stage.stop - 1} ({len(names)} layers) " + " ".join(names)
-            )
+            line = f"stage {stage.stage}: layers {stage.start}..{stage.stop - 1} ({len(names)} layers) "
+            line += " ".join(names)
+            if plan.micro_batches is not None and plan.micro_batches < plan.in_flight:
+                line += f" | recompute for {plan.micro_batches} of {plan.in_flight} in-flight micro-batches"
+            lines.append(line)
+        if self.schedule != "1f1b" or any(p.early for p in self.plans):
+            early = ", ".join(str(s) for s, p in enumerate(self.plans) if p.early) or "none"
+            line = f"schedule {self.schedule} | early recompute on stages: {early}"
+            if self.schedule == "zb-h1":
+                line += " | deferred W's per stage: " + " ".join(str(p.deferred_weights) for p in self.plans)
+            lines.append(line)
         return lines
 
     def describe_budgets(self, auto: AutoRecompute) -> list[str]:
@@ -86,6 +102,8 @@ class PipelineLayout:
             for choice in b.choice.choices:
                 counts[choice] = counts.get(choice, 0) + 1
             plan = ", ".join(f"{n} x {c}" for c, n in counts.items()) or "no blocks"
+            if b.choice.micro_batches is not None:
+                plan += f" for {b.choice.micro_batches} of them, none for the others"
             lines.append(
                 f"stage {b.stage}: {plan} | {b.in_flight} in flight | predicted peak "
                 f"{b.predicted_peak_bytes / GIB:.4f} of {usable:g} GiB "
@@ -119,10 +137,12 @@ def build_layout(
     seed: int,
     costs: CostTable | None = None,
     rates: DeviceRates | None = None,
+    schedule: str = "1f1b",
 ) -> PipelineLayout:
     """The layout training and the dry run use. `recompute=auto` plans each stage against the budget (with
     `costs`, else the analytic ones) and raises ValueError when a stage cannot fit. `rates`: what the
-    analytic step-time model charges at (default: parallel/step_costs.py's nominal rates for the target)."""
+    analytic step-time model charges at (default: parallel/step_costs.py's nominal rates for the target).
+    `schedule` (parallel.schedule) and `recompute.early`: see `_choose_schedule`."""
     recipes = gpt_layers(model, seed)
     shape = Shape.of(model, run.micro_batch_size)
     table = costs or analytic_costs(shape, run.target)
@@ -138,11 +158,12 @@ def build_layout(
         stages = stages_of_block_counts(recipes, _balanced_counts(planner, model.n_layer, num_stages))
     planned = [planner.plan(stage) for stage in stages]
     plans = [plan for plan, _ in planned]
-    if not isinstance(recompute, AutoRecompute):
-        return PipelineLayout(recipes, stages, plans, timing=timing)
-    budgets = [budget for _, budget in planned]
-    _check_fits(recompute, budgets)
-    return PipelineLayout(recipes, stages, plans, budgets, timing)
+    budgets = None
+    if isinstance(recompute, AutoRecompute):
+        budgets = [budget for _, budget in planned]
+        _check_fits(recompute, budgets)
+    chosen, options = _choose_schedule(planner, stages, plans, schedule, getattr(recompute, "early", False))
+    return PipelineLayout(recipes, stages, list(chosen.plans), budgets, timing, chosen.schedule, options)
 
 
 class _StagePlanner:
@@ -163,10 +184,20 @@ class _StagePlanner:
     def plan(self, stage: StageRange) -> tuple[StagePlan, StageBudget | None]:
         recipes = self.recipes
         positions = [local for local, flat in enumerate(stage.layers) if recipes[flat].module_class is Block]
-        if not isinstance(self.recompute, AutoRecompute):
-            return plan_stage([recipes[i].module_class is Block for i in stage.layers], self.recompute), None
+        is_block = [recipes[i].module_class is Block for i in stage.layers]
+        auto = isinstance(self.recompute, AutoRecompute)
+        if not auto and getattr(self.recompute, "micro_batches", None) is None:  # none has no micro_batches
+            return plan_stage(is_block, self.recompute), None
         memory = stage_memory(recipes, stage, StagePlan(), self.shape, self.run, self.counts)
-        choice = choose_stage(len(positions), self.table, memory.in_flight, self.usable - memory.fixed_bytes)
+        if not auto:  # which micro-batches recompute depends on how many the stage holds
+            return plan_stage(is_block, self.recompute, memory.in_flight), None
+        room = self.usable - memory.fixed_bytes
+        if self.recompute.per_micro_batch:
+            choice = choose_stage_micro_batches(
+                len(positions), self.table, memory.in_flight, self.run.micro_batches, room
+            )
+        else:
+            choice = choose_stage(len(positions), self.table, memory.in_flight, room)
         budget = StageBudget(
             stage.stage,
             int(self.usable),
@@ -175,7 +206,7 @@ class _StagePlanner:
             choice,
             memory.fixed_bytes + least_stage_bytes(len(positions), self.table, memory.in_flight),
         )
-        return (to_stage_plan(choice, positions, self.table) if choice else StagePlan()), budget
+        return (to_stage_plan(choice, positions, self.table, memory.in_flight) if choice else StagePlan()), budget
 
     def stage_costs(self, stage: int, blocks: int) -> StageCosts | None:
         """Seconds of stage `stage` holding `blocks` blocks under its plan; None when it cannot fit."""
@@ -193,7 +224,8 @@ class _StagePlanner:
         plan, budget = self.plan(stage)
         if budget is not None and budget.choice is None:
             return None
-        return stage_range_costs(self.timing, self.recipes, stage, plan, self.run, self.counts)
+        costs = stage_range_costs(self.timing, self.recipes, stage, plan, self.run, self.counts)
+        return per_micro_batch_costs(costs, plan, self.run.micro_batches)
 
     def _hypothetical(self, stage: int, blocks: int) -> StageRange:
         """Stage `stage` holding `blocks` blocks: blocks are identical, so only its ends matter."""
@@ -203,6 +235,15 @@ class _StagePlanner:
         start = 0 if stage == 0 else (after_blocks - blocks if stage == last else first_block)
         stop = n_layers if stage == last else start + blocks + (first_block if stage == 0 else 0)
         return StageRange(stage, start, stop)
+
+
+def per_micro_batch_costs(costs: StageCosts, plan: StagePlan, micro_batches: int) -> StageCosts:
+    """A stage's costs with its recompute spread over the step's backward passes: only the micro-batches the
+    plan recomputes for pay it (StagePlan.micro_batches), and the simulator charges every backward alike, so
+    each pays the mean (the step's busy time is exact; where in the step the recompute falls is not)."""
+    if plan.micro_batches is None:
+        return costs
+    return replace(costs, recompute=costs.recompute * plan.recomputed_count(micro_batches) / micro_batches)
 
 
 RESOLUTION = 1e-3
@@ -254,6 +295,119 @@ def _simulated(planner: _StagePlanner, counts: list[int]) -> float | None:
     if None in costs:
         return None
     return simulate_stages(costs, planner.run.micro_batches).step_time_s
+
+
+@dataclass(frozen=True)
+class ScheduleOption:
+    """One schedule x early-recompute setting of a layout's plans, as the planner priced it."""
+
+    schedule: str
+    early: bool
+    plans: tuple[StagePlan, ...]
+    """The layout's plans with this setting's `early` and ZB-H1 deferral."""
+    step_time_s: float
+    """The simulated step (parallel/step_sim.py)."""
+    lower_bound_s: float
+    """What no schedule of these stages beats (parallel/step_costs.py's `lower_bound_s`)."""
+    peak_bytes: tuple[int, ...]
+    """Each stage's predicted peak tensor bytes under this setting (StageMemory.predicted_peak_tensor_bytes: the
+    backward's working set included, which early recompute moves ahead of the backward)."""
+    fits: bool
+    """`recompute=auto` only (always true without it): every stage's peak within the budget, or no higher than
+    under the 1F1B schedule the plans were chosen for (the budget check of auto's own plan counts its segment's
+    working set its own way)."""
+    allowed: bool
+    """parallel.schedule and recompute.early allow it (`auto` / null allow every value)."""
+
+
+def _choose_schedule(
+    planner: _StagePlanner, stages: list[StageRange], plans: list[StagePlan], schedule: str, early: bool | None
+) -> tuple[ScheduleOption, tuple[ScheduleOption, ...]]:
+    """Price every schedule x early setting of the plans, and keep the allowed one with the shortest simulated
+    step among those that fit (`schedule` `auto` or `early` None: the planner's choice). Early recompute is
+    priced only where some stage recomputes. The plans are auto's (or the mode's) for 1F1B: early recompute
+    adds one micro-batch's recomputed activations to a stage's peak, so under a budget it may not fit; ZB-H1
+    stays within 1F1B's peak by construction (`_deferrals`), so it fits wherever 1F1B with the same `early`
+    does. Raises ValueError when the configured setting does not fit the budget."""
+    recomputes = any(p.segments or p.selective for p in plans)
+    options = []
+    for early_here in (False, True) if recomputes else (False,):
+        for kind in SCHEDULES:
+            # With nothing to recompute, early=true has nothing to move: its setting is early=false's.
+            allowed = schedule in ("auto", kind) and (early is None or early == early_here or not recomputes)
+            options.append(_price_schedule(planner, stages, plans, kind, early_here, allowed))
+    candidates = [o for o in options if o.allowed and o.fits]
+    if not candidates:
+        usable = planner.usable / GIB
+        raise ValueError(
+            f"recompute.early={str(early).lower()} does not fit recompute.budget_gb: early recompute holds one "
+            f"micro-batch's recomputed activations on top of the plan, and a stage's peak then exceeds its "
+            f"{usable:g} GiB; use recompute.early=null (the planner chooses) or false, or a larger recompute.budget_gb"
+        )
+    return min(candidates, key=lambda o: o.step_time_s), tuple(options)
+
+
+def _price_schedule(
+    planner: _StagePlanner, stages: list[StageRange], plans: list[StagePlan], kind: str, early: bool, allowed: bool
+) -> ScheduleOption:
+    last = len(stages) - 1
+    plans = [
+        replace(p, early=early and s < last and bool(p.segments or p.selective), deferred_weights=None)
+        for s, p in enumerate(plans)
+    ]
+    if kind == "zb-h1":
+        plans = _deferrals(planner, stages, plans)
+    run, counts = planner.run, planner.counts
+    memory = [stage_memory(planner.recipes, st, p, planner.shape, run, counts, kind) for st, p in zip(stages, plans)]
+    reference = [
+        stage_memory(planner.recipes, st, replace(p, early=False, deferred_weights=None), planner.shape, run, counts)
+        for st, p in zip(stages, plans)
+    ]
+    costs = [
+        per_micro_batch_costs(
+            stage_range_costs(planner.timing, planner.recipes, st, p, run, counts), p, run.micro_batches
+        )
+        for st, p in zip(stages, plans)
+    ]
+    peaks = tuple(m.predicted_peak_tensor_bytes for m in memory)
+    fits = not isinstance(planner.recompute, AutoRecompute) or all(
+        peak <= max(planner.usable, r.predicted_peak_tensor_bytes) for peak, r in zip(peaks, reference)
+    )
+    return ScheduleOption(
+        kind,
+        early,
+        tuple(plans),
+        simulate_stages(
+            costs, run.micro_batches, kind, [p.early for p in plans], [p.deferred_weights for p in plans]
+        ).step_time_s,
+        lower_bound_s(costs, run.micro_batches, early),
+        peaks,
+        fits,
+        allowed,
+    )
+
+
+def _deferrals(planner: _StagePlanner, stages: list[StageRange], plans: list[StagePlan]) -> list[StagePlan]:
+    """ZB-H1's bound, per stage: the most deferred W's (up to the stage index, ZB-H1's own count) that keep
+    the stage's predicted peak tensor bytes (each backward's working set inside it) within the fullest stage's
+    1F1B peak of the same plans. That is ZB-H1's promise
+    ("1F1B's activation memory"): a later stage holds fewer micro-batches under 1F1B than stage 0, and the room
+    left takes deferred W's. A W-pending micro-batch holds each Linear's input and output gradient
+    (memory_model.weight_grad_items), whatever the plan recomputes, so under heavy recompute even one may not
+    fit: the stage then defers none, and its B and W are 1F1B's backward cut in two."""
+    run, counts = planner.run, planner.counts
+
+    def peak(stage: StageRange, plan: StagePlan, kind: str) -> int:
+        return stage_memory(planner.recipes, stage, plan, planner.shape, run, counts, kind).predicted_peak_tensor_bytes
+
+    bound = max(peak(st, p, "1f1b") for st, p in zip(stages, plans))
+    out = []
+    for st, p in zip(stages, plans):
+        deferred = next(
+            d for d in range(st.stage, -1, -1) if d == 0 or peak(st, replace(p, deferred_weights=d), "zb-h1") <= bound
+        )
+        out.append(replace(p, deferred_weights=deferred))
+    return out
 
 
 def _check_fits(auto: AutoRecompute, budgets: list[StageBudget]) -> None:

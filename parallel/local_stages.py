@@ -13,7 +13,8 @@ from contextlib import nullcontext
 import torch
 import torch.nn as nn
 
-from model import LayerRecipe, build_layers, lm_loss
+from model import LayerRecipe, build_layers
+from model.fused_loss import HeadLoss
 from parallel.activation_meter import ActivationMeter
 from parallel.layout import PipelineLayout
 from parallel.partition import StageRange
@@ -38,6 +39,9 @@ class LocalStage(nn.Module):
 class LocalPipeline:
     def __init__(self, layout: PipelineLayout, precision: str = "fp32"):
         self.stages = [LocalStage(layout.recipes, s, p, precision) for s, p in zip(layout.stages, layout.plans)]
+        self.loss = HeadLoss.of(layout.recipes)
+        # The last layer is the LM head: its function is partial(head, token embedding), the tied module.
+        self.head_weight = self.stages[-1].funcs[-1].args[0].wte.weight
 
     def parameters(self):
         return [p for stage in self.stages for p in stage.parameters()]
@@ -60,7 +64,7 @@ class LocalPipeline:
                     x = stage(stage_input)
                 outputs.append(x)
             with self.stages[-1].meter.record(new=False) if measure else nullcontext():
-                loss = lm_loss(x, labels)
+                loss = self.loss(x, labels, self.head_weight)
             loss.backward()
             for i in range(len(self.stages) - 2, -1, -1):
                 outputs[i].backward(received[i + 1].grad)

@@ -37,6 +37,11 @@ def attention_kernel(shape: Shape, target: Target) -> str:
     return "sdpa-math" if shape.dropout else "sdpa-flash"
 
 
+def dropout_mask_bytes(elements: int, shape: Shape, target: Target) -> int:
+    """The mask one dropout keeps: a bit per element under model.packed_dropout, else target.mask_bytes each."""
+    return -(-elements // 8) if shape.packed_dropout else elements * target.mask_bytes
+
+
 def _attention_core_items(shape: Shape, target: Target) -> list[Item]:
     """What the attention core keeps, including the (B, T, C) output the output projection reads."""
     d, bsh, scores = target.dtype_bytes, shape.bsh, shape.scores
@@ -45,10 +50,11 @@ def _attention_core_items(shape: Shape, target: Target) -> list[Item]:
         # matmul reshapes the strided q, k, v views into contiguous copies and keeps those. The SDPA
         # math backend upcasts 16-bit inputs and computes everything in fp32.
         c = d if kernel == "math" else FP32
-        mask = target.mask_bytes if kernel == "math" else FP32
+        # SDPA's math backend draws its own fp32 mask; explicit ops run the model's dropout
+        mask = dropout_mask_bytes(scores, shape, target) if kernel == "math" else scores * FP32
         items = [("q, k, v copies kept by the two batched matmuls", 3 * bsh * c), ("softmax output", scores * c)]
         if shape.dropout:
-            items += [("attention dropout mask", scores * mask), ("attention dropout output", scores * c)]
+            items += [("attention dropout mask", mask), ("attention dropout output", scores * c)]
         # (no dropout: the second matmul keeps the softmax output itself, counted once)
         items.append(("attention output, contiguous (output projection input)", bsh * d))
         return items
@@ -64,7 +70,8 @@ def _attention_core_items(shape: Shape, target: Target) -> list[Item]:
 def block_items(shape: Shape, target: Target, modules: Sequence[str] = ()) -> list[Item]:
     """What one block keeps with no recompute (`modules` empty) or with selective recompute of
     `modules`. The block input (kept by ln_1, or by a checkpoint) is the first item."""
-    d, m, r, bsh = target.dtype_bytes, target.mask_bytes, target.ln_stat_bytes, shape.bsh
+    d, r, bsh = target.dtype_bytes, target.ln_stat_bytes, shape.bsh
+    mask = dropout_mask_bytes(bsh, shape, target)
     bs = shape.b * shape.s
     mods = set(modules)
     items: list[Item] = [("block input (ln_1 input)", bsh * d), ("ln_1 mean and rstd", 2 * bs * r)]
@@ -79,7 +86,7 @@ def block_items(shape: Shape, target: Target, modules: Sequence[str] = ()) -> li
     else:
         items += _attention_core_items(shape, target)
     if shape.dropout:
-        items.append(("attention residual dropout mask", bsh * m))
+        items.append(("attention residual dropout mask", mask))
     if "mlp" in mods and "layernorm" in mods:
         items.append(("ln_2 input (checkpoint input of ln_2 + MLP)", bsh * d))
         return items
@@ -92,7 +99,7 @@ def block_items(shape: Shape, target: Target, modules: Sequence[str] = ()) -> li
     if "mlp_act" not in mods:
         items.append(("GELU output (second MLP matmul input)", 4 * bsh * d))
     if shape.dropout:
-        items.append(("MLP dropout mask", bsh * m))
+        items.append(("MLP dropout mask", mask))
     return items
 
 
@@ -108,7 +115,7 @@ def token_embedding_items(shape: Shape, target: Target) -> list[Item]:
 def position_embedding_items(shape: Shape, target: Target) -> list[Item]:
     items = [("position ids", shape.s * INDEX_BYTES)]
     if shape.dropout:
-        items.append(("embedding dropout mask", shape.bsh * target.mask_bytes))
+        items.append(("embedding dropout mask", dropout_mask_bytes(shape.bsh, shape, target)))
     return items
 
 
@@ -120,17 +127,56 @@ def final_norm_items(shape: Shape, target: Target) -> list[Item]:
 
 
 def lm_head_items(shape: Shape, target: Target) -> list[Item]:
-    return [("ln_f output (LM head input)", shape.bsh * target.dtype_bytes)]
+    """The head's matmul keeps its input; under the fused loss the head passes the hidden states through."""
+    return [] if shape.loss_chunk_tokens else [("ln_f output (LM head input)", shape.bsh * target.dtype_bytes)]
 
 
 def loss_items(shape: Shape, target: Target) -> list[Item]:
-    """lm_loss: cross-entropy on fp32 logits keeps its log-probabilities, the labels and a scalar."""
+    """lm_loss: cross-entropy on fp32 logits keeps its log-probabilities, the labels and a scalar. The fused loss
+    (model/fused_loss.py) keeps the final hidden states, the labels and an fp32 log-sum-exp per token."""
     tokens = shape.b * shape.s
+    if shape.loss_chunk_tokens:
+        return [
+            ("ln_f output (fused loss input)", shape.bsh * target.dtype_bytes),
+            ("labels", tokens * INDEX_BYTES),
+            ("log-sum-exp per token (fp32)", tokens * FP32),
+        ]
     return [
         ("log-softmax output (fp32)", tokens * shape.vocab * FP32),
         ("labels", tokens * INDEX_BYTES),
         ("cross-entropy total weight", FP32),
     ]
+
+
+def weight_grad_items(shape: Shape, target: Target) -> list[Item]:
+    """What one block holds from its B to its W under zb-h1 (model/weight_grad.py's store): each Linear's
+    input and output gradient. The same under every plan: a recomputed input is the recompute's tensor, held
+    past the backward that made it, and everything else of the micro-batch is freed with its graph."""
+    d, bsh = target.dtype_bytes, shape.bsh
+    return [
+        ("QKV projection input and output gradient", bsh * d + 3 * bsh * d),
+        ("attention output projection input and output gradient", 2 * bsh * d),
+        ("first MLP matmul input and output gradient", bsh * d + 4 * bsh * d),
+        ("second MLP matmul input and output gradient", 4 * bsh * d + bsh * d),
+    ]
+
+
+def lm_head_weight_grad_items(shape: Shape, target: Target) -> list[Item]:
+    """The tied LM head's share from B to W: its input and the logits' gradient."""
+    d = target.dtype_bytes
+    return [("LM head input and logits gradient", shape.bsh * d + shape.b * shape.s * shape.vocab * d)]
+
+
+def stage_weight_grad_bytes(recipes: Sequence[LayerRecipe], layers: range, shape: Shape, target: Target) -> int:
+    """Bytes one micro-batch holds on the stage between its B and its W (zb-h1)."""
+    held = 0
+    for flat in layers:
+        if recipes[flat].module_class is Block:
+            held += total(weight_grad_items(shape, target))
+        elif recipes[flat].forward_fn is not None and not shape.loss_chunk_tokens:
+            # The fused loss makes the head's weight gradient chunk by chunk inside B: nothing to defer.
+            held += total(lm_head_weight_grad_items(shape, target))
+    return held
 
 
 def selective_combinations() -> list[tuple[str, ...]]:
@@ -203,8 +249,8 @@ def stage_input_bytes(stage_index: int, shape: Shape, target: Target) -> int:
 
 
 def stage_output_bytes(is_last: bool, shape: Shape, target: Target) -> int:
-    """What the stage's forward returns: hidden states, or logits on the last stage."""
-    width = shape.vocab if is_last else shape.h
+    """What the stage's forward returns: hidden states, or logits on the last stage (unless the loss is fused)."""
+    width = shape.vocab if is_last and not shape.loss_chunk_tokens else shape.h
     return shape.b * shape.s * width * target.dtype_bytes
 
 
@@ -212,8 +258,11 @@ def pipe_buffer_bytes(
     stage_index: int, is_last: bool, shape: Shape, target: Target, num_buffers: int, in_flight: int
 ) -> int:
     """DeepSpeed's own copies, outside autograd: one received input per pipe buffer, and the stage
-    output of every micro-batch in flight (the last stage never frees its logits buffers)."""
-    outputs = num_buffers if is_last else in_flight
+    output of every micro-batch in flight (the last stage never frees its output buffers). Under the fused loss
+    the last stage's output of a micro-batch in flight is the storage the loss keeps, counted with its activations."""
+    outputs = in_flight
+    if is_last:
+        outputs = num_buffers - (in_flight if shape.loss_chunk_tokens else 0)
     return num_buffers * stage_input_bytes(stage_index, shape, target) + outputs * stage_output_bytes(
         is_last, shape, target
     )

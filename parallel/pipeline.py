@@ -8,7 +8,8 @@ import torch
 import torch.nn as nn
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
-from model import LayerRecipe, lm_loss
+from model import LayerRecipe
+from model.fused_loss import HeadLoss
 from parallel.partition import StageRange
 from parallel.recompute import apply_plan, run_stage
 from parallel.stage_plan import StagePlan
@@ -50,10 +51,11 @@ class RecomputingPipelineModule(PipelineModule):
     ):
         # Read by _partition_layers, which DeepSpeed's __init__ calls (plain data: safe before Module.__init__).
         self._planned_parts = [s.start for s in stages] + [stages[-1].stop]
+        self._head_loss = HeadLoss.of(recipes)
         super().__init__(
             layers=layer_specs(recipes),
             num_stages=len(stages),
-            loss_fn=lm_loss,
+            loss_fn=self.stage_loss,
             partition_method=partition_method,
             activation_checkpoint_interval=0,
             **kwargs,
@@ -62,6 +64,13 @@ class RecomputingPipelineModule(PipelineModule):
             raise RuntimeError(f"DeepSpeed partitioned {list(self.parts)}, the plan assumed {self._planned_parts}")
         self.stage_plan = plans[self.stage_id]
         apply_plan(self.forward_funcs, self.stage_plan)
+        self._training_forwards = 0
+        """Training forwards of the current step: the index of the micro-batch the next one runs."""
+
+    def stage_loss(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """DeepSpeed's loss_fn(outputs, labels), on the last stage: the fused loss reads the tied weight there."""
+        (embedding,) = self.tied_modules.values()
+        return self._head_loss(outputs, labels, embedding.wte.weight)
 
     def _partition_layers(self, method="uniform"):
         """DeepSpeed's own methods stay DeepSpeed's (and are cross-checked against the plan); `balanced`
@@ -71,8 +80,18 @@ class RecomputingPipelineModule(PipelineModule):
         self.parts = list(self._planned_parts)
         self._set_bounds(start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
 
+    def train(self, mode: bool = True):
+        """DeepSpeed's train_batch calls this first thing in every step: the step's micro-batches count from 0."""
+        self._training_forwards = 0
+        return super().train(mode)
+
     def forward(self, forward_input):
-        return run_stage(self.forward_funcs, self.stage_plan, forward_input)
+        recompute = True
+        # Training forwards only: eval_batch runs in eval mode under no_grad, where nothing is kept anyway.
+        if self.training and torch.is_grad_enabled():
+            recompute = self.stage_plan.recomputes_micro_batch(self._training_forwards)
+            self._training_forwards += 1
+        return run_stage(self.forward_funcs, self.stage_plan, forward_input, recompute)
 
     def local_layers(self) -> list[tuple[int, nn.Module]]:
         """(flat index, module) of each layer this stage built; the tied LM head is its embedding's module."""

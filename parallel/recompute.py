@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from model import Block, LayerFn
+from parallel import early_recompute
 from parallel.stage_plan import StagePlan
 
 # Tensors kept for backward *outside* autograd's saved-tensor hooks: a non-reentrant checkpoint holds
@@ -77,6 +78,8 @@ def _recompute_context_fn():
 
 
 def _checkpoint(fn: Callable, *args: torch.Tensor) -> torch.Tensor:
+    if early_recompute.registering():  # recompute.early: RecomputeEarly reruns it ahead of backward
+        return early_recompute.checkpoint(fn, *args, bracket=_recompute_bracket)
     return checkpoint(fn, *args, use_reentrant=False, context_fn=_recompute_context_fn)
 
 
@@ -86,8 +89,27 @@ def _run_range(funcs: Sequence[LayerFn], x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def run_stage(funcs: Sequence[LayerFn], plan: StagePlan, x: torch.Tensor) -> torch.Tensor:
-    """Run a stage's layers, checkpointing the plan's segments."""
+# True while a stage runs a micro-batch its plan leaves out (StagePlan.micro_batches): the selective wrappers
+# installed at build time then call straight through, so that micro-batch keeps what `none` keeps.
+_plain = False
+
+
+@contextmanager
+def _without_recompute():
+    global _plain
+    previous, _plain = _plain, True
+    try:
+        yield
+    finally:
+        _plain = previous
+
+
+def run_stage(funcs: Sequence[LayerFn], plan: StagePlan, x: torch.Tensor, recompute: bool = True) -> torch.Tensor:
+    """Run a stage's layers, checkpointing the plan's segments; with `recompute` false (a micro-batch the
+    plan leaves out), every layer runs as under `none`."""
+    if not recompute:
+        with _without_recompute():
+            return _run_range(funcs, x)
     segment_stop = dict(plan.segments)
     i = 0
     while i < len(funcs):
@@ -107,6 +129,8 @@ def _checkpoint_forward(module: nn.Module) -> None:
     inner = module.forward
 
     def forward(*args):
+        if _plain:
+            return inner(*args)
         note_stored(*args)
         return _checkpoint(inner, *args)
 
@@ -119,6 +143,8 @@ def _checkpoint_pair(first: nn.Module, second: nn.Module) -> None:
     first_forward, second_forward = first.forward, second.forward
 
     def forward(x: torch.Tensor) -> torch.Tensor:
+        if _plain:
+            return second_forward(first_forward(x))
         note_stored(x)
         return _checkpoint(lambda t: second_forward(first_forward(t)), x)
 
@@ -133,10 +159,14 @@ def _discard_output(producer: nn.Module, consumer: nn.Module) -> None:
     last: dict[str, torch.Tensor] = {}
 
     def remember(x: torch.Tensor) -> torch.Tensor:
+        if _plain:
+            return producer_forward(x)
         last["input"], last["output"] = x, producer_forward(x)
         return last["output"]
 
     def consume(*args: torch.Tensor) -> torch.Tensor:
+        if _plain:
+            return consumer_forward(*args)
         x, out = last.pop("input"), last.pop("output")
         storage = out.untyped_storage().data_ptr()
 
@@ -145,12 +175,17 @@ def _discard_output(producer: nn.Module, consumer: nn.Module) -> None:
                 note_stored(t)
                 return t
             note_stored(x)
-            return x, t.size(), t.stride(), t.storage_offset()
+            source = x
+            if early_recompute.registering():  # recompute.early: remade by RecomputeEarly ahead of backward
+                source = early_recompute.discarded_output(producer_forward, x, _recompute_bracket)
+            return source, t.size(), t.stride(), t.storage_offset()
 
         def unpack(packed):
             if isinstance(packed, torch.Tensor):
                 return packed
             x_saved, size, stride, offset = packed
+            if isinstance(x_saved, early_recompute.DiscardedOutput):
+                return x_saved.take().as_strided(size, stride, offset)
             with torch.no_grad(), _recompute_bracket():
                 return producer_forward(x_saved).as_strided(size, stride, offset)
 

@@ -13,8 +13,9 @@ from collections.abc import Callable
 
 import torch
 
-from model import Block, GPTConfig, lm_loss
-from model.layers import FinalNorm, PositionEmbedding, TokenEmbedding, lm_head
+from model import Block, GPTConfig, gpt_layers
+from model.fused_loss import HeadLoss
+from model.layers import FinalNorm, PositionEmbedding, TokenEmbedding
 from parallel.shapes import TORCH_DTYPES
 
 
@@ -81,7 +82,9 @@ def profile_block(
     seconds["embedding_forward"], seconds["embedding_backward"] = _forward_and_backward(
         lambda: wpe(wte(tokens)), device, repeats
     )
+    recipes = gpt_layers(model, seed=0)  # the head and loss training runs: unfused, or model.loss_chunk_tokens
+    head, loss = recipes[-1].forward_fn, HeadLoss.of(recipes)
     seconds["head_forward"], seconds["head_backward"] = _forward_and_backward(
-        lambda: lm_loss(lm_head(wte, norm(x_grad)), tokens), device, repeats
+        lambda: loss(head(wte, norm(x_grad)), tokens, wte.wte.weight), device, repeats
     )
     return seconds

@@ -6,7 +6,7 @@ holds auto's choices) through stage_costs and flops, and nothing in planning rea
 (the sweep report), and `lines()` is the dry run's table.
 """
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from model import Block, GPTConfig, layer_param_counts
@@ -20,12 +20,19 @@ from parallel.flops import (
     selective_recompute_flops,
     stage_flops,
 )
-from parallel.layout import PipelineLayout
+from parallel.layout import PipelineLayout, per_micro_batch_costs
 from parallel.memory_model import attention_kernel, block_full_items, stage_input_bytes, total
 from parallel.shapes import GIB, RunShape, Shape, Target
 from parallel.stage_costs import block_options, stage_memory
 from parallel.stage_plan import plan_stage
-from parallel.step_costs import analytic_rates, layout_costs, predict_step, simulate_stages, time_model
+from parallel.step_costs import (
+    analytic_rates,
+    layout_costs,
+    lower_bound_s,
+    predict_step,
+    simulate_stages,
+    time_model,
+)
 
 COMPARED_MODES = {"none": NoRecompute(), "selective": SelectiveRecompute(), "full": FullRecompute()}
 """The uniform modes whose predicted step time plan.json gives beside the chosen plan's (their defaults)."""
@@ -88,6 +95,18 @@ class StageEstimate:
     layer_activation_bytes: tuple[LayerBytes, ...]
     budget: BudgetEstimate | None = None
     """Flattened into the stage's JSON object."""
+    recomputed_in_flight: int | None = None
+    """Of the micro-batches in flight, those that run under the plan at the peak (`recompute.micro_batches`,
+    or all); the others keep `plain_activation_bytes_per_microbatch`. Absent from plan.json files before it."""
+    plain_activation_bytes_per_microbatch: int | None = None
+    """Kept per micro-batch that runs with no recompute (StagePlan.micro_batches leaves it out)."""
+    recomputed_microbatches_per_step: int | None = None
+    """Micro-batches of a step that run under the plan (StagePlan.recomputes_micro_batch)."""
+    predicted_peak_tensor_bytes: int | None = None
+    """Live tensor bytes at the stage's peak moment (StageMemory.peak_tensor_terms), compared with the
+    measurement of parallel/tensor_peak.py. Absent from plan.json files before it."""
+    peak_tensor_terms: dict[str, int] | None = None
+    """Its named terms; `phase` names the moment of the peak."""
 
     def to_json(self) -> dict:
         out = {
@@ -101,7 +120,11 @@ class StageEstimate:
     @classmethod
     def from_json(cls, data: dict) -> "StageEstimate":
         budget_keys = [f.name for f in fields(BudgetEstimate)]
-        simple = {f.name: data[f.name] for f in fields(cls) if f.name not in ("layer_activation_bytes", "budget")}
+        simple = {
+            f.name: data[f.name]
+            for f in fields(cls)
+            if f.name not in ("layer_activation_bytes", "budget") and f.name in data  # older files lack some
+        }
         simple.update(layers=tuple(data["layers"]), choices=tuple(data["choices"]))
         budget = BudgetEstimate(**{k: data[k] for k in budget_keys}) if budget_keys[0] in data else None
         return cls(
@@ -176,6 +199,16 @@ class StepTimeEstimate:
     """Predicted step time of `none`, `selective` and `full` on the same stages."""
     by_gpu: dict[str, dict[str, float]]
     """CUDA plans: {GPU: {step_time_s, mfu}} with analytic costs at that GPU's peak."""
+    schedule: str = "1f1b"
+    """The pipeline schedule the layout runs (parallel/pipe_schedule.py)."""
+    early_stages: tuple[int, ...] = ()
+    """Stages that run their recompute early (RecomputeEarly)."""
+    lower_bound_s: float | None = None
+    """What no schedule of these stages beats: per-stage work plus unavoidable dependencies."""
+    by_schedule: dict[str, dict] = field(default_factory=dict)
+    """Each schedule x early setting the planner priced ("zb-h1+early", ...): step_time_s, lower_bound_s,
+    stage_peak_bytes (predicted peak tensor bytes), deferred_weights (zb-h1, per stage), fits (the budget),
+    allowed (by parallel.schedule and recompute.early), chosen."""
 
 
 @dataclass(frozen=True)
@@ -225,7 +258,7 @@ class RunPlan:
         step_time = None
         if "predicted_step_time_s" in data:
             keys = [f.name for f in fields(StepTimeEstimate) if f.name != "costs"]
-            step_time = StepTimeEstimate(costs=data["step_time_costs"], **{k: data[k] for k in keys})
+            step_time = StepTimeEstimate(costs=data["step_time_costs"], **{k: data[k] for k in keys if k in data})
             step_time = _tuples(step_time)
         return cls(
             **{
@@ -260,6 +293,14 @@ class RunPlan:
                 f"{_gib(s.peak_activation_bytes):>10} {_gib(states):>14} {_gib(s.pipe_buffer_bytes):>9} "
                 f"{_gib(s.predicted_peak_bytes):>10} {s.recompute_flops_per_step / 1e12:>12.3f}"
             )
+        for s in self.stages:
+            if s.recomputed_in_flight is not None and s.recomputed_in_flight < s.in_flight_microbatches:
+                lines.append(
+                    f"stage {s.stage}: recompute for {s.recomputed_in_flight} of {s.in_flight_microbatches} in flight "
+                    f"({s.recomputed_microbatches_per_step} of {self.micro_batches} per step), "
+                    f"{_gib(s.activation_bytes_per_microbatch)} GiB each; the others none, "
+                    f"{_gib(s.plain_activation_bytes_per_microbatch)} GiB each"
+                )
         k, blocks = self.korthikanti_per_block_bytes, self.per_block_activation_bytes
         lines.append(
             f"per block: {_gib(max(blocks)) if blocks else '-'} GiB kept (largest block) | paper, 16-bit: "
@@ -286,6 +327,21 @@ class RunPlan:
             + " | recompute "
             + " ".join(f"{t:.4g}" for t in st.stage_recompute_s),
         ]
+        if st.by_schedule:
+            early = ", ".join(str(s) for s in st.early_stages) or "none"
+            lines.append(
+                f"schedule {st.schedule} | early recompute on stages: {early} | lower bound {st.lower_bound_s:.4g} s"
+            )
+            lines.append(f"{'schedule':>16} {'step (s)':>9} {'bound (s)':>9} {'peak GiB':>9} {'deferred W':>10}")
+            for name, o in st.by_schedule.items():
+                deferred = " ".join("-" if d is None else str(d) for d in o["deferred_weights"])
+                notes = ["chosen"] if o["chosen"] else []
+                notes += [] if o["fits"] else ["over budget"]
+                notes += [] if o["allowed"] else ["not allowed by parallel.schedule / recompute.early"]
+                lines.append(
+                    f"{name:>16} {o['step_time_s']:>9.4g} {o['lower_bound_s']:>9.4g} "
+                    f"{_gib(max(o['stage_peak_bytes'])):>9} {deferred:>10}  {', '.join(notes)}"
+                )
         for gpu, figures in st.by_gpu.items():
             lines.append(
                 f"predicted on {gpu} (analytic costs at peak, not measured): step {figures['step_time_s']:.4g} s, "
@@ -314,8 +370,9 @@ def plan_run(model: GPTConfig, recompute: RecomputeConfig, layout: PipelineLayou
     counts = layer_param_counts(layout.recipes)
     stages = []
     for index, (stage, plan) in enumerate(zip(layout.stages, layout.plans)):
-        memory = stage_memory(layout.recipes, stage, plan, shape, run, counts)
+        memory = stage_memory(layout.recipes, stage, plan, shape, run, counts, layout.schedule)
         flops = stage_flops(layout.recipes, stage.layers, plan, shape, kernel)
+        recomputed = plan.recomputed_count(run.micro_batches)
         stages.append(
             StageEstimate(
                 stage=stage.stage,
@@ -327,19 +384,24 @@ def plan_run(model: GPTConfig, recompute: RecomputeConfig, layout: PipelineLayou
                 stage_input_bytes=stage_input_bytes(stage.stage, shape, target),
                 in_flight_microbatches=memory.in_flight,
                 pipe_buffers=memory.pipe_buffers,
-                peak_activation_bytes=memory.activation_bytes * memory.in_flight,
+                peak_activation_bytes=memory.peak_activation_bytes,
                 pipe_buffer_bytes=memory.pipe_buffer_bytes,
                 param_bytes=memory.states["params"],
                 grad_bytes=memory.states["grads"],
                 optimizer_bytes=memory.states["optimizer"],
                 predicted_peak_bytes=memory.predicted_peak_bytes,
+                predicted_peak_tensor_bytes=memory.predicted_peak_tensor_bytes,
+                peak_tensor_terms=memory.peak_tensor_terms,
                 model_flops_per_step=flops.model * run.micro_batches,
-                hardware_flops_per_step=flops.hardware * run.micro_batches,
-                recompute_flops_per_step=flops.recompute * run.micro_batches,
+                hardware_flops_per_step=flops.model * run.micro_batches + flops.recompute * recomputed,
+                recompute_flops_per_step=flops.recompute * recomputed,
                 layer_activation_bytes=tuple(
                     LayerBytes(layer.flat_index, layer.name, layer.choice, layer.bytes) for layer in memory.layers
                 ),
                 budget=BudgetEstimate.of(layout.budgets[index]) if layout.budgets else None,
+                recomputed_in_flight=memory.recomputed_in_flight,
+                plain_activation_bytes_per_microbatch=memory.plain_activation_bytes,
+                recomputed_microbatches_per_step=recomputed,
             )
         )
     data_parallel = run.topology.data_parallel_size
@@ -381,7 +443,11 @@ def plan_run(model: GPTConfig, recompute: RecomputeConfig, layout: PipelineLayou
 def _step_time(layout: PipelineLayout, run: RunShape, shape: Shape, counts, model_flops: int) -> StepTimeEstimate:
     timing = layout.timing
     costs = layout_costs(timing, layout.recipes, layout.stages, layout.plans, run, counts)
-    timeline = simulate_stages(costs, run.micro_batches)
+    costs = [per_micro_batch_costs(c, plan, run.micro_batches) for c, plan in zip(costs, layout.plans)]
+    early = [plan.early for plan in layout.plans]
+    timeline = simulate_stages(
+        costs, run.micro_batches, layout.schedule, early, [plan.deferred_weights for plan in layout.plans]
+    )
     is_block = [[layout.recipes[i].module_class is Block for i in s.layers] for s in layout.stages]
     by_mode = {
         mode: predict_step(
@@ -409,14 +475,28 @@ def _step_time(layout: PipelineLayout, run: RunShape, shape: Shape, counts, mode
         stage_recompute_s=tuple(run.micro_batches * c.recompute for c in costs),
         by_mode_s=by_mode,
         by_gpu=by_gpu,
+        schedule=layout.schedule,
+        early_stages=tuple(s for s in stages if early[s]),
+        lower_bound_s=lower_bound_s(costs, run.micro_batches, any(early)),
+        by_schedule={
+            o.schedule + ("+early" if o.early else ""): {
+                "step_time_s": o.step_time_s,
+                "lower_bound_s": o.lower_bound_s,
+                "stage_peak_bytes": list(o.peak_bytes),
+                "deferred_weights": [p.deferred_weights for p in o.plans],
+                "fits": o.fits,
+                "allowed": o.allowed,
+                "chosen": o.schedule == layout.schedule and o.early == any(early),
+            }
+            for o in layout.schedule_options
+        },
     )
 
 
 def _tuples(st: StepTimeEstimate) -> StepTimeEstimate:
     """JSON lists back into the tuples the dataclass holds."""
-    return StepTimeEstimate(
-        **{**asdict(st), **{k: tuple(getattr(st, k)) for k in ("stage_busy_s", "stage_idle_s", "stage_recompute_s")}}
-    )
+    sequences = ("stage_busy_s", "stage_idle_s", "stage_recompute_s", "early_stages")
+    return StepTimeEstimate(**{**asdict(st), **{k: tuple(getattr(st, k)) for k in sequences}})
 
 
 def _gib(n: float) -> str:

@@ -99,6 +99,10 @@ class Shape:
     vocab: int
     dropout: bool
     attention: str
+    loss_chunk_tokens: int = 0
+    """model.loss_chunk_tokens: 0 is the unfused LM head and loss (whole logits)."""
+    packed_dropout: bool = False
+    """model.packed_dropout: dropout masks kept 8 per byte."""
 
     @classmethod
     def of(cls, model: GPTConfig, micro_batch_size: int) -> "Shape":
@@ -110,6 +114,8 @@ class Shape:
             model.vocab_size,
             model.dropout > 0,
             model.attention,
+            model.loss_chunk_tokens,
+            model.packed_dropout,
         )
 
     @property

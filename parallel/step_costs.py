@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from model import Block, LayerRecipe, layer_param_counts
 from parallel.auto_recompute import MACHINE_BALANCE, CostTable
-from parallel.flops import block_forward_flops, head_forward_flops, lookup_peak_tflops
+from parallel.flops import attention_core_forward_flops, block_forward_flops, head_forward_flops, lookup_peak_tflops
 from parallel.partition import StageRange
 from parallel.shapes import FP32, RunShape, Shape
 from parallel.stage_plan import StagePlan
@@ -65,20 +65,27 @@ class StageCosts:
     backward: float
     """Without the recompute the plan adds."""
     recompute: float
-    """What the plan's recompute adds to each backward pass."""
+    """What the plan's recompute adds to each backward pass (or runs as RecomputeEarly)."""
     send_activation: float
     send_grad: float
     reduce_tied: float
     reduce_grads: float
     optimizer: float
     load: float = 0.0
+    weight_grad: float = 0.0
+    """The part of `backward` that ZB-H1 defers into a BackwardWeight: the Linear layers' weight gradients."""
 
-    def by_instruction(self) -> dict[str, float]:
-        """Seconds by DeepSpeed instruction name."""
+    def by_instruction(self, early: bool = False) -> dict[str, float]:
+        """Seconds by instruction name (DeepSpeed's and parallel/pipe_schedule.py's); `early`: the stage runs
+        its recompute as RecomputeEarly, not inside its backward."""
+        inside = 0.0 if early else self.recompute
         return {
             "LoadMicroBatch": self.load,
             "ForwardPass": self.forward,
-            "BackwardPass": self.backward + self.recompute,
+            "BackwardPass": self.backward + inside,
+            "BackwardInput": self.backward - self.weight_grad + inside,
+            "BackwardWeight": self.weight_grad,
+            "RecomputeEarly": self.recompute,
             "SendActivation": self.send_activation,
             "RecvActivation": self.send_activation,
             "SendGrad": self.send_grad,
@@ -106,6 +113,10 @@ class TimeModel:
     head_forward: float
     """Final norm, LM head and loss."""
     head_backward: float
+    block_weight_grad: float
+    """The part of `block_backward` that is the Linear layers' weight gradients (ZB-H1's W)."""
+    head_weight_grad: float
+    """The part of `head_backward` that is the tied LM head's weight gradient."""
     transfer: float
     """One micro-batch's hidden states between neighbouring stages (activation or gradient)."""
     tied_weight_bytes: int
@@ -130,6 +141,8 @@ class TimeModel:
         first, last = stage == 0, stage == stages - 1
         forward = blocks * self.block_forward + first * self.embedding_forward + last * self.head_forward
         backward = blocks * self.block_backward + first * self.embedding_backward + last * self.head_backward
+        # The embeddings' gradients are B's (a lookup has no matmul to defer).
+        weight_grad = blocks * self.block_weight_grad + last * self.head_weight_grad
         link = self.rates.link_bytes_per_s
         dp = run.topology.data_parallel_size
         return StageCosts(
@@ -143,6 +156,7 @@ class TimeModel:
             # A ring all-reduce moves 2 (dp - 1) / dp of the gradients through each rank.
             reduce_grads=2 * (dp - 1) / dp * params * self.param_bytes / link,
             optimizer=params * self.optimizer_per_param,
+            weight_grad=weight_grad,
         )
 
 
@@ -166,11 +180,23 @@ def time_model(shape: Shape, run: RunShape, table: CostTable, rates: DeviceRates
         "embedding_forward": embedding,
         "embedding_backward": embedding,
         "head_forward": head_forward_flops(shape) / flops + head_elementwise,
-        "head_backward": 2 * head_forward_flops(shape) / flops + head_elementwise,
+        # the fused loss (model.loss_chunk_tokens) makes the logits once more in backward
+        "head_backward": (2 + bool(shape.loss_chunk_tokens)) * head_forward_flops(shape) / flops + head_elementwise,
         "optimizer_per_param": ADAM_BYTES_PER_PARAM / bandwidth,
     }
     # A measured table's costs are seconds: its profile replaces the analytic parts it times.
     seconds.update(table.profile or {})
+    # W, the weight-gradient matmuls: one forward's worth of each Linear's FLOPs (the attention core has no
+    # weight). Analytic: those FLOPs at peak. Measured: the profile times a backward whole, so W is its
+    # matmul-FLOP share of it (of a backward's 2x forward matmuls, the Linears' weight gradients are one half).
+    block_w_flops = block_forward_flops(shape) - attention_core_forward_flops(shape)
+    if measured:
+        block_w = seconds["block_backward"] * block_w_flops / (2 * block_forward_flops(shape))
+        head_w = seconds["head_backward"] / 2
+    else:
+        block_w, head_w = block_w_flops / flops, head_forward_flops(shape) / flops
+    if shape.loss_chunk_tokens:
+        head_w = 0.0  # the fused loss's backward makes the head's weight gradient chunk by chunk: none to defer
     return TimeModel(
         source="measured" if measured else "analytic",
         rates=rates,
@@ -182,6 +208,8 @@ def time_model(shape: Shape, run: RunShape, table: CostTable, rates: DeviceRates
         embedding_backward=seconds["embedding_backward"],
         head_forward=seconds["head_forward"],
         head_backward=seconds["head_backward"],
+        block_weight_grad=block_w,
+        head_weight_grad=head_w,
         transfer=bsh * d / rates.link_bytes_per_s,
         tied_weight_bytes=shape.vocab * shape.h * d,
         param_bytes=d,
@@ -232,12 +260,49 @@ def predict_step(
     plans: Sequence[StagePlan],
     run: RunShape,
     param_counts: Sequence[int] | None = None,
+    schedule: str = "1f1b",
+    early: bool = False,
 ) -> Timeline:
-    """The simulated step of a layout."""
-    return simulate_stages(layout_costs(model, recipes, stages, plans, run, param_counts), run.micro_batches)
+    """The simulated step of a layout under `schedule` (parallel/pipe_schedule.py) and `early` recompute."""
+    costs = layout_costs(model, recipes, stages, plans, run, param_counts)
+    return simulate_stages(costs, run.micro_batches, schedule, early)
 
 
-def simulate_stages(costs: Sequence[StageCosts], micro_batches: int) -> Timeline:
-    """The simulated step of stages with these costs."""
-    seconds = [c.by_instruction() for c in costs]
-    return simulate(micro_batches, len(costs), lambda ins: seconds[ins.stage][ins.name])
+def simulate_stages(
+    costs: Sequence[StageCosts],
+    micro_batches: int,
+    schedule: str = "1f1b",
+    early: bool | Sequence[bool] = False,
+    deferred: Sequence[int | None] | None = None,
+) -> Timeline:
+    """The simulated step of stages with these costs. `early` (for all stages, or per stage): the stage runs
+    its recompute as RecomputeEarly (never the last, which never waits for a gradient: it recomputes inside
+    its backward). `deferred`: each stage plan's `deferred_weights` (zb-h1)."""
+    last = len(costs) - 1
+    early_of = [early] * len(costs) if isinstance(early, bool) else list(early)
+    early_of = [e and s < last for s, e in enumerate(early_of)]
+    seconds = [c.by_instruction(early_of[s]) for s, c in enumerate(costs)]
+    return simulate(micro_batches, len(costs), lambda ins: seconds[ins.stage][ins.name], schedule, early_of, deferred)
+
+
+def lower_bound_s(costs: Sequence[StageCosts], micro_batches: int, early: bool = True) -> float:
+    """No schedule of these stages takes less: the longest of, on each stage s, (a) micro-batch 0's forward
+    through the stages before s, then all of s's own work; (b) the same start, s's forwards and B's (W's may
+    come later), then the chain micro-batch `micro_batches - 1`'s gradient still has to travel: each earlier
+    stage's B and its transfer, then stage 0's last W and its once-per-step work. `early` (the default, the
+    bound a schedule with early recompute is held to): the recompute of every stage but the last is off the
+    gradient chain."""
+    last = len(costs) - 1
+    seconds = [c.by_instruction(early and s < last) for s, c in enumerate(costs)]
+    per_step = [sec["ReduceTiedGrads"] + sec["ReduceGrads"] + sec["OptimizerStep"] for sec in seconds]
+    forward = [sec["LoadMicroBatch"] + sec["ForwardPass"] for sec in seconds]
+    b = [sec["BackwardInput"] + (sec["RecomputeEarly"] if early and s < last else 0.0) for s, sec in enumerate(seconds)]
+    bound = 0.0
+    for s, sec in enumerate(seconds):
+        start = sum(forward[r] + seconds[r]["SendActivation"] for r in range(s))
+        work = micro_batches * (forward[s] + b[s] + sec["BackwardWeight"]) + per_step[s]
+        # Below s the last gradient meets each stage's B (its early recompute ran before the RecvGrad).
+        chain = sum(seconds[r + 1]["SendGrad"] + seconds[r]["BackwardInput"] for r in range(s))
+        tail = chain + seconds[0]["BackwardWeight"] + per_step[0]
+        bound = max(bound, start + work, start + micro_batches * (forward[s] + b[s]) + tail)
+    return bound

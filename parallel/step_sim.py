@@ -1,5 +1,6 @@
-"""The step time of a pipeline, predicted by replaying DeepSpeed's own 1F1B `TrainSchedule` as an event
-simulation (pure: no process group).
+"""The step time of a pipeline, predicted by replaying the stage's training schedule (DeepSpeed's own 1F1B
+`TrainSchedule`, or one of parallel/pipe_schedule.py's rewrites of it) as an event simulation (pure: no
+process group).
 
 Each stage runs its instruction list in order. A local instruction (load, forward, backward, the
 data-parallel reduce, the optimizer step) starts when the stage is free. Communication is a rendezvous:
@@ -10,20 +11,28 @@ ReduceTiedGrads is a collective of the first and the last stage, which hold the 
 does nothing.
 
 Micro-batches are not named in DeepSpeed's instructions (they carry a buffer id), but under 1F1B every
-stage runs each kind of per-micro-batch instruction in micro-batch order, so the k-th of a kind belongs
-to micro-batch k; that is how a send finds its recv.
+stage runs each kind of per-micro-batch instruction in micro-batch order (so do ZB-H1 and early recompute),
+so the k-th of a kind belongs to micro-batch k; that is how a send finds its recv.
 """
 
 import functools
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from deepspeed.runtime.pipe.schedule import TrainSchedule
+from parallel.pipe_schedule import train_schedule
 
 PER_STEP = ("ReduceTiedGrads", "ReduceGrads", "OptimizerStep")
 """Instructions that run once per step; every other kind runs once per micro-batch."""
-COMPUTE = ("LoadMicroBatch", "ForwardPass", "BackwardPass", "OptimizerStep")
+COMPUTE = (
+    "LoadMicroBatch",
+    "ForwardPass",
+    "BackwardPass",
+    "BackwardInput",
+    "BackwardWeight",
+    "RecomputeEarly",
+    "OptimizerStep",
+)
 """What counts as busy (parallel/trace.py's split): the rest is communication or waiting."""
 
 
@@ -72,12 +81,20 @@ class Timeline:
 
 
 @functools.lru_cache(maxsize=1024)
-def instructions(micro_batches: int, stages: int, stage: int) -> tuple[Instruction, ...]:
-    """DeepSpeed's TrainSchedule for one stage, flattened, each instruction with its micro-batch (cached:
-    the balanced partition simulates one shape many times)."""
+def instructions(
+    micro_batches: int,
+    stages: int,
+    stage: int,
+    schedule: str = "1f1b",
+    early: bool = False,
+    deferred: int | None = None,
+) -> tuple[Instruction, ...]:
+    """The stage's training schedule (parallel/pipe_schedule.py's `train_schedule`, with the stage plan's
+    `early` and `deferred_weights`), flattened, each instruction with its micro-batch (cached: the balanced
+    partition simulates one shape many times)."""
     seen: Counter[str] = Counter()
     out = []
-    for commands in TrainSchedule(micro_batches=micro_batches, stages=stages, stage_id=stage).steps():
+    for commands in train_schedule(schedule, early, micro_batches, stages, stage, deferred).steps():
         for command in commands:
             name = type(command).__name__
             micro_batch = None if name in PER_STEP else seen[name]
@@ -102,11 +119,20 @@ def _meeting(ins: Instruction, stages: int) -> tuple | None:
     return None
 
 
-def simulate(micro_batches: int, stages: int, cost: Callable[[Instruction], float]) -> Timeline:
-    """Replay the schedule with `cost(instruction)` seconds per instruction. A rendezvous lasts the
-    shorter of its sides' costs: a measured blocking call includes its wait, and the side that arrived
-    last waited least."""
-    programs = [instructions(micro_batches, stages, s) for s in range(stages)]
+def simulate(
+    micro_batches: int,
+    stages: int,
+    cost: Callable[[Instruction], float],
+    schedule: str = "1f1b",
+    early: bool | Sequence[bool] = False,
+    deferred: Sequence[int | None] | None = None,
+) -> Timeline:
+    """Replay `schedule` with `cost(instruction)` seconds per instruction; `early` (one for every stage, or
+    one per stage) and `deferred` (per stage, zb-h1) as the stage plans say. A rendezvous lasts the shorter of
+    its sides' costs: a measured blocking call includes its wait, and the side that arrived last waited least."""
+    early_of = [early] * stages if isinstance(early, bool) else list(early)
+    deferred_of = [None] * stages if deferred is None else list(deferred)
+    programs = [instructions(micro_batches, stages, s, schedule, early_of[s], deferred_of[s]) for s in range(stages)]
     clock = [0.0] * stages
     pc = [0] * stages
     posted: dict[tuple, list[tuple[Instruction, float]]] = {}

@@ -24,13 +24,17 @@ PER_MICRO_BATCH = (
     "LoadMicroBatch",
     "ForwardPass",
     "BackwardPass",
+    "BackwardInput",
+    "BackwardWeight",
+    "RecomputeEarly",
     "SendActivation",
     "RecvActivation",
     "SendGrad",
     "RecvGrad",
 )
-"""Instructions that run once per micro-batch, in micro-batch order on every stage under 1F1B (the k-th of
-a kind belongs to micro-batch k); ReduceTiedGrads, ReduceGrads and OptimizerStep run once per step."""
+"""Instructions that run once per micro-batch, in micro-batch order on every stage under every schedule of
+parallel/pipe_schedule.py (the k-th of a kind belongs to micro-batch k); ReduceTiedGrads, ReduceGrads and
+OptimizerStep run once per step."""
 
 RECOMPUTE = "Recompute"
 
@@ -58,7 +62,8 @@ class RankTrace:
     instructions: list[Interval] = field(default_factory=list)
     """Every instruction this rank executed, in execution order."""
     recomputes: list[Interval] = field(default_factory=list)
-    """Each outermost recompute (a checkpoint's, or an output-discarding one), nested inside a BackwardPass."""
+    """Each outermost recompute (a checkpoint's, or an output-discarding one), nested inside a BackwardPass (or
+    BackwardInput, or RecomputeEarly)."""
     end_s: float = 0.0
     """When `train_batch` returned (loss averaged and broadcast)."""
     barrier_exit_s: float = 0.0
@@ -94,6 +99,9 @@ class StepTracer:
         self._trace: RankTrace | None = None
         self._t0 = 0.0
         self._counts: Counter = Counter()
+        self._running: int | None = None
+        """The micro-batch of the instruction running now: a recompute belongs to it (a BackwardPass or
+        BackwardInput, or a RecomputeEarly)."""
         self._recompute_depth = 0
 
     def _now(self) -> float:
@@ -131,6 +139,7 @@ class StepTracer:
             if name in PER_MICRO_BATCH:
                 micro_batch = self._counts[name]
                 self._counts[name] += 1
+            self._running = micro_batch
             start = self._now()
             try:
                 return fn(engine, **kwargs)
@@ -151,8 +160,7 @@ class StepTracer:
         finally:
             self._recompute_depth -= 1
             if self._recompute_depth == 0:
-                backward = self._counts["BackwardPass"] - 1
-                self._trace.recomputes.append(Interval(RECOMPUTE, start, self._now(), None, backward))
+                self._trace.recomputes.append(Interval(RECOMPUTE, start, self._now(), None, self._running))
 
     def gather(self) -> StepTrace | None:
         """Collective on every rank when a step was traced: the rank holding the loss (last stage, first

@@ -8,9 +8,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from data import check_data_files, check_vocab, data_has_val
-from parallel.config import NoRecompute
+from parallel.config import AutoRecompute, NoRecompute
 from parallel.shapes import RunShape, Target, Topology
 from schema.run import RunConfig
+from schema.training import resolve_device
 
 
 def to_run_config(cfg: DictConfig) -> RunConfig:
@@ -23,6 +24,17 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
         raise ValueError(str(cause).split("\n    full_key:")[0]) from None
     if run.recompute is None:
         run.recompute = NoRecompute()
+    if run.parallel.schedule == "auto" and not isinstance(run.recompute, AutoRecompute):
+        raise ValueError(
+            f"parallel.schedule='auto' needs +recompute=auto (the planner chooses the schedule within its budget); "
+            f"with +recompute={run.recompute.mode} use parallel.schedule=1f1b or zb-h1"
+        )
+    k = getattr(run.recompute, "micro_batches", None)
+    if k is not None and k > run.train.micro_batches:
+        raise ValueError(
+            f"recompute.micro_batches={k} exceeds train.micro_batches={run.train.micro_batches}: it must be from 1 "
+            f"to {run.train.micro_batches}, or null (all)"
+        )
     return run
 
 
@@ -60,11 +72,7 @@ def topology(run: RunConfig, world_size: int) -> Topology:
 
 def target(run: RunConfig, cuda_available: bool) -> Target:
     """train.device and train.precision with `auto` resolved."""
-    device = run.train.device
-    if device == "auto":
-        device = "cuda" if cuda_available else "cpu"
-    if device == "cuda" and not cuda_available:
-        raise ValueError("train.device='cuda' but no CUDA device is visible: use train.device=cpu or auto")
+    device = resolve_device(run.train.device, cuda_available, "train.device")
     precision = run.train.precision
     if precision == "auto":
         precision = "bf16" if device == "cuda" else "fp32"

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-DEVICES = ("auto", "cpu", "cuda")
+from schema.training import DEVICES
+
 CHECKPOINT_HINT = "give a run directory (its latest checkpoint), its checkpoints/ directory or a step directory"
 
 

@@ -12,6 +12,16 @@ DEFAULT_TRACE_STEP = 3
 """Traced when train.trace_step is null: past the first steps' allocator and JIT warm-up."""
 
 
+def resolve_device(device: str, cuda_available: bool, option: str) -> str:
+    """`auto` is cuda when a CUDA device is visible, else cpu; `cuda` without one is refused, naming `option` (the
+    option as the command spells it: train.device, or generate.py's device)."""
+    if device == "auto":
+        return "cuda" if cuda_available else "cpu"
+    if device == "cuda" and not cuda_available:
+        raise ValueError(f"{option}='cuda' but no CUDA device is visible: use {option}=cpu or {option}=auto")
+    return device
+
+
 def normalize_resume(value) -> str:
     """`train.resume` as auto, false, or a path (YAML/CLI `false` arrives as a bool or as 'False')."""
     text = "false" if value is None or value is False else str(value).strip()

@@ -28,6 +28,21 @@ CASES = [
     ),
     (["model.attention=flash9"], "model.attention='flash9' is unknown: allowed values are sdpa, math"),
     (["train.precision=fp8"], "train.precision='fp8' is unknown: allowed values are auto, fp32, bf16, fp16"),
+    (["parallel.schedule=foo"], "parallel.schedule='foo' is unknown: allowed values are 1f1b, zb-h1, auto"),
+    (
+        ["+recompute=none", "recompute.early=true"],
+        "recompute.early=true is invalid with +recompute=none: nothing is recomputed under +recompute=none",
+    ),
+    (["+recompute=full", "parallel.schedule=auto"], "parallel.schedule='auto' needs +recompute=auto"),
+    (["parallel.schedule=auto"], "parallel.schedule='auto' needs +recompute=auto"),
+    (
+        ["+recompute=full", "recompute.micro_batches=0"],
+        "recompute.micro_batches=0 is invalid: it must be from 1 to train.micro_batches, or null (all)",
+    ),
+    (
+        ["+recompute=selective", "recompute.micro_batches=5", "train.micro_batches=4"],
+        "recompute.micro_batches=5 exceeds train.micro_batches=4: it must be from 1 to 4, or null (all)",
+    ),
 ]
 
 

@@ -111,7 +111,9 @@ def test_gpt3_175b_balanced_auto_plans_in_seconds():
 def test_balanced_auto_run_is_bit_exact_against_none(tmp_path):
     from tests.runs import TINY, launch, metrics, summary
 
-    common = [*TINY, *HEAVY_HEAD, "model.dropout=0.1", "train.steps=3"]
+    # The unfused loss: with the fused one (its backward makes the logits again) none's balanced partition gives
+    # stage 0 a block more than auto's, and the two runs are compared on one partition here.
+    common = [*TINY, *HEAVY_HEAD, "model.dropout=0.1", "train.steps=3", "model.loss_chunk_tokens=0"]
     auto = ["+recompute=auto", "recompute.budget_gb=0.03", "recompute.reserve_gb=0"]
     launch(tmp_path / "auto", *common, *auto)
     launch(tmp_path / "none", *common)

@@ -31,6 +31,7 @@ MAY_IMPORT = {
 
 PLANNING = [
     {"parallel.config", "parallel.shapes"},
+    {"parallel.pipe_schedule"},  # step 1's schedules, which schedule.py and step_sim.py walk
     {"parallel.stage_plan", "parallel.partition", "parallel.schedule", "parallel.step_sim"},
     {"parallel.memory_model", "parallel.flops"},
     {"parallel.stage_costs"},

@@ -1,17 +1,27 @@
-"""The step-time simulator replays DeepSpeed's own TrainSchedule: checked against a timeline worked out by
-hand, for every instruction's presence and order on bigger shapes, and against a traced run's own costs;
-and the per-stage costs it is fed (parallel/step_costs.py), measured and analytic."""
+"""The step-time simulator replays DeepSpeed's own TrainSchedule (and parallel/pipe_schedule.py's ZB-H1 and
+early recompute): checked against a timeline worked out by hand, for every instruction's presence and order on
+bigger shapes, and against a traced run's own costs; the per-stage costs it is fed (parallel/step_costs.py),
+measured and analytic, with the backward split into B and W; and the lower bound no schedule beats."""
+
+import dataclasses
+import json
 
 import pytest
 
+from harness.bubbles import stage_times
+from harness.timeline import COLOURS, chrome_trace, render_timeline, schedule_name
 from model import GPTConfig
 from parallel.auto_recompute import measured_costs
-from parallel.config import FullRecompute, SelectiveRecompute
+from parallel.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.layout import build_layout
+from parallel.pipe_schedule import SCHEDULES
 from parallel.run_plan import plan_run
 from parallel.shapes import RunShape, Shape, Target, Topology
-from parallel.step_costs import analytic_rates
+from parallel.step_costs import StageCosts, analytic_rates, layout_costs, lower_bound_s, simulate_stages
 from parallel.step_sim import COMPUTE, PER_STEP, instructions, simulate
+from parallel.trace import Interval as TraceInterval
+from parallel.trace import RankTrace, StepTrace
+from tests.runs import TINY, launch, python_run
 
 # Synthetic seconds: stage 0 is the slow one (forward 2, backward 3), stage 1 forward 1, backward 2.
 COSTS = {
@@ -125,9 +135,6 @@ def test_a_slower_stage_lengthens_the_step_and_idles_the_others():
 
 @pytest.mark.multiproc
 def test_replaying_a_traced_runs_own_costs_predicts_its_traced_step_within_5_percent(tmp_path):
-    import json
-
-    from tests.runs import TINY, launch
 
     run_dir = tmp_path / "run"
     launch(run_dir, *TINY, "train.steps=3", "train.micro_batches=4", "train.trace_step=3", "logger=none")
@@ -185,3 +192,153 @@ def test_analytic_costs_charge_full_recompute_one_forward_and_a_gpu_by_its_peak(
     h100, a100 = (analytic_rates("cuda", "bf16", gpu=g) for g in ("H100", "A100"))
     assert (h100.flops_per_s, a100.flops_per_s) == (989e12, 312e12)
     assert analytic_rates("cuda", "bf16", peak_tflops=100.0).flops_per_s == 100e12  # train.peak_tflops wins
+
+
+def unit_stage(recompute: float = 0.0) -> StageCosts:
+    """Forward 1, backward 2 of which W is 1, free transfers and step work."""
+    return StageCosts(1.0, 2.0, recompute, 0.0, 0.0, 0.0, 0.0, 0.0, weight_grad=1.0)
+
+
+@pytest.mark.parametrize("schedule, early", [(s, e) for s in SCHEDULES for e in (False, True)])
+@pytest.mark.parametrize("stages, micro_batches", [(2, 1), (2, 4), (4, 8), (3, 5)])
+def test_every_schedule_does_the_same_work_and_none_beats_the_lower_bound(schedule, early, stages, micro_batches):
+    costs = [unit_stage(0.25 * s) for s in range(stages)]
+    timeline = simulate_stages(costs, micro_batches, schedule, early)
+    reference = simulate_stages(costs, micro_batches)
+    for s in range(stages):
+        assert timeline.busy_s(s) == pytest.approx(reference.busy_s(s))  # B + W = backward; early moves recompute
+    assert timeline.step_time_s >= lower_bound_s(costs, micro_batches, early) - 1e-9
+
+
+def test_early_recompute_leaves_the_backward_of_every_stage_but_the_last():
+    seconds = [unit_stage(0.5).by_instruction(early) for early in (False, True)]
+    assert seconds[0]["BackwardPass"] == seconds[0]["BackwardInput"] + seconds[0]["BackwardWeight"] == 2.5
+    assert seconds[1]["BackwardPass"] == 2.0 and seconds[1]["RecomputeEarly"] == 0.5
+    timeline = simulate_stages([unit_stage(0.5)] * 2, 4, "1f1b", early=True)
+    last = [i.instruction.name for i in timeline.of_stage(1)]
+    assert "RecomputeEarly" not in last
+    assert {i.end_s - i.start_s for i in timeline.of_stage(1) if i.instruction.name == "BackwardPass"} == {2.5}
+
+
+def test_zb_h1_reaches_the_lower_bound_on_two_even_stages():
+    """F = B = W = 1: 1F1B's bubble is one F + B + W; ZB-H1's deferred W's leave only stage 1's late start."""
+    costs = [unit_stage()] * 2
+    assert simulate_stages(costs, 4).step_time_s == 15.0
+    assert simulate_stages(costs, 4, "zb-h1").step_time_s == lower_bound_s(costs, 4) == 13.0
+
+
+def test_w_is_the_linear_layers_weight_gradients_analytic_and_a_share_of_the_measured_backward():
+    unfused = dataclasses.replace(TINY_CFG, loss_chunk_tokens=0)  # the fused loss's head has no W to defer
+    shape = Shape.of(unfused, 2)
+    timing = build_layout(unfused, FullRecompute(), RUN, "type:Block", 0).timing
+    linear = 2 * shape.b * shape.s * 12 * shape.h * shape.h
+    head = 2 * shape.b * shape.s * shape.h * shape.vocab
+    assert timing.block_weight_grad == pytest.approx(linear / timing.rates.flops_per_s)
+    assert timing.head_weight_grad == pytest.approx(head / timing.rates.flops_per_s)
+    assert build_layout(TINY_CFG, FullRecompute(), RUN, "type:Block", 0).timing.head_weight_grad == 0.0
+    measured = build_layout(unfused, FullRecompute(), RUN, "type:Block", 0, measured_costs(shape, RUN.target, PROFILE))
+    share = linear / (2 * (linear + 4 * shape.b * shape.s * shape.s * shape.h))
+    assert measured.timing.block_weight_grad == pytest.approx(0.009 * share)
+    assert measured.timing.head_weight_grad == pytest.approx(0.003 / 2)
+    first, last = layout_costs(measured.timing, measured.recipes, measured.stages, measured.plans, RUN)
+    assert first.weight_grad == pytest.approx(2 * 0.009 * share)  # the embeddings' gradients are B's
+    assert last.weight_grad == pytest.approx(2 * 0.009 * share + 0.003 / 2)
+
+
+def test_the_issues_benchmark_shape_predicts_zb_h1_with_early_recompute_within_5_percent_of_the_bound():
+    """2 stages, 8 blocks at n_embd 256 and seq 512, 4 micro-batches, full(stage) recompute (analytic costs):
+    the issue's figures, as the planner predicts them."""
+    model = GPTConfig(n_layer=8, n_head=8, n_embd=256, seq_len=512, vocab_size=256, dropout=0.1, attention="math")
+    run = RunShape(Topology(2), Target("cpu", "fp32"), micro_batches=4, micro_batch_size=1)
+    layout = build_layout(model, FullRecompute(interval="stage"), run, "type:Block", 0)
+    costs = layout_costs(layout.timing, layout.recipes, layout.stages, layout.plans, run)
+    baseline = simulate_stages(costs, 4).step_time_s
+    step = {(s, e): simulate_stages(costs, 4, s, e).step_time_s for s in SCHEDULES for e in (False, True)}
+    assert step[("zb-h1", True)] < min(step[("zb-h1", False)], step[("1f1b", True)]) < baseline
+    assert baseline / step[("zb-h1", True)] >= 1.10
+    assert step[("zb-h1", True)] <= 1.05 * lower_bound_s(costs, 4)
+
+
+BENCH_CFG = GPTConfig(n_layer=8, n_head=8, n_embd=256, seq_len=512, vocab_size=256, dropout=0.1, attention="math")
+BENCH_RUN = RunShape(Topology(2), Target("cpu", "fp32"), micro_batches=4, micro_batch_size=1)
+
+
+@pytest.mark.parametrize("recompute", [NoRecompute(), SelectiveRecompute(), FullRecompute(interval="stage")])
+def test_zb_h1_defers_only_as_many_ws_as_the_fullest_1f1b_stage_holds(recompute):
+    layout = build_layout(BENCH_CFG, recompute, BENCH_RUN, "type:Block", 0, schedule="zb-h1")
+    assert layout.schedule == "zb-h1" and layout.plans[0].deferred_weights == 0  # stage 0 is the fullest
+    options = {(o.schedule, o.early): o for o in layout.schedule_options}
+    for early in {o.early for o in options.values()}:
+        zb, base = options[("zb-h1", early)], options[("1f1b", early)]
+        assert max(zb.peak_bytes) <= max(base.peak_bytes)
+        assert zb.step_time_s <= base.step_time_s * (1 + 1e-12) and zb.lower_bound_s == base.lower_bound_s
+    # A W-pending micro-batch holds each Linear's input and output gradient whatever the plan recomputes:
+    # beside 1F1B's light full(stage) micro-batches there is no room for one.
+    full = isinstance(recompute, FullRecompute)
+    assert options[("zb-h1", False)].plans[1].deferred_weights == (0 if full else 1)
+    assert (("1f1b", True) in options) == (not isinstance(recompute, NoRecompute))
+
+
+def test_auto_chooses_the_fastest_schedule_that_fits_and_refuses_an_early_recompute_that_does_not():
+    auto = AutoRecompute(budget_gb=0.3, reserve_gb=0.0)
+    layout = build_layout(BENCH_CFG, auto, BENCH_RUN, "type:Block", 0, schedule="auto")
+    fitting = [o for o in layout.schedule_options if o.fits]
+    best = min(fitting, key=lambda o: o.step_time_s)
+    assert (layout.schedule, any(p.early for p in layout.plans)) == (best.schedule, best.early)
+    assert all(o.allowed for o in layout.schedule_options) and len(fitting) < len(layout.schedule_options)
+    with pytest.raises(ValueError, match="recompute.early=true does not fit recompute.budget_gb"):
+        build_layout(BENCH_CFG, AutoRecompute(budget_gb=0.3, reserve_gb=0.0, early=True), BENCH_RUN, "type:Block", 0)
+
+
+def test_the_dry_run_prices_every_schedule_and_early_setting(tmp_path):
+    run_dir = tmp_path / "plan"
+    overrides = ("model=tiny", "data=synthetic", "train.device=cpu", "parallel.pipeline_stages=2")
+    result = python_run(
+        run_dir, *overrides, "+recompute=full", "parallel.schedule=zb-h1", "recompute.early=true", "dry_run=true"
+    )
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert (plan["schedule"], plan["early_stages"]) == ("zb-h1", [0])
+    assert set(plan["by_schedule"]) == {"1f1b", "zb-h1", "1f1b+early", "zb-h1+early"}
+    assert [name for name, o in plan["by_schedule"].items() if o["chosen"]] == ["zb-h1+early"]
+    chosen = plan["by_schedule"]["zb-h1+early"]
+    assert chosen["step_time_s"] == pytest.approx(plan["predicted_step_time_s"])
+    assert chosen["stage_peak_bytes"] == [s["predicted_peak_tensor_bytes"] for s in plan["stages"]]
+    assert plan["lower_bound_s"] <= plan["predicted_step_time_s"]
+    assert "schedule zb-h1 | early recompute on stages: 0" in result.stdout and "zb-h1+early" in result.stdout
+
+
+def simulated_trace(timeline) -> StepTrace:
+    """A simulated step as a traced one: one rank per stage, the same intervals, a recompute inside each
+    early recompute and each backward of the last stage (which never recomputes early)."""
+    ranks = []
+    for stage in range(timeline.stages):
+        rank = RankTrace(rank=stage, stage=stage, dp_rank=0, end_s=timeline.step_time_s)
+        for i in timeline.of_stage(stage):
+            ins = i.instruction
+            rank.instructions.append(TraceInterval(ins.name, i.start_s, i.end_s, None, ins.micro_batch))
+            if ins.name == "RecomputeEarly" or ins.name == "BackwardInput" and stage == timeline.stages - 1:
+                rank.recomputes.append(TraceInterval("Recompute", i.start_s, i.start_s + 0.5, None, ins.micro_batch))
+        ranks.append(rank)
+    return StepTrace(1, timeline.micro_batches, timeline.stages, ranks)
+
+
+def test_a_zb_h1_step_with_early_recompute_is_drawn_and_counted_busy_in_its_own_colours(tmp_path):
+    import matplotlib.image
+
+    timeline = simulate_stages([unit_stage(0.5)] * 2, 4, "zb-h1", early=True)
+    trace = simulated_trace(timeline)
+    times = stage_times(trace)
+    assert times["stage_busy_s"] == pytest.approx([timeline.busy_s(s) for s in range(2)])  # B, W, early: busy
+    assert times["trace_costs"][0]["backward_weight_s"] == 1.0 and times["trace_costs"][0]["early_recompute_s"] == 0.5
+    cats = {e["cat"] for e in chrome_trace(trace)["traceEvents"] if e["ph"] == "X"}
+    assert {"backward B", "backward W", "early recompute", "recompute"} <= cats and "backward" not in cats
+    assert schedule_name(trace) == "ZB-H1 + early recompute"
+    render_timeline(trace, tmp_path / "timeline.png")
+    pixels = {
+        tuple(p)
+        for p in (matplotlib.image.imread(tmp_path / "timeline.png")[..., :3] * 255).round().astype(int).reshape(-1, 3)
+    }
+    assert len(set(COLOURS.values())) == len(COLOURS)
+    for category in ("backward B", "backward W", "early recompute", "recompute", "forward"):
+        rgb = tuple(int(COLOURS[category][k : k + 2], 16) for k in (1, 3, 5))
+        assert rgb in pixels, f"{category} is not drawn"

@@ -154,6 +154,7 @@ def render_markdown(sweep_dir: Path, jobs: list[Job], figure: bool = True) -> st
             f"Predicted vs measured activation bytes per micro-batch: largest error {max(errors) * 100:.2f}% "
             f"over {len(errors)} jobs (median {statistics.median(errors) * 100:.2f}%).",
         ]
+    lines += _tensor_peak_lines(done)
     lines += ["", FIGURE if figure else NO_FIGURE, ""]
     traced = [j for j in jobs if j.timeline is not None]
     if traced:
@@ -163,3 +164,24 @@ def render_markdown(sweep_dir: Path, jobs: list[Job], figure: bool = True) -> st
             lines += [f"Job {job.num} ({job.variant}), [trace.json]({folder}/trace.json):", ""]
             lines += [f"![timeline of job {job.num}]({folder}/timeline.png)", ""]
     return "\n".join(lines)
+
+
+def _tensor_peak_lines(done: list[Job]) -> list[str]:
+    """Measured peak tensor bytes (parallel/tensor_peak.py, the allocator's view) against the planner's predicted
+    peak, per job: MiB per stage and the largest error."""
+    cells, errors = [], []
+    for job in done:
+        s = job.summary or {}
+        measured = s.get("measured_peak_tensor_bytes_per_stage")
+        predicted = s.get("predicted_peak_tensor_bytes_per_stage")
+        if not measured or not predicted or None in measured or None in predicted:
+            continue
+        errors += [abs(m / p - 1.0) for m, p in zip(measured, predicted)]
+        cells.append(f"job {job.num} {_mib(measured)} vs {_mib(predicted)}")
+    if not errors:
+        return []
+    return [
+        "",
+        f"Peak tensor memory (live tensors at once on train.measure_step, the allocator's view) measured vs "
+        f"predicted, MiB per stage: {'; '.join(cells)}; largest error {max(errors) * 100:.2f}%.",
+    ]

@@ -1,0 +1,104 @@
+"""DeepSpeed's PipelineEngine running the schedules of parallel/pipe_schedule.py: ZB-H1's split backward and early
+recompute.
+
+DeepSpeed's `train_batch` builds its schedule with `_train_schedule()` and runs each instruction through the
+class's `_INSTRUCTION_MAP`, so the schedules and the handlers of their three new instructions are all it takes
+(as Megatron-DeepSpeed's zero-bubble schedule did). parallel/engine.py swaps a built engine's class to this one;
+parallel/trace.py times the new instructions under their class names like any other.
+
+- BackwardInput: DeepSpeed's own backward pass (the last stage through `engine.backward(loss)`, the others
+  through their outputs' backward with bf16's gradient bookkeeping around it), with the Linear layers' weight
+  gradients deferred into the stage's `WeightGradStore` (model/weight_grad.py).
+- BackwardWeight: the oldest deferred micro-batch's weight gradients, through each weight's AccumulateGrad (so
+  ZeRO's and bf16's gradient hooks fire as in any backward) and, under bf16, moved into the fp32 gradients
+  exactly as a non-last stage's backward moves them: once, after clearing the 16-bit gradients.
+- RecomputeEarly: the oldest registered micro-batch's recompute (parallel/early_recompute.py), registered by
+  the forward passes of a stage whose plan is early.
+
+Gradient clipping, the optimizer step and the tied-weight all-reduce all run after ReduceTiedGrads, which
+refuses to run while a weight gradient is still deferred or a recompute still pending.
+"""
+
+import torch
+from deepspeed.runtime.pipe import schedule
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from model.weight_grad import WeightGradStore, split_backward
+from parallel.early_recompute import EarlyRecompute
+from parallel.layout import PipelineLayout
+from parallel.pipe_schedule import BackwardInput, BackwardWeight, RecomputeEarly, train_schedule
+
+
+class ZeroBubblePipelineEngine(PipelineEngine):
+    """Set up by `zero_bubble(engine, layout)`; until then a plain PipelineEngine's attributes."""
+
+    def train_batch(self, data_iter=None):
+        # zb-h1's forwards run the Linear layers through the Function whose weight gradient B can defer.
+        with split_backward(self.schedule_kind == "zb-h1"):
+            return super().train_batch(data_iter)
+
+    def _train_schedule(self):
+        return train_schedule(
+            self.schedule_kind, self.early, self.micro_batches, self.num_stages, self.stage_id, self.deferred_weights
+        )
+
+    def _exec_forward_pass_registering(self, buffer_id):
+        if not (self.early and self.module.training and torch.is_grad_enabled()):  # eval_batch: nothing to register
+            return PipelineEngine._exec_forward_pass(self, buffer_id)
+        with self.early_recompute.registering():
+            return PipelineEngine._exec_forward_pass(self, buffer_id)
+
+    def _exec_backward_input(self, buffer_id):
+        with self.weight_grads.deferring():
+            PipelineEngine._exec_backward_pass(self, buffer_id)
+
+    def _exec_backward_weight(self, buffer_id):
+        bf16 = self.using_bf16_optimizer
+        if bf16:  # the 16-bit gradients hold only what this W adds (B moved its own into fp32 already)
+            self.optimizer.clear_lp_grads()
+        # As around DeepSpeed's own non-last-stage backward: the post-backward hook of ZeRO optimizers must not
+        # run its epilogue for this graph.
+        self._running_engine_backward = True
+        try:
+            self.weight_grads.apply_oldest()
+        finally:
+            self._running_engine_backward = False
+        if bf16 and not self._config.bfloat16_config.immediate_grad_update:
+            self.optimizer.update_hp_grads(clear_lp_grads=False)
+
+    def _exec_recompute_early(self, buffer_id):
+        self.early_recompute.recompute_next()
+
+    def _exec_reduce_tied_grads_complete(self):
+        if len(self.weight_grads) or len(self.early_recompute):
+            raise RuntimeError(
+                f"stage {self.stage_id}: ReduceTiedGrads with {len(self.weight_grads)} micro-batches' weight "
+                f"gradients still deferred and {len(self.early_recompute)} early recomputes pending: the schedule "
+                f"must run every BackwardWeight and RecomputeEarly before it"
+            )
+        PipelineEngine._exec_reduce_tied_grads(self)
+
+    _INSTRUCTION_MAP = {
+        **PipelineEngine._INSTRUCTION_MAP,
+        schedule.ForwardPass: _exec_forward_pass_registering,
+        schedule.ReduceTiedGrads: _exec_reduce_tied_grads_complete,
+        BackwardInput: _exec_backward_input,
+        BackwardWeight: _exec_backward_weight,
+        RecomputeEarly: _exec_recompute_early,
+    }
+
+
+def zero_bubble(engine: PipelineEngine, layout: PipelineLayout) -> ZeroBubblePipelineEngine:
+    """The built engine, now running `layout.schedule` with its stage plan's early setting."""
+    engine.__class__ = ZeroBubblePipelineEngine
+    plan = layout.plans[engine.stage_id]
+    engine.schedule_kind, engine.deferred_weights = layout.schedule, plan.deferred_weights
+    # The last stage's backward follows its forward with no wait: it never recomputes early.
+    engine.early = plan.early and not engine.is_last_stage()
+    # A one-stage pipeline holds the tied embedding and LM head together: their weight gradient stays immediate.
+    tied = engine.is_first_stage() and engine.is_last_stage()
+    engine.weight_grads = WeightGradStore(
+        immediate=[p for m in engine.module.tied_modules.values() for p in m.parameters()] if tied else ()
+    )
+    engine.early_recompute = EarlyRecompute()
+    return engine

@@ -1,0 +1,209 @@
+"""The training schedules of parallel/pipe_schedule.py, checked instruction by instruction on every stage of 1, 2
+and 4 stages with 1..8 micro-batches: each micro-batch's forward, B and W once and in order, W's deferred within
+ZB-H1's bound, early recompute right before its RecvGrad, pipe buffers never shared while live, DeepSpeed's
+communication order kept, and no deadlock under rendezvous sends (the step-time simulator); and the activation
+peak parallel/schedule.py reads off each schedule."""
+
+import itertools
+from collections import Counter
+
+import pytest
+from deepspeed.runtime.pipe.schedule import TrainSchedule
+
+from parallel.pipe_schedule import SCHEDULES, ZeroBubbleH1Schedule, train_schedule
+from parallel.schedule import activation_peak
+from parallel.step_sim import PER_STEP, simulate
+
+SHAPES = [(stages, micro_batches) for stages in (1, 2, 4) for micro_batches in range(1, 9)]
+COMBINATIONS = list(itertools.product(SCHEDULES, (False, True)))
+COMMUNICATION = ("SendActivation", "RecvActivation", "SendGrad", "RecvGrad", "ReduceTiedGrads")
+BACKWARD = {"1f1b": "BackwardPass", "zb-h1": "BackwardInput"}
+
+
+def flat(schedule) -> list[tuple[str, int | None, int | None]]:
+    """(name, micro-batch, buffer id) of every instruction in order; the k-th of a kind is micro-batch k."""
+    seen: Counter[str] = Counter()
+    out = []
+    for commands in schedule.steps():
+        for command in commands:
+            name = type(command).__name__
+            out.append((name, None if name in PER_STEP else seen[name], getattr(command, "buffer_id", None)))
+            seen[name] += 1
+    return out
+
+
+@pytest.mark.parametrize("kind, early", COMBINATIONS)
+@pytest.mark.parametrize("stages, micro_batches", SHAPES)
+def test_every_micro_batch_runs_forward_b_and_w_once_in_order(kind, early, stages, micro_batches):
+    backward = BACKWARD[kind]
+    for stage in range(stages):
+        program = flat(train_schedule(kind, early, micro_batches, stages, stage))
+        position = {(name, m): i for i, (name, m, _) in enumerate(program)}
+        names = Counter(name for name, _, _ in program)
+        assert names["ForwardPass"] == names[backward] == micro_batches
+        assert names["BackwardWeight"] == (micro_batches if kind == "zb-h1" else 0)
+        assert names["BackwardPass" if kind == "zb-h1" else "BackwardInput"] == 0
+        assert [name for name, _, _ in program[-3:]] == list(PER_STEP)
+        for m in range(micro_batches):
+            assert position[("ForwardPass", m)] < position[(backward, m)]
+            if kind == "zb-h1":
+                assert position[(backward, m)] < position[("BackwardWeight", m)] < position[("ReduceTiedGrads", None)]
+
+
+@pytest.mark.parametrize("kind, early", COMBINATIONS)
+@pytest.mark.parametrize("stages, micro_batches", SHAPES)
+def test_early_recompute_sits_right_before_the_recv_grad_of_its_buffer(kind, early, stages, micro_batches):
+    for stage in range(stages):
+        program = flat(train_schedule(kind, early, micro_batches, stages, stage))
+        early_here = early and stage < stages - 1
+        recomputes = [i for i, (name, _, _) in enumerate(program) if name == "RecomputeEarly"]
+        assert len(recomputes) == (micro_batches if early_here else 0)
+        for i in recomputes:
+            (_, m, buffer), (next_name, next_m, next_buffer) = program[i], program[i + 1]
+            assert (next_name, next_m, next_buffer) == ("RecvGrad", m, buffer)
+
+
+@pytest.mark.parametrize("kind, early", COMBINATIONS)
+@pytest.mark.parametrize("stages, micro_batches", SHAPES)
+def test_a_pipe_buffer_is_never_reused_while_its_micro_batch_is_live(kind, early, stages, micro_batches):
+    for stage in range(stages):
+        schedule = train_schedule(kind, early, micro_batches, stages, stage)
+        # W reads the weight-gradient store, not the buffer: its buffer id is a label for the trace.
+        program = [
+            (i, m, b) for i, (name, m, b) in enumerate(flat(schedule)) if b is not None and name != "BackwardWeight"
+        ]
+        assert all(0 <= b < schedule.num_pipe_buffers() for _, _, b in program)
+        spans = {}
+        for i, m, b in program:
+            first, _, _ = spans.get(m, (i, i, b))
+            assert spans.get(m, (i, i, b))[2] == b, f"micro-batch {m} moved buffer"
+            spans[m] = (first, i, b)
+        for (m1, (start1, end1, b1)), (m2, (start2, end2, b2)) in itertools.combinations(spans.items(), 2):
+            assert b1 != b2 or end1 < start2 or end2 < start1, f"stage {stage}: micro-batches {m1} and {m2} share {b1}"
+
+
+@pytest.mark.parametrize("kind, early", COMBINATIONS)
+@pytest.mark.parametrize("stages, micro_batches", SHAPES)
+def test_communication_is_deepspeeds_own_order(kind, early, stages, micro_batches):
+    """Only local instructions are added, so the schedules deadlock no more than DeepSpeed's 1F1B does."""
+    for stage in range(stages):
+        ours = [n for n, _, _ in flat(train_schedule(kind, early, micro_batches, stages, stage)) if n in COMMUNICATION]
+        theirs = [n for n, _, _ in flat(TrainSchedule(micro_batches, stages, stage)) if n in COMMUNICATION]
+        assert ours == theirs
+
+
+@pytest.mark.parametrize("stages, micro_batches", SHAPES)
+def test_zb_h1_defers_at_most_the_stage_index_and_stays_within_1f1b_micro_batches(stages, micro_batches):
+    """ZB-H1's bound: at every forward, stage s has at most s micro-batches B'd but not W'd, and those plus the
+    micro-batches it holds whole never outnumber what stage 0 holds under 1F1B."""
+    for stage in range(stages):
+        live = pending = 0
+        for name, _, _ in flat(train_schedule("zb-h1", False, micro_batches, stages, stage)):
+            live += {"ForwardPass": 1, "BackwardInput": -1}.get(name, 0)
+            pending += {"BackwardInput": 1, "BackwardWeight": -1}.get(name, 0)
+            if name == "ForwardPass":
+                assert pending <= stage and live + pending <= min(stages, micro_batches)
+
+
+@pytest.mark.parametrize("early", (False, True))
+@pytest.mark.parametrize("stages, micro_batches", [(2, 4), (4, 8), (4, 3), (3, 6)])
+def test_a_planner_chosen_deferral_is_kept_and_every_w_still_runs_in_order(early, stages, micro_batches):
+    """Any deferral the layout picks (0 up to the stage count): W's once each in micro-batch order, never more
+    pending at a forward, DeepSpeed's communication order, and no deadlock with it on every stage."""
+    for deferred in range(stages):
+        for stage in range(stages):
+            program = flat(train_schedule("zb-h1", early, micro_batches, stages, stage, deferred))
+            assert [m for name, m, _ in program if name == "BackwardWeight"] == list(range(micro_batches))
+            pending = most = 0
+            for name, _, _ in program:
+                pending += {"BackwardInput": 1, "BackwardWeight": -1}.get(name, 0)
+                most = max(most, pending) if name == "ForwardPass" else most
+            assert most <= deferred
+            ours = [n for n, _, _ in program if n in COMMUNICATION]
+            assert ours == [n for n, _, _ in flat(TrainSchedule(micro_batches, stages, stage)) if n in COMMUNICATION]
+        simulate(micro_batches, stages, unit_costs(0.5, early, stages), "zb-h1", early, [deferred] * stages)
+
+
+@pytest.mark.parametrize("stages, micro_batches", [(2, 4), (4, 8)])
+def test_without_deferral_w_follows_its_b_and_with_it_the_last_gradient_goes_first(stages, micro_batches):
+    for stage in range(stages):
+        program = [(name, m) for name, m, _ in flat(ZeroBubbleH1Schedule(micro_batches, stages, stage, deferred=0))]
+        for i, (name, m) in enumerate(program):
+            if name == "BackwardInput":  # 1F1B's backward cut in two: nothing held between B and W
+                assert program[i + 1] == ("BackwardWeight", m)
+        if stage > 0:  # the default defers: after the last B nothing is left for the previous stage but its gradient
+            program = [(name, m) for name, m, _ in flat(ZeroBubbleH1Schedule(micro_batches, stages, stage))]
+            last_b = program.index(("BackwardInput", micro_batches - 1))
+            assert program[last_b + 1] == ("SendGrad", micro_batches - 1)
+            assert all(name == "BackwardWeight" for name, _ in program[last_b + 2 : -3])
+
+
+def unit_costs(recompute: float, early: bool, stages: int):
+    """Forward 1, backward 2 (B 1 + W 1), plus the plan's recompute: inside the backward, or early on every
+    stage but the last; free transfers."""
+
+    def cost(ins) -> float:
+        inside = 0.0 if early and ins.stage < stages - 1 else recompute
+        return {
+            "ForwardPass": 1.0,
+            "BackwardPass": 2.0 + inside,
+            "BackwardInput": 1.0 + inside,
+            "BackwardWeight": 1.0,
+            "RecomputeEarly": recompute,
+        }.get(ins.name, 0.0)
+
+    return cost
+
+
+@pytest.mark.parametrize("kind, early", COMBINATIONS)
+@pytest.mark.parametrize("stages, micro_batches", SHAPES)
+def test_no_schedule_deadlocks_under_rendezvous_sends(kind, early, stages, micro_batches):
+    timeline = simulate(micro_batches, stages, unit_costs(0.5, early, stages), kind, early)
+    for stage in range(stages):
+        ran = [i.instruction.name for i in timeline.of_stage(stage)]
+        assert ran == [n for n, _, _ in flat(train_schedule(kind, early, micro_batches, stages, stage))]
+
+
+@pytest.mark.parametrize("kind", SCHEDULES)
+def test_early_recompute_hides_in_the_wait_for_the_gradient(kind):
+    late, early = (simulate(8, 4, unit_costs(0.5, e, 4), kind, e).step_time_s for e in (False, True))
+    assert early < late
+
+
+def test_1f1b_without_early_is_deepspeeds_schedule_and_unknown_kinds_are_refused():
+    assert type(train_schedule("1f1b", False, 4, 2, 0)) is TrainSchedule
+    with pytest.raises(ValueError, match="1f1b, zb-h1"):
+        train_schedule("gpipe", False, 4, 2, 0)
+
+
+def peak(kind, early, kept, pending, recomputed, micro_batches=8, stages=4, stage=0, deferred=None):
+    m = micro_batches
+    return activation_peak(kind, early, [kept] * m, pending, [recomputed] * m, m, stages, stage, deferred)
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_the_1f1b_peak_is_the_micro_batches_in_flight_and_early_adds_one_recomputed(stage):
+    plain = peak("1f1b", False, 10, 0, 0, stage=stage)
+    assert (plain.bytes, plain.in_flight, plain.recomputed) == (10 * (4 - stage), 4 - stage, 0)
+    early = peak("1f1b", True, 10, 0, 7, stage=stage)
+    if stage < 3:  # from RecomputeEarly to its B, with every micro-batch in flight still held
+        assert (early.bytes, early.in_flight, early.recomputed) == (10 * (4 - stage) + 7, 4 - stage, 1)
+    else:  # the last stage never recomputes early
+        assert early == plain
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_zb_h1_holds_its_deferred_ws_on_top_of_1f1bs_micro_batches(stage):
+    """W-pending micro-batches hold 3 bytes each: stage s defers s of them at its forwards; the last B's
+    gradient goes first, so the last stage briefly holds its 3 deferred W's and the last B's."""
+    zb = peak("zb-h1", False, 10, 3, 0, stage=stage)
+    expected = max(10 * (4 - stage) + 3 * stage, 3 * (stage + 1) if stage else 0)
+    assert (zb.bytes, zb.in_flight, zb.weights_pending) == (expected, 4 - stage, stage)
+    assert peak("zb-h1", False, 10, 3, 0, stage=stage, deferred=0) == peak("1f1b", False, 10, 0, 0, stage=stage)
+
+
+def test_a_micro_batch_kept_whole_counts_only_while_it_is_in_flight():
+    """Per-micro-batch bytes (recompute for some micro-batches only): the peak is the heaviest window."""
+    kept = [5, 1, 1, 5, 1, 1, 5, 1]
+    assert activation_peak("1f1b", False, kept, 0, [0] * 8, 8, 4, 0).bytes == 5 + 1 + 1 + 5
+    assert activation_peak("1f1b", False, kept, 0, [0] * 8, 8, 4, 2).bytes == 5 + 1

@@ -1,0 +1,206 @@
+"""ZB-H1's split backward and early recompute are exact: the deferred weight gradient is nn.Linear's bit for bit;
+on the unpipelined GPT every recompute mode, early and deferred, gives the gradients of no recompute; real
+pipelines of 2 and 4 stages give 1F1B-without-recompute's losses, gradient norms and trained weights under every
+schedule x early x recompute combination (one launch per stage count: tests/fixtures/zero_bubble_runs.py), also
+with 2-way data parallelism and ZeRO-1; a zb-h1 run resumes bit-exactly and traces B, W and RecomputeEarly; and
+what an early recompute holds until backward is what the memory model predicts."""
+
+import json
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import FIRST_BLOCK_INDEX, GPT, Block, GPTConfig, gpt_layers, lm_loss
+from model.weight_grad import WeightGradStore, linear, split_backward
+from parallel.config import FullRecompute, NoRecompute, SelectiveRecompute
+from parallel.early_recompute import EarlyRecompute
+from parallel.memory_model import selective_combinations, stage_activations
+from parallel.recompute import apply_plan, run_stage
+from parallel.shapes import Shape, Target
+from parallel.stage_plan import StagePlan, plan_stage
+from tests.runs import DEEPSPEED, REPO, TINY, cpu_env, free_port, launch, metrics
+
+FIXTURE = REPO / "tests" / "fixtures" / "zero_bubble_runs.py"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_gradients_are_nn_linears_deferred_or_not(dtype, bias):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 16, 32, generator=gen).to(dtype).requires_grad_()
+    weight = torch.randn(96, 32, generator=gen).to(dtype).requires_grad_()
+    b = torch.randn(96, generator=gen).to(dtype).requires_grad_() if bias else None
+    params = [x, weight] + ([b] if bias else [])
+    for grad in (torch.randn(2, 16, 96, generator=gen), torch.randn(96, 2, 16, generator=gen).movedim(0, -1)):
+        grad = grad.to(dtype)  # contiguous, then not (as a transposed upstream gradient arrives)
+        F.linear(x, weight, b).backward(grad)
+        expected = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        store = WeightGradStore()
+        with split_backward(), store.deferring():
+            out = linear(x, weight, b)
+            assert torch.equal(out, F.linear(x, weight, b))
+            out.backward(grad)
+        assert weight.grad is None and len(store) == 1  # B: the input and bias gradients only
+        assert store.deferred_bytes() == grad.numel() * grad.element_size()
+        assert store.apply_oldest() == 1 and len(store) == 0  # W
+        assert all(torch.equal(p.grad, e) for p, e in zip(params, expected))
+        for p in params:
+            p.grad = None
+
+
+def _gpt_grads(recompute, attention: str, early: bool, defer: bool):
+    """Two micro-batches of the unpipelined GPT: both forwards, then both backwards (each after its early
+    recompute when `early`, its weight gradients deferred to the end when `defer`), the RNG used in between."""
+    cfg = GPTConfig(n_layer=3, n_head=2, n_embd=32, seq_len=16, vocab_size=64, dropout=0.1, attention=attention)
+    model = GPT(cfg, seed=0)
+    plan = plan_stage([isinstance(f, Block) for f in model.forward_funcs], recompute)
+    apply_plan(model.forward_funcs, plan)
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    early_recompute = EarlyRecompute()
+    # One stage holds both the embedding and the tied LM head: that weight's gradient stays immediate.
+    store = WeightGradStore(immediate=[model.forward_funcs[0].wte.weight])
+    torch.manual_seed(5)  # the dropout stream
+    losses = []
+    with split_backward(defer):
+        for _ in range(2):
+            with early_recompute.registering() if early else torch.enable_grad():
+                losses.append(lm_loss(run_stage(model.forward_funcs, plan, idx), idx))
+            torch.rand(8)  # the stream moves on before the recompute: the recompute must replay its own state
+        for loss in losses:
+            if early:
+                early_recompute.recompute_next()
+            with store.deferring() if defer else torch.enable_grad():
+                loss.backward()
+        while len(store):
+            store.apply_oldest()
+    assert len(early_recompute) == 0
+    return [loss.detach() for loss in losses], [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("attention", ["math", "sdpa"])
+@pytest.mark.parametrize(
+    "recompute",
+    [*[SelectiveRecompute(modules=list(c)) for c in selective_combinations()], FullRecompute(interval="2")],
+    ids=lambda r: getattr(r, "interval", None) or "+".join(r.modules),
+)
+def test_early_and_deferred_recompute_is_bit_exact_with_none(recompute, attention):
+    base_losses, base_grads = _gpt_grads(NoRecompute(), attention, early=False, defer=False)
+    for early, defer in ((True, False), (False, True), (True, True)):
+        losses, grads = _gpt_grads(recompute, attention, early, defer)
+        assert all(torch.equal(a, b) for a, b in zip(losses, base_losses)), (early, defer)
+        assert all(torch.equal(g, b) for g, b in zip(grads, base_grads)), (early, defer)
+
+
+@pytest.mark.parametrize(
+    "modules", [["mlp_act"], ["layernorm"], ["mlp"], ["layernorm", "mlp"], ["mlp_act", "layernorm"]], ids="+".join
+)
+def test_early_recompute_holds_what_the_memory_model_says(modules):
+    """The bytes an early recompute keeps until its backward are the block's bytes under none minus under its
+    plan: what parallel/stage_costs.py charges an early-recomputed micro-batch."""
+    cfg = GPTConfig(n_layer=1, n_head=4, n_embd=64, seq_len=32, vocab_size=256, dropout=0.1)
+    block = Block(cfg, seed=0, layer_index=FIRST_BLOCK_INDEX)
+    apply_plan([block], StagePlan(selective={0: tuple(modules)}))
+    early_recompute = EarlyRecompute()
+    early_recompute.measure = True
+    x = torch.randn(2, cfg.seq_len, cfg.n_embd, requires_grad=True)
+    with early_recompute.registering():
+        out = block(x)  # (B, T, C)
+    early_recompute.recompute_next()
+    out.sum().backward()
+    shape, target, layers = Shape.of(cfg, 2), Target("cpu", "fp32"), range(FIRST_BLOCK_INDEX, FIRST_BLOCK_INDEX + 1)
+    recipes = gpt_layers(cfg, seed=0)
+    kept = stage_activations(recipes, layers, StagePlan(selective={0: tuple(modules)}), shape, target, False)
+    plain = stage_activations(recipes, layers, StagePlan(), shape, target, False)
+    assert early_recompute.recomputed_bytes == [sum(a.bytes for a in plain) - sum(a.bytes for a in kept)]
+
+
+def _fixture_runs(tmp_path, nproc: int, stages: int, zero_stage: int, combos: str) -> dict:
+    """Every combination's results, per rank, from one launch of tests/fixtures/zero_bubble_runs.py."""
+    out = tmp_path / "runs.json"
+    command = [str(DEEPSPEED), "--num_gpus", str(nproc), "--master_port", str(free_port()), str(FIXTURE)]
+    result = subprocess.run(
+        [*command, str(out), str(stages), str(zero_stage), combos],
+        cwd=REPO,
+        env=cpu_env(tmp_path, PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def _same_training(runs: list[dict], reference: list[dict]) -> bool:
+    return all(
+        (r["losses"], r["grad_norms"], r["digest"]) == (b["losses"], b["grad_norms"], b["digest"])
+        for r, b in zip(runs, reference, strict=True)
+    )
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("stages", [2, 4])
+def test_every_schedule_early_and_recompute_trains_bit_identically(tmp_path, stages):
+    runs = _fixture_runs(tmp_path, stages, stages, 0, "all")
+    bf16 = {name: runs.pop(name) for name in ("1f1b/none/bf16", "zb-h1/full/early/bf16") if name in runs}
+    assert len(runs) == 2 * (4 + 3) and len(bf16) == (2 if stages == 2 else 0)  # fp32: schedule x (4 + 3 early)
+    reference = runs["1f1b/none"]
+    if bf16:
+        assert _same_training(bf16["zb-h1/full/early/bf16"], bf16["1f1b/none/bf16"])
+        assert not _same_training(bf16["1f1b/none/bf16"], reference)  # bf16 really ran
+    for name, ranks in runs.items():
+        assert _same_training(ranks, reference), name
+        zero_bubble, early = name.startswith("zb-h1/"), name.endswith("/early")
+        for rank in ranks:  # the instructions really ran: B and W apart, recompute ahead of RecvGrad
+            counts, last = rank["instructions"], rank["stage"] == stages - 1
+            assert counts.get("BackwardWeight", 0) == counts.get("BackwardInput", 0) == (4 if zero_bubble else 0)
+            assert counts.get("BackwardPass", 0) == (0 if zero_bubble else 4)
+            assert counts.get("RecomputeEarly", 0) == (4 if early and not last else 0), (name, rank["stage"])
+            assert len(rank["early_recomputed_bytes"]) == counts.get("RecomputeEarly", 0)
+    for name in ("1f1b/full/early", "zb-h1/full/early"):  # each early recompute holds the modelled bytes
+        for rank in runs[name][: stages - 1]:
+            assert rank["early_recomputed_bytes"] == [rank["predicted_early_bytes"]] * 4 != [0] * 4
+
+
+@pytest.mark.multiproc
+def test_zb_h1_with_data_parallel_zero1_trains_like_1f1b(tmp_path):
+    runs = _fixture_runs(tmp_path, 4, 2, 1, "zero")  # 2 stages x 2 data-parallel ranks, ZeRO-1
+    assert sorted(r["stage"] for r in runs["1f1b/none"]) == [0, 0, 1, 1]
+    for name in ("zb-h1/none", "zb-h1/full/early"):
+        assert _same_training(runs[name], runs["1f1b/none"]), name
+
+
+ZB_EARLY_FULL = [
+    *TINY,
+    "model.seq_len=64",
+    "train.steps=4",
+    "train.micro_batches=4",
+    "train.save_every=2",
+    "train.trace_step=3",
+    "parallel.schedule=zb-h1",
+    "+recompute=full",
+    "recompute.early=true",
+]
+
+
+@pytest.mark.multiproc
+def test_zb_h1_early_run_traces_b_w_and_early_recompute_and_resumes_bit_exactly(tmp_path):
+    straight = tmp_path / "straight"
+    launch(straight, *ZB_EARLY_FULL)
+    events = json.loads((straight / "trace.json").read_text())["traceEvents"]
+    spans = [e for e in events if e.get("ph") == "X"]
+    for stage in (0, 1):
+        names = [e["name"] for e in spans if e["pid"] == stage]
+        assert names.count("BackwardInput") == names.count("BackwardWeight") == 4 and "BackwardPass" not in names
+        assert names.count("RecomputeEarly") == (4 if stage == 0 else 0)  # the last stage recomputes inside B
+    first = sorted((e for e in spans if e["pid"] == 0), key=lambda e: e["ts"])
+    order = [e["name"] for e in first if e["name"] in ("RecomputeEarly", "RecvGrad")]
+    assert order == ["RecomputeEarly", "RecvGrad"] * 4  # each micro-batch's recompute right before its wait
+
+    resumed = tmp_path / "resumed"
+    result = launch(resumed, *ZB_EARLY_FULL, f"train.resume={straight / 'checkpoints' / 'step_00000002'}")
+    assert "after step 2" in result.stdout
+    assert [r["loss"] for r in metrics(resumed)] == [r["loss"] for r in metrics(straight)][2:]
