@@ -22,6 +22,8 @@ from deepspeed.runtime.pipe.schedule import (
     PipeSchedule,
     RecvGrad,
     ReduceTiedGrads,
+    SendActivation,
+    SendGrad,
     TrainSchedule,
 )
 
@@ -57,13 +59,23 @@ def _with_early_recompute(commands: list) -> list:
     return out
 
 
+def _sends_first(commands: list) -> list:
+    """The step's SendActivation before everything else in it. TrainSchedule sends a forward's output after the
+    next RecvGrad, so whatever this stage runs before that RecvGrad (an early recompute, deferred W's) would hold up
+    the next stage's forward. Sending first needs asynchronous sends: under rendezvous sends this stage would block
+    in the send while the next stage blocks in its SendGrad to this stage's RecvGrad. The engine running these
+    schedules sends asynchronously (parallel/zero_bubble_engine.py), and the simulator replays them so."""
+    sends = [command for command in commands if isinstance(command, SendActivation)]
+    return sends + [command for command in commands if not isinstance(command, SendActivation)]
+
+
 class EarlyRecomputeSchedule(TrainSchedule):
     """DeepSpeed's 1F1B with each non-last stage's recompute run early (the last stage's backward follows
     its forward with no wait, so it gets no RecomputeEarly and recomputes inside its backward)."""
 
     def steps(self):
         for commands in super().steps():
-            yield _with_early_recompute(commands)
+            yield _sends_first(_with_early_recompute(commands))
 
 
 class ZeroBubbleH1Schedule(TrainSchedule):
@@ -107,10 +119,17 @@ class ZeroBubbleH1Schedule(TrainSchedule):
                 weights += 1
             return out
 
-        after_backward = self.is_first_stage or self.is_last_stage or self.deferred == 0
+        # The last stage with nothing deferred: each W right after the SendGrad of its B (an asynchronous send
+        # returns at once), so the previous stage gets the gradient a W earlier, and only that W's inputs are held
+        # meanwhile.
+        after_send = self.is_last_stage and self.stages > 1 and self.deferred == 0
+        after_backward = not after_send and (self.is_first_stage or self.is_last_stage or self.deferred == 0)
         for commands in super().steps():
             out = []
             for command in commands:
+                if after_send and isinstance(command, SendGrad):
+                    out += [command, *weights_up_to(weights)]
+                    continue
                 if isinstance(command, RecvGrad) and not after_backward:
                     # After this B the stage reaches a forward with at most `deferred` W's pending.
                     out += weights_up_to(backwards - self.deferred)
@@ -123,7 +142,7 @@ class ZeroBubbleH1Schedule(TrainSchedule):
                         out += weights_up_to(backwards - 1 - self.deferred)
                 else:
                     out.append(command)
-            yield _with_early_recompute(out) if self.early else out
+            yield _sends_first(_with_early_recompute(out) if self.early else out)
 
 
 def train_schedule(

@@ -103,6 +103,10 @@ def instructions(
     return tuple(out)
 
 
+ASYNC_SENDS = ("SendActivation", "SendGrad")
+ASYNC_RECVS = ("RecvActivation", "RecvGrad")
+
+
 def _meeting(ins: Instruction, stages: int) -> tuple | None:
     """The rendezvous an instruction takes part in (the same key on both sides), or None when local."""
     m = ins.micro_batch
@@ -129,13 +133,19 @@ def simulate(
 ) -> Timeline:
     """Replay `schedule` with `cost(instruction)` seconds per instruction; `early` (one for every stage, or
     one per stage) and `deferred` (per stage, zb-h1) as the stage plans say. A rendezvous lasts the shorter of
-    its sides' costs: a measured blocking call includes its wait, and the side that arrived last waited least."""
+    its sides' costs: a measured blocking call includes its wait, and the side that arrived last waited least.
+
+    Under DeepSpeed's own 1F1B every send is a rendezvous (its p2p is a blocking send on gloo). The schedules
+    of parallel/pipe_schedule.py (zb-h1, or any stage early) run on an engine that sends asynchronously: a send
+    only posts (no time on the sender), and its recv ends `cost(recv)` after both sides have posted."""
     early_of = [early] * stages if isinstance(early, bool) else list(early)
     deferred_of = [None] * stages if deferred is None else list(deferred)
+    async_sends = schedule != "1f1b" or any(early_of)
     programs = [instructions(micro_batches, stages, s, schedule, early_of[s], deferred_of[s]) for s in range(stages)]
     clock = [0.0] * stages
     pc = [0] * stages
     posted: dict[tuple, list[tuple[Instruction, float]]] = {}
+    sent: dict[tuple, float] = {}
     intervals: list[Interval] = []
     while any(pc[s] < len(programs[s]) for s in range(stages)):
         progressed = False
@@ -147,6 +157,18 @@ def simulate(
                     end = clock[s] + cost(ins)
                     intervals.append(Interval(ins, clock[s], clock[s], end))
                     clock[s], pc[s], progressed = end, pc[s] + 1, True
+                    continue
+                if async_sends and ins.name in ASYNC_SENDS:
+                    sent[key] = clock[s]
+                    intervals.append(Interval(ins, clock[s], clock[s], clock[s]))
+                    pc[s], progressed = pc[s] + 1, True
+                    continue
+                if async_sends and ins.name in ASYNC_RECVS:
+                    if key not in sent:
+                        break  # blocked until the peer's send is posted
+                    start = max(clock[s], sent.pop(key))
+                    intervals.append(Interval(ins, clock[s], start, start + cost(ins)))
+                    clock[s], pc[s], progressed = start + cost(ins), pc[s] + 1, True
                     continue
                 parties = posted.setdefault(key, [])
                 if all(p.stage != s for p, _ in parties):

@@ -19,8 +19,11 @@ Gradient clipping, the optimizer step and the tied-weight all-reduce all run aft
 refuses to run while a weight gradient is still deferred or a recompute still pending.
 """
 
+from contextlib import contextmanager
+
 import torch
-from deepspeed.runtime.pipe import schedule
+import torch.distributed as dist
+from deepspeed.runtime.pipe import p2p, schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from model.weight_grad import WeightGradStore, split_backward
@@ -66,6 +69,35 @@ class ZeroBubblePipelineEngine(PipelineEngine):
         if bf16 and not self._config.bfloat16_config.immediate_grad_update:
             self.optimizer.update_hp_grads(clear_lp_grads=False)
 
+    @contextmanager
+    def _sending(self):
+        """DeepSpeed's send handlers with their p2p.send posted as isend (the stagecheck schedules: zb-h1 or early
+        recompute). A blocking gloo send waits for the peer's recv, so a stage busy with early work or a W would
+        hold up its neighbour's send; the posted sends complete by ReduceTiedGrads. Each keeps its tensor alive
+        until then (DeepSpeed drops its own reference to the sent gradient right after the send)."""
+        if not self.async_sends:
+            yield
+            return
+        blocking = p2p.send
+
+        def post(tensor, dest_stage, async_op=False):
+            work = dist.isend(tensor, self.grid.stage_to_global(stage_id=dest_stage))
+            self.posted_sends.append((work, tensor))
+
+        p2p.send = post
+        try:
+            yield
+        finally:
+            p2p.send = blocking
+
+    def _exec_send_activations_posted(self, buffer_id):
+        with self._sending():
+            PipelineEngine._exec_send_activations(self, buffer_id)
+
+    def _exec_send_grads_posted(self, buffer_id):
+        with self._sending():
+            PipelineEngine._exec_send_grads(self, buffer_id)
+
     def _exec_recompute_early(self, buffer_id):
         self.early_recompute.recompute_next()
 
@@ -76,12 +108,17 @@ class ZeroBubblePipelineEngine(PipelineEngine):
                 f"gradients still deferred and {len(self.early_recompute)} early recomputes pending: the schedule "
                 f"must run every BackwardWeight and RecomputeEarly before it"
             )
+        for work, _ in self.posted_sends:
+            work.wait()
+        self.posted_sends.clear()
         PipelineEngine._exec_reduce_tied_grads(self)
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,
         schedule.ForwardPass: _exec_forward_pass_registering,
         schedule.ReduceTiedGrads: _exec_reduce_tied_grads_complete,
+        schedule.SendActivation: _exec_send_activations_posted,
+        schedule.SendGrad: _exec_send_grads_posted,
         BackwardInput: _exec_backward_input,
         BackwardWeight: _exec_backward_weight,
         RecomputeEarly: _exec_recompute_early,
@@ -101,4 +138,8 @@ def zero_bubble(engine: PipelineEngine, layout: PipelineLayout) -> ZeroBubblePip
         immediate=[p for m in engine.module.tied_modules.values() for p in m.parameters()] if tied else ()
     )
     engine.early_recompute = EarlyRecompute()
+    # parallel/pipe_schedule.py's schedules send a forward's output before the early work of its step, which only
+    # asynchronous sends allow; DeepSpeed's own 1F1B keeps its blocking sends (parallel/step_sim.py models both).
+    engine.async_sends = layout.schedule != "1f1b" or any(p.early for p in layout.plans)
+    engine.posted_sends = []
     return engine

@@ -1,7 +1,8 @@
 """The training schedules of parallel/pipe_schedule.py, checked instruction by instruction on every stage of 1, 2
 and 4 stages with 1..8 micro-batches: each micro-batch's forward, B and W once and in order, W's deferred within
 ZB-H1's bound, early recompute right before its RecvGrad, pipe buffers never shared while live, DeepSpeed's
-communication order kept, and no deadlock under rendezvous sends (the step-time simulator); and the activation
+communication order kept (a forward's output sent first in its step), and no deadlock under the engine's
+asynchronous sends (the step-time simulator); and the activation
 peak parallel/schedule.py reads off each schedule."""
 
 import itertools
@@ -18,6 +19,19 @@ SHAPES = [(stages, micro_batches) for stages in (1, 2, 4) for micro_batches in r
 COMBINATIONS = list(itertools.product(SCHEDULES, (False, True)))
 COMMUNICATION = ("SendActivation", "RecvActivation", "SendGrad", "RecvGrad", "ReduceTiedGrads")
 BACKWARD = {"1f1b": "BackwardPass", "zb-h1": "BackwardInput"}
+
+
+def communication(kind: str, early: bool, micro_batches: int, stages: int, stage: int) -> list[str]:
+    """DeepSpeed's own communication order, except where a stagecheck schedule (zb-h1, or early recompute) sends:
+    it moves each step's SendActivation to the front of the step (its engine sends asynchronously)."""
+    ours = kind != "1f1b" or early
+    steps = [[type(c).__name__ for c in commands] for commands in TrainSchedule(micro_batches, stages, stage).steps()]
+    out = []
+    for names in steps:
+        if ours:
+            names = [n for n in names if n == "SendActivation"] + [n for n in names if n != "SendActivation"]
+        out += [n for n in names if n in COMMUNICATION]
+    return out
 
 
 def flat(schedule) -> list[tuple[str, int | None, int | None]]:
@@ -84,12 +98,23 @@ def test_a_pipe_buffer_is_never_reused_while_its_micro_batch_is_live(kind, early
 
 @pytest.mark.parametrize("kind, early", COMBINATIONS)
 @pytest.mark.parametrize("stages, micro_batches", SHAPES)
-def test_communication_is_deepspeeds_own_order(kind, early, stages, micro_batches):
-    """Only local instructions are added, so the schedules deadlock no more than DeepSpeed's 1F1B does."""
+def test_communication_is_deepspeeds_own_order_with_activations_sent_first(kind, early, stages, micro_batches):
+    """Only local instructions are added, and a forward's output is sent at the start of its step; with
+    asynchronous sends that cannot deadlock (the simulator replays every shape)."""
     for stage in range(stages):
         ours = [n for n, _, _ in flat(train_schedule(kind, early, micro_batches, stages, stage)) if n in COMMUNICATION]
-        theirs = [n for n, _, _ in flat(TrainSchedule(micro_batches, stages, stage)) if n in COMMUNICATION]
-        assert ours == theirs
+        assert ours == communication(kind, early, micro_batches, stages, stage)
+    simulate(micro_batches, stages, unit_costs(0.5, early, stages), kind, early)
+
+
+def test_sending_activations_first_needs_asynchronous_sends():
+    """Under rendezvous sends stage 0 would block in SendActivation(1) while stage 1 blocks in SendGrad(0) to stage
+    0's RecvGrad(0): why the engine posts its sends."""
+    program = [n for n, _, _ in flat(train_schedule("1f1b", True, 4, 2, 0))]
+    first_recv = program.index("RecvGrad")
+    assert program[first_recv - 2 : first_recv + 1] == ["SendActivation", "RecomputeEarly", "RecvGrad"]
+    theirs = [n for n, _, _ in flat(TrainSchedule(4, 2, 0))]
+    assert theirs[theirs.index("RecvGrad") + 1] == "SendActivation"
 
 
 @pytest.mark.parametrize("stages, micro_batches", SHAPES)
@@ -120,7 +145,7 @@ def test_a_planner_chosen_deferral_is_kept_and_every_w_still_runs_in_order(early
                 most = max(most, pending) if name == "ForwardPass" else most
             assert most <= deferred
             ours = [n for n, _, _ in program if n in COMMUNICATION]
-            assert ours == [n for n, _, _ in flat(TrainSchedule(micro_batches, stages, stage)) if n in COMMUNICATION]
+            assert ours == communication("zb-h1", early, micro_batches, stages, stage)
         simulate(micro_batches, stages, unit_costs(0.5, early, stages), "zb-h1", early, [deferred] * stages)
 
 
@@ -128,9 +153,10 @@ def test_a_planner_chosen_deferral_is_kept_and_every_w_still_runs_in_order(early
 def test_without_deferral_w_follows_its_b_and_with_it_the_last_gradient_goes_first(stages, micro_batches):
     for stage in range(stages):
         program = [(name, m) for name, m, _ in flat(ZeroBubbleH1Schedule(micro_batches, stages, stage, deferred=0))]
+        last = stage == stages - 1
         for i, (name, m) in enumerate(program):
-            if name == "BackwardInput":  # 1F1B's backward cut in two: nothing held between B and W
-                assert program[i + 1] == ("BackwardWeight", m)
+            if name == "BackwardInput":  # 1F1B's backward cut in two; the last stage sends the gradient first
+                assert program[i + 1 : i + 2 + last] == [("SendGrad", m)] * last + [("BackwardWeight", m)]
         if stage > 0:  # the default defers: after the last B nothing is left for the previous stage but its gradient
             program = [(name, m) for name, m, _ in flat(ZeroBubbleH1Schedule(micro_batches, stages, stage))]
             last_b = program.index(("BackwardInput", micro_batches - 1))
