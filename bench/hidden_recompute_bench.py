@@ -79,8 +79,8 @@ def figure_1(results: list[Result], rounds: int) -> None:
         names = [f"none 1f1b m{m}"] + [name_of(s, e, m) for s, e in SETTINGS]
         print(f"### {m} micro-batches\n")
         print(
-            "| variant | tokens/s (median) | / 1f1b full(stage), per round | median | predicted peak MiB "
-            "per stage | measured peak tensor MiB per stage |"
+            "| variant | tokens/s (median) | / 1f1b full(stage), per round | median | predicted peak tensor "
+            "MiB per stage | measured peak tensor MiB per stage |"
         )
         print("|---|---|---|---|---|---|")
         for name in names:
@@ -89,8 +89,8 @@ def figure_1(results: list[Result], rounds: int) -> None:
             last = rs[rounds - 1].summary
             print(
                 f"| {name} | {_median_tps(results, name):.0f} | {', '.join(f'{x:.3f}' for x in ratios)} "
-                f"| {statistics.median(ratios):.3f} | {_mib(last['predicted_peak_bytes_per_stage'])} "
-                f"| {_mib(last.get('peak_tensor_bytes_per_stage') or [])} |"
+                f"| {statistics.median(ratios):.3f} | {_mib(last['predicted_peak_tensor_bytes_per_stage'])} "
+                f"| {_mib(last['measured_peak_tensor_bytes_per_stage'])} |"
             )
         print()
     print(
