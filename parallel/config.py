@@ -125,15 +125,10 @@ class NoRecompute:
 
 
 @dataclass
-class FullRecompute:
-    """Store only segment inputs; recompute each segment's forward in backward."""
+class PlannedRecompute:
+    """What the modes with a fixed plan (full, selective) share: when the plan's recompute runs, and for which
+    micro-batches."""
 
-    mode: str = "full"
-    """Option of the `recompute` config group (`+recompute=full`); must stay "full"."""
-    interval: str = "1"
-    """Blocks per segment: a positive integer, `stage` (one segment per stage: the stage input the
-    pipeline already holds is the only thing stored) or `sqrt` (about sqrt(blocks in the stage)).
-    Segments start at each stage's first block and never cross a stage boundary."""
     early: bool = False
     """Run each micro-batch's recompute as its own pipeline instruction before the stage waits for that
     micro-batch's output gradient (RecvGrad), instead of inside its backward; the last stage never waits there
@@ -145,6 +140,21 @@ class FullRecompute:
 
     def __post_init__(self) -> None:
         check_micro_batches(self.micro_batches)
+
+
+@dataclass
+class FullRecompute(PlannedRecompute):
+    """Store only segment inputs; recompute each segment's forward in backward."""
+
+    mode: str = "full"
+    """Option of the `recompute` config group (`+recompute=full`); must stay "full"."""
+    interval: str = "1"
+    """Blocks per segment: a positive integer, `stage` (one segment per stage: the stage input the
+    pipeline already holds is the only thing stored) or `sqrt` (about sqrt(blocks in the stage)).
+    Segments start at each stage's first block and never cross a stage boundary."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         self.interval = str(self.interval)
         if self.interval in INTERVAL_WORDS:
             return
@@ -156,7 +166,7 @@ class FullRecompute:
 
 
 @dataclass
-class SelectiveRecompute:
+class SelectiveRecompute(PlannedRecompute):
     """Recompute, inside each block, only what is cheap to redo but costly to store."""
 
     mode: str = "selective"
@@ -165,17 +175,9 @@ class SelectiveRecompute:
     """What to recompute: `core_attn` (softmax(QK^T)V with its dropout), `mlp_act` (the GELU output
     read by the second MLP matmul), `layernorm` (the LayerNorm outputs read by the QKV and first MLP
     matmuls), `mlp` (the whole MLP with its dropout)."""
-    early: bool = False
-    """Run each micro-batch's recompute as its own pipeline instruction before the stage waits for that
-    micro-batch's output gradient (RecvGrad), instead of inside its backward; the last stage never waits there
-    and recomputes inside backward."""
-    micro_batches: int | None = None
-    """Recompute for only this many of each stage's in-flight micro-batches, those whose activations wait
-    longest (parallel/stage_plan.py's `StagePlan.recomputes_micro_batch` says which); the others run with no
-    recompute. null: all of them. From 1 to train.micro_batches; a stage with fewer in flight recomputes all."""
 
     def __post_init__(self) -> None:
-        check_micro_batches(self.micro_batches)
+        super().__post_init__()
         unknown = [m for m in self.modules if m not in RECOMPUTE_MODULES]
         if unknown or not self.modules:
             raise ValueError(

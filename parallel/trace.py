@@ -19,22 +19,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.recompute import observe_recompute
-
-PER_MICRO_BATCH = (
-    "LoadMicroBatch",
-    "ForwardPass",
-    "BackwardPass",
-    "BackwardInput",
-    "BackwardWeight",
-    "RecomputeEarly",
-    "SendActivation",
-    "RecvActivation",
-    "SendGrad",
-    "RecvGrad",
-)
-"""Instructions that run once per micro-batch, in micro-batch order on every stage under every schedule of
-parallel/pipe_schedule.py (the k-th of a kind belongs to micro-batch k); ReduceTiedGrads, ReduceGrads and
-OptimizerStep run once per step."""
+from parallel.step_sim import PER_STEP
 
 RECOMPUTE = "Recompute"
 
@@ -136,7 +121,7 @@ class StepTracer:
     def _timed(self, name: str, fn):
         def timed(engine, **kwargs):
             micro_batch = None
-            if name in PER_MICRO_BATCH:
+            if name not in PER_STEP:  # once per micro-batch, in micro-batch order under every schedule
                 micro_batch = self._counts[name]
                 self._counts[name] += 1
             self._running = micro_batch

@@ -9,17 +9,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, Block, GPTConfig, lm_loss
+from model import GPTConfig
 from model.packed_dropout import pack_bits, packed_dropout, unpack_bits
 from parallel.config import FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.layout import build_layout
 from parallel.local_stages import LocalPipeline
 from parallel.memory_model import block_items, selective_combinations, total
-from parallel.recompute import apply_plan, run_stage
 from parallel.run_plan import plan_run
 from parallel.shapes import RunShape, Shape, Target, Topology
-from parallel.stage_plan import plan_stage
 from tests.runs import TINY, python_run
+from tests.test_recompute_exact import loss_and_grads as exact_loss_and_grads
 
 
 @pytest.mark.parametrize("numel", [1, 7, 8, 9, 64, 1001])
@@ -48,18 +47,7 @@ def test_packed_dropout_is_torchs_cpu_dropout_bit_for_bit(dtype):
 
 
 def loss_and_grads(recompute, attention: str, packed: bool):
-    shape = {"n_layer": 3, "n_head": 2, "n_embd": 32, "seq_len": 16, "vocab_size": 64}
-    model = GPT(GPTConfig(**shape, dropout=0.1, attention=attention, packed_dropout=packed), seed=0)
-    plan = plan_stage([isinstance(f, Block) for f in model.forward_funcs], recompute)
-    apply_plan(model.forward_funcs, plan)
-    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
-    losses = []
-    torch.manual_seed(5)  # the dropout stream
-    for _ in range(2):  # two micro-batches: the RNG must advance identically across recomputes
-        loss = lm_loss(run_stage(model.forward_funcs, plan, idx), idx)
-        loss.backward()
-        losses.append(loss.detach())
-    return losses, [p.grad.clone() for p in model.parameters()]
+    return exact_loss_and_grads(recompute, attention, packed_dropout=packed)
 
 
 RECOMPUTES = [

@@ -14,8 +14,12 @@ from parallel.stage_plan import plan_stage
 COMBOS = selective_combinations()
 
 
-def loss_and_grads(recompute, attention: str):
-    cfg = GPTConfig(n_layer=3, n_head=2, n_embd=32, seq_len=16, vocab_size=64, dropout=0.1, attention=attention)
+def loss_and_grads(recompute, attention: str, **model_options):
+    """Two micro-batches' losses and the accumulated gradients of a tiny GPT with dropout under `recompute`;
+    `model_options`: more GPTConfig fields (tests/test_packed_dropout.py: packed_dropout)."""
+    cfg = GPTConfig(
+        n_layer=3, n_head=2, n_embd=32, seq_len=16, vocab_size=64, dropout=0.1, attention=attention, **model_options
+    )
     model = GPT(cfg, seed=0)
     plan = plan_stage([isinstance(f, Block) for f in model.forward_funcs], recompute)
     apply_plan(model.forward_funcs, plan)
