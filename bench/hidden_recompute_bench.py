@@ -26,12 +26,20 @@ from pathlib import Path
 
 import torch
 
-from bench.step_time_bench import STAGES, Result, Variant, launch, model_config, read_result, traced_costs
+from bench.step_time_bench import (
+    STAGES,
+    TRACE_STEP,
+    Result,
+    Variant,
+    model_config,
+    run_dir_of,
+    run_rounds,
+    traced_costs,
+)
 from parallel.config import FullRecompute, NoRecompute
 from parallel.shapes import MIB
 from parallel.step_costs import lower_bound_s
 
-TRACE_STEP = 3
 FULL_STAGE = ("+recompute=full", "recompute.interval=stage")
 SETTINGS = (
     ("1f1b", False),
@@ -157,22 +165,13 @@ def main() -> None:
         f"dropout={cfg.dropout} fp32 math attention; {STAGES} ranks on CPU, OMP_NUM_THREADS=1 each; "
         f"{rounds} interleaved rounds of {len(todo)} runs, {steps} steps each, step {TRACE_STEP} traced\n"
     )
-    results = []
     with tempfile.TemporaryDirectory(prefix="hidden_recompute_bench-") as tmp:
-        for k in range(rounds):
-            for variant in todo:
-                run_dir = Path(tmp) / f"r{k + 1}-{variant.name.replace(' ', '-').replace('(', '').replace(')', '')}"
-                cpu_s, wall_s = launch(cfg, variant, steps, run_dir)
-                result = read_result(variant, k, run_dir, cpu_s, wall_s)
-                results.append(result)
-                print(
-                    f"round {k + 1} {variant.name}: {result.median_step_s:.3f} s/step, "
-                    f"{result.tokens_per_s:.0f} tok/s, launch {wall_s:.0f} s wall / {cpu_s:.0f} s CPU",
-                    flush=True,
-                )
-                if args.timelines and k == rounds - 1 and (run_dir / "timeline.png").exists():
-                    args.timelines.mkdir(parents=True, exist_ok=True)
-                    shutil.copy(run_dir / "timeline.png", args.timelines / f"{run_dir.name[3:]}.png")
+        results = run_rounds(cfg, todo, rounds, steps, Path(tmp))
+        for variant in todo if args.timelines else ():
+            timeline = run_dir_of(Path(tmp), rounds - 1, variant) / "timeline.png"
+            if timeline.exists():
+                args.timelines.mkdir(parents=True, exist_ok=True)
+                shutil.copy(timeline, args.timelines / f"{timeline.parent.name[3:]}.png")
     print()
     figure_1(results, rounds)
     figure_2(results)

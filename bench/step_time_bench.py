@@ -390,6 +390,28 @@ def figure_3(results: list[Result]) -> None:
         print("\nThe two objectives chose the same plan at this shape.\n")
 
 
+def run_dir_of(root: Path, round_: int, variant: Variant) -> Path:
+    return root / f"r{round_ + 1}-{variant.name.replace(' ', '-').replace('(', '').replace(')', '')}"
+
+
+def run_rounds(cfg: GPTConfig, todo: list[Variant], rounds: int, steps: int, root: Path) -> list[Result]:
+    """Every variant once per round, `rounds` times, each a real launch into run_dir_of(root, round, variant);
+    prints a line per run as it ends."""
+    results = []
+    for k in range(rounds):
+        for variant in todo:
+            run_dir = run_dir_of(root, k, variant)
+            cpu_s, wall_s = launch(cfg, variant, steps, run_dir)
+            result = read_result(variant, k, run_dir, cpu_s, wall_s)
+            results.append(result)
+            print(
+                f"round {k + 1} {variant.name}: {result.median_step_s:.3f} s/step, "
+                f"{result.tokens_per_s:.0f} tok/s, launch {wall_s:.0f} s wall / {cpu_s:.0f} s CPU",
+                flush=True,
+            )
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
@@ -417,24 +439,13 @@ def main() -> None:
         f"(recompute.budget_gb={budget / GIB:.9f}, reserve_gb=0)"
     )
     print("bench profile (s per micro-batch): " + ", ".join(f"{k} {v:.4g}" for k, v in seconds.items()) + "\n")
-    results = []
     with tempfile.TemporaryDirectory(prefix="step_time_bench-") as tmp:
-        root = args.keep or Path(tmp)
-        for k in range(rounds):
-            for variant in todo:
-                run_dir = root / f"r{k + 1}-{variant.name.replace(' ', '-').replace('(', '').replace(')', '')}"
-                cpu_s, wall_s = launch(cfg, variant, steps, run_dir)
-                result = read_result(variant, k, run_dir, cpu_s, wall_s)
-                result.replayed = {
-                    "trace": trace_replay_s(result.summary),
-                    "profile": profile_replay_s(cfg, variant, result.summary, seconds),
-                }
-                results.append(result)
-                print(
-                    f"round {k + 1} {variant.name}: {result.median_step_s:.3f} s/step, "
-                    f"{result.tokens_per_s:.0f} tok/s, launch {wall_s:.0f} s wall / {cpu_s:.0f} s CPU",
-                    flush=True,
-                )
+        results = run_rounds(cfg, todo, rounds, steps, args.keep or Path(tmp))
+    for result in results:
+        result.replayed = {
+            "trace": trace_replay_s(result.summary),
+            "profile": profile_replay_s(cfg, result.variant, result.summary, seconds),
+        }
     print()
     figure_1(results)
     figure_2(results, budget, block_bytes, rounds)
