@@ -157,12 +157,14 @@ def stage_memory(
     own_sets = early_sets if plan.early and not is_last else sets
     working = [max((own_sets if p else plain_sets).items(), key=lambda i: i[1], default=("", 0)) for p in under_plan]
 
+    weights_pending = stage_weight_grad_bytes(recipes, stage.layers, shape, run.target)
+
     def walk(transient: bool) -> ActivationPeak:
         return activation_peak(
             schedule,
             plan.early,
             [kept if p else plain for p in under_plan],
-            stage_weight_grad_bytes(recipes, stage.layers, shape, run.target),
+            weights_pending,
             [plain - kept if p else 0 for p in under_plan],
             run.micro_batches,
             num_stages,
