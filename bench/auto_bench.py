@@ -4,7 +4,7 @@
 
 2 stages, 6 micro-batches (stage 0 holds 2 in flight, stage 1 one). The budget is three quarters of the
 way from what uniform full recompute needs on stage 0 to what uniform selective needs there. Every plan
-runs all its stages in one process (parallel/local_stages.py, the pipeline's own StagePlan code);
+runs all its stages in one process (parallel/measurement/local_stages.py, the pipeline's own StagePlan code);
 steps are interleaved (full, auto, selective, none, full, ...) and timed as process CPU time on one
 thread, so other processes on a shared machine do not count. "Measured peak" = the planner's parameter,
 gradient, optimizer and pipe-buffer bytes + in-flight x the activation bytes the meter measured + the
@@ -18,13 +18,13 @@ import time
 import torch
 
 from model import GPTConfig
-from parallel.auto_recompute import measured_costs
-from parallel.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute
-from parallel.layout import build_layout
-from parallel.local_stages import LocalPipeline
-from parallel.recompute_profile import profile_block
-from parallel.run_plan import block_choices, plan_run
-from parallel.shapes import GIB, MIB, RunShape, Shape, Target, Topology
+from parallel.planning.auto_recompute import measured_costs
+from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute
+from parallel.planning.layout import build_layout
+from parallel.measurement.local_stages import LocalPipeline
+from parallel.measurement.recompute_profile import profile_block
+from parallel.planning.run_plan import block_choices, plan_run
+from parallel.planning.shapes import GIB, MIB, RunShape, Shape, Target, Topology
 
 STAGES, MICRO_BATCHES = 2, 6
 

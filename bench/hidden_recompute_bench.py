@@ -36,9 +36,9 @@ from bench.step_time_bench import (
     run_rounds,
     traced_costs,
 )
-from parallel.config import FullRecompute, NoRecompute
-from parallel.shapes import MIB
-from parallel.step_costs import lower_bound_s
+from parallel.planning.config import FullRecompute, NoRecompute
+from parallel.planning.shapes import MIB
+from parallel.planning.step_costs import lower_bound_s
 
 FULL_STAGE = ("+recompute=full", "recompute.interval=stage")
 SETTINGS = (

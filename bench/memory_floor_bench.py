@@ -23,11 +23,11 @@ from collections.abc import Callable
 import torch
 
 from model import GPTConfig
-from parallel.config import NoRecompute, RecomputeConfig, SelectiveRecompute
-from parallel.layout import build_layout
-from parallel.local_stages import LocalPipeline
-from parallel.run_plan import plan_run
-from parallel.shapes import GIB, MIB, RunShape, Target, Topology
+from parallel.planning.config import NoRecompute, RecomputeConfig, SelectiveRecompute
+from parallel.planning.layout import build_layout
+from parallel.measurement.local_stages import LocalPipeline
+from parallel.planning.run_plan import plan_run
+from parallel.planning.shapes import GIB, MIB, RunShape, Target, Topology
 
 SMALL_WIDE_VOCAB = GPTConfig(n_layer=4, n_head=4, n_embd=128, seq_len=128, vocab_size=50257, dropout=0.1)
 TINY = GPTConfig(n_layer=4, n_head=4, n_embd=128, seq_len=128, vocab_size=256, dropout=0.1)

@@ -24,10 +24,10 @@ from pathlib import Path
 
 from bench.step_time_bench import DEEPSPEED, REPO, SKIPPED_STEPS, free_port, launch_env
 from model import GPTConfig
-from parallel.config import AutoRecompute, NoRecompute
-from parallel.layout import build_layout
-from parallel.run_plan import plan_run
-from parallel.shapes import GIB, MIB, RunShape, Target, Topology
+from parallel.planning.config import AutoRecompute, NoRecompute
+from parallel.planning.layout import build_layout
+from parallel.planning.run_plan import plan_run
+from parallel.planning.shapes import GIB, MIB, RunShape, Target, Topology
 
 MODEL = GPTConfig(n_layer=2, n_head=4, n_embd=64, seq_len=512, vocab_size=256, dropout=0.1)
 RUN = RunShape(Topology(2, 1), Target("cpu", "fp32"), micro_batches=4, micro_batch_size=1)

@@ -5,7 +5,7 @@
 
 Every configuration trains the same GPT shape, single process, on the same batches (the synthetic token
 source), with the same optimizer (torch AdamW): stagecheck's model as one pipeline stage run by
-parallel/local_stages.py (the StagePlan and run_stage code the DeepSpeed pipeline runs) in each recompute
+parallel/measurement/local_stages.py (the StagePlan and run_stage code the DeepSpeed pipeline runs) in each recompute
 mode, and `transformers.GPT2LMHeadModel` built from a `GPT2Config` (random weights, nothing downloaded)
 with gradient checkpointing off and on. The configurations run in rounds, A B C D E, B C D E A, ..., so a
 noisy machine slows them alike; each ratio is taken within a round and printed as min / median / max over
@@ -29,12 +29,12 @@ import torch
 
 from data import SyntheticDataConfig, open_token_source
 from model import GPTConfig, lm_loss
-from parallel.activation_meter import ActivationMeter
-from parallel.config import FullRecompute, NoRecompute, SelectiveRecompute
-from parallel.layout import build_layout
-from parallel.local_stages import LocalPipeline
-from parallel.recompute import note_stored  # the observers stagecheck's own segments report to
-from parallel.shapes import MIB, RunShape, Target, Topology
+from parallel.measurement.activation_meter import ActivationMeter
+from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
+from parallel.planning.layout import build_layout
+from parallel.measurement.local_stages import LocalPipeline
+from parallel.runtime.recompute import note_stored  # the observers stagecheck's own segments report to
+from parallel.planning.shapes import MIB, RunShape, Target, Topology
 
 STAGECHECK_MODES = {
     "stagecheck none": NoRecompute(),

@@ -2,7 +2,7 @@
 
     DS_ACCELERATOR=cpu .venv/bin/python -m bench.recompute_bench
 
-Runs every stage of a 2-stage layout in one process (parallel/local_stages.py: the same StagePlan and
+Runs every stage of a 2-stage layout in one process (parallel/measurement/local_stages.py: the same StagePlan and
 run_stage code as the DeepSpeed pipeline, with the engine's clone of the stage input), so all modes are
 timed interleaved in one run on the same machine state. Time is the process CPU time of a step on one
 intra-op thread (default): on a shared machine it leaves out the time other processes hold the cores,
@@ -20,11 +20,11 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from model import GPTConfig
-from parallel.config import FullRecompute, NoRecompute, SelectiveRecompute
-from parallel.layout import build_layout
-from parallel.local_stages import LocalPipeline
-from parallel.run_plan import plan_run
-from parallel.shapes import MIB, RunShape, Target, Topology
+from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
+from parallel.planning.layout import build_layout
+from parallel.measurement.local_stages import LocalPipeline
+from parallel.planning.run_plan import plan_run
+from parallel.planning.shapes import MIB, RunShape, Target, Topology
 
 MODES = {
     "none": NoRecompute(),

@@ -32,13 +32,13 @@ from pathlib import Path
 import torch
 
 from model import GPTConfig
-from parallel.auto_recompute import measured_costs
-from parallel.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute
-from parallel.layout import build_layout
-from parallel.recompute_profile import profile_block
-from parallel.run_plan import block_choices, plan_run
-from parallel.shapes import GIB, MIB, RunShape, Shape, Target, Topology
-from parallel.step_costs import StageCosts, simulate_stages
+from parallel.planning.auto_recompute import measured_costs
+from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute
+from parallel.planning.layout import build_layout
+from parallel.measurement.recompute_profile import profile_block
+from parallel.planning.run_plan import block_choices, plan_run
+from parallel.planning.shapes import GIB, MIB, RunShape, Shape, Target, Topology
+from parallel.planning.step_costs import StageCosts, simulate_stages
 
 REPO = Path(__file__).resolve().parents[1]
 DEEPSPEED = Path(sys.executable).with_name("deepspeed")
@@ -220,7 +220,7 @@ def read_result(variant: Variant, round_: int, run_dir: Path, cpu_s: float, wall
 
 
 def traced_costs(summary: dict) -> list[StageCosts]:
-    """Each stage's mean traced instruction seconds in the simulator's terms (parallel/step_costs.py): the
+    """Each stage's mean traced instruction seconds in the simulator's terms (parallel/planning/step_costs.py): the
     shortest send/recv stands for a transfer, the rest of a blocking send or recv is waiting for the peer. The
     backward is BackwardPass, or BackwardInput + BackwardWeight under zb-h1, without the recompute inside it; the
     recompute is a RecomputeEarly where the stage runs one, else what ran inside the backward."""

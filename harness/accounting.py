@@ -12,11 +12,11 @@ from dataclasses import asdict
 import torch
 
 from harness.context import RunContext
-from parallel.activation_meter import ActivationMeter, attach_to_pipeline, peak_memory_bytes
-from parallel.flops import lookup_peak_tflops
-from parallel.run_plan import RunPlan
-from parallel.schedule import in_flight_micro_batches
-from parallel.tensor_peak import TensorPeak, TensorPeakMeter
+from parallel.measurement.activation_meter import ActivationMeter, attach_to_pipeline, peak_memory_bytes
+from parallel.planning.flops import lookup_peak_tflops
+from parallel.planning.run_plan import RunPlan
+from parallel.planning.schedule_walk import in_flight_micro_batches
+from parallel.measurement.tensor_peak import TensorPeak, TensorPeakMeter
 
 
 def peak_tflops(configured: float | None, device: str, precision: str) -> float | None:
@@ -30,13 +30,13 @@ def peak_tflops(configured: float | None, device: str, precision: str) -> float 
 
 def live_peak(per_micro_batch: list[int], in_flight: int) -> int:
     """The most activation bytes held at once: 1F1B holds consecutive micro-batches, in_flight of them at its
-    peak (parallel/stage_plan.py's StagePlan.recomputes_micro_batch), so the largest window sum."""
+    peak (parallel/planning/stage_plan.py's StagePlan.recomputes_micro_batch), so the largest window sum."""
     window = min(in_flight, len(per_micro_batch))
     return max(sum(per_micro_batch[i : i + window]) for i in range(len(per_micro_batch) - window + 1))
 
 
 def tensor_peaks(first: list[dict], plan: RunPlan) -> dict:
-    """Measured (parallel/tensor_peak.py, on the metered step) against predicted peak tensor bytes per stage
+    """Measured (parallel/measurement/tensor_peak.py, on the metered step) against predicted peak tensor bytes per stage
     (the first data-parallel rank of each stage)."""
     measured = [r["tensor_peak"] for r in first]
     return {

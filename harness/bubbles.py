@@ -10,7 +10,7 @@ A stage's figures are the mean over its data-parallel ranks.
 
 import statistics
 
-from parallel.trace import RECOMPUTE, RankTrace, StepTrace
+from parallel.measurement.trace import RECOMPUTE, RankTrace, StepTrace
 
 CATEGORY = {
     "LoadMicroBatch": "load",

@@ -41,7 +41,7 @@ from data.tokenizer import TOKENIZER_FILE
 from harness.context import RunContext
 from harness.faults import save_delay_for_test
 from harness.files import atomic_write, atomic_write_json, atomic_write_text, fsync_path
-from parallel.shapes import Topology
+from parallel.planning.shapes import Topology
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"

@@ -2,14 +2,14 @@
 
 No launcher, no process group, no deepspeed.initialize: the model is only ever built on the meta device
 (to count parameters), split into stages by the same partition routine training uses, and planned by
-parallel/run_plan.py. Prints the per-stage table (with a warning for each stage that holds no block) and
+parallel/planning/run_plan.py. Prints the per-stage table (with a warning for each stage that holds no block) and
 the predicted step time, and writes plan.json to the run directory.
 """
 
 from harness.context import RunContext
 from harness.files import atomic_write_json
-from parallel.layout import PipelineLayout
-from parallel.run_plan import RunPlan, plan_run
+from parallel.planning.layout import PipelineLayout
+from parallel.planning.run_plan import RunPlan, plan_run
 
 
 def dry_run(ctx: RunContext, layout: PipelineLayout) -> RunPlan:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from parallel.shapes import GIB
+from parallel.planning.shapes import GIB
 
 EXIT_FAILED = 1
 EXIT_CONFIG = 2

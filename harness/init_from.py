@@ -60,9 +60,9 @@ def check_tensors(checkpoint: HFCheckpoint, model: GPTConfig) -> None:
 
 
 def hf_initial_weights(ctx: RunContext) -> Callable[[nn.Module], dict[nn.Parameter, torch.Tensor]] | None:
-    """parallel.engine's `initial_weights`: model.init_from's tensors for the built stage's layers only (its
+    """parallel.runtime.engine's `initial_weights`: model.init_from's tensors for the built stage's layers only (its
     `local_layers()`). None without model.init_from, and when the run resumes (the checkpoint's weights win).
-    (Typed without parallel.engine's alias: start-up imports this module before DeepSpeed may be imported.)"""
+    (Typed without parallel.runtime.engine's alias: start-up imports this module before DeepSpeed may be imported.)"""
     run = ctx.run
     if run.model.init_from is None or resume_point(run.train, ctx.run_dir) is not None:
         return None

@@ -2,9 +2,9 @@
 `recompute.profile=true` replaces the analytic costs with measured ones."""
 
 from harness.context import RunContext
-from parallel.auto_recompute import CostTable
-from parallel.layout import PipelineLayout, build_layout
-from parallel.step_costs import analytic_rates
+from parallel.planning.auto_recompute import CostTable
+from parallel.planning.layout import PipelineLayout, build_layout
+from parallel.planning.step_costs import analytic_rates
 
 
 def layout_of(ctx: RunContext, costs: CostTable | None = None) -> PipelineLayout:

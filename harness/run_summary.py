@@ -8,7 +8,7 @@ see when the run ends, and where to find the rest.
 from pathlib import Path
 
 from harness.wandb_logger import WandbLogger
-from parallel.shapes import MIB
+from parallel.planning.shapes import MIB
 
 
 def wandb_sync_command(wandb: WandbLogger | None) -> str | None:

@@ -17,7 +17,7 @@ from harness.init_from import resolve_init_from
 from harness.job import JobHooks
 from harness.run_dir import check_run_dir, remove_if_empty
 from model import gpt_layers, model_param_count
-from parallel.dist_env import DistEnv, read_dist_env
+from parallel.runtime.dist_env import DistEnv, read_dist_env
 from schema.checks import check_data, run_shape, to_run_config
 from schema.run import RunConfig
 
@@ -31,7 +31,7 @@ def run_from_hydra(cfg: DictConfig, job: JobHooks) -> None:
         if job.finished_earlier(run_dir, cfg, rank):  # a relaunched sweep: this job is done
             return
         ctx = validate(cfg, run_dir, env, job)
-        # DeepSpeed fixes its accelerator when it is first imported (importing parallel.layout does), so the
+        # DeepSpeed fixes its accelerator when it is first imported (importing parallel.planning.layout does), so the
         # modules that import it come only after validate() has chosen one.
         os.environ.setdefault("DS_ACCELERATOR", "cpu" if ctx.run.dry_run else ctx.target.device)
         from harness.dry_run import dry_run

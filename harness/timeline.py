@@ -6,7 +6,7 @@ from pathlib import Path
 
 from harness.bubbles import CATEGORY, stage_times
 from harness.files import atomic_write, atomic_write_text
-from parallel.trace import StepTrace
+from parallel.measurement.trace import StepTrace
 
 COLOURS = {
     "load": "#2ca02c",

@@ -17,14 +17,14 @@ from harness.run_layout import layout_of
 from harness.run_summary import done_line, wandb_sync_command
 from harness.timeline import publish_trace
 from harness.wandb_logger import open_wandb
-from parallel.auto_recompute import measured_costs
-from parallel.dist_env import node_name
-from parallel.engine import build_engine, init_process_group
-from parallel.layout import PipelineLayout
-from parallel.recompute_profile import profile_block
-from parallel.run_plan import plan_run
-from parallel.shapes import Shape
-from parallel.trace import StepTracer
+from parallel.planning.auto_recompute import measured_costs
+from parallel.runtime.dist_env import node_name
+from parallel.runtime.engine import build_engine, init_process_group
+from parallel.planning.layout import PipelineLayout
+from parallel.measurement.recompute_profile import profile_block
+from parallel.planning.run_plan import plan_run
+from parallel.planning.shapes import Shape
+from parallel.measurement.trace import StepTracer
 
 # DeepSpeed's pipeline sends activations with c10d broadcasts inside autograd; torch warns once per
 # rank that the op has no autograd kernel. DeepSpeed handles those gradients itself: noise.
@@ -188,7 +188,7 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
             **val_summary(records),
             "tokens_per_s": median_after_warmup([r["tokens_per_s"] for r in records]),
             "step_time_s": median_after_warmup([r["step_time_s"] for r in records]),
-            "predicted_step_time_s": plan.predicted_step_time_s,  # parallel/step_sim.py
+            "predicted_step_time_s": plan.predicted_step_time_s,  # parallel/planning/step_sim.py
             "step_time_costs": plan.step_time.costs
             if plan.step_time
             else None,  # measured (recompute.profile) or analytic

@@ -8,8 +8,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from data import check_data_files, check_vocab, data_has_val
-from parallel.config import AutoRecompute, NoRecompute
-from parallel.shapes import RunShape, Target, Topology
+from parallel.planning.config import AutoRecompute, NoRecompute
+from parallel.planning.shapes import RunShape, Target, Topology
 from schema.run import RunConfig
 from schema.training import resolve_device
 

@@ -11,7 +11,7 @@ from hydra.core.config_store import ConfigStore
 
 from data import MemmapDataConfig, SyntheticDataConfig, TextDataConfig
 from model import GPTConfig
-from parallel.config import AutoRecompute, FullRecompute, NoRecompute, ParallelConfig, SelectiveRecompute
+from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute, ParallelConfig, SelectiveRecompute
 from schema.logger import NoLoggerConfig, WandbLoggerConfig
 from schema.training import TrainConfig
 

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, field
 
-from parallel.config import OptimConfig
+from parallel.planning.config import OptimConfig
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -58,7 +58,7 @@ class TrainConfig(OptimConfig):
     the trace. A resumed run traces only when the step is still ahead."""
     peak_tflops: float | None = None
     """Peak dense TFLOP/s of one device at train.precision, for MFU and HFU; null looks the GPU up in
-    parallel/flops.py's PEAK_TFLOPS table (none on CPU or an unknown GPU: MFU is then not reported)."""
+    parallel/planning/flops.py's PEAK_TFLOPS table (none on CPU or an unknown GPU: MFU is then not reported)."""
     save_every: int = 100
     """Steps between checkpoints in <run dir>/checkpoints/; 0 saves only at the end of the run and on
     preemption (a checkpoint is always written at the end)."""

@@ -34,7 +34,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from harness.faults import EXIT_FAILED
-from parallel.dist_env import read_dist_env
+from parallel.runtime.dist_env import read_dist_env
 from sweep.job import failures, in_multirun, mark_failed
 from sweep.report import write_report
 

@@ -7,7 +7,7 @@ instantiates launchers only from the `hydra_plugins` namespace), with stagecheck
 task per GPU, `srun --kill-on-bad-exit` through SLURM_KILL_BAD_EXIT. Each sweep combination is one element
 of a SLURM job array; srun starts `nodes x tasks_per_node` tasks and every task unpickles the launcher and
 runs train.py's task function as one rank (ranks from SLURM_PROCID/SLURM_NTASKS, MASTER_ADDR/PORT from the
-node list and the job id: parallel/dist_env.py).
+node list and the job id: parallel/runtime/dist_env.py).
 
 All ranks of a job agree on its directory, `<sweep dir>/<job num>`, and so do all jobs of a sweep: the
 sweep dir `multirun/${stagecheck_stamp:}` is resolved once, by the launcher before submission, and the pickle each

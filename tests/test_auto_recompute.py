@@ -8,11 +8,11 @@ import time
 import pytest
 
 from model import GPTConfig
-from parallel.auto_recompute import CostTable, analytic_costs, choose_stage, least_stage_bytes
-from parallel.config import AutoRecompute, SelectiveRecompute
-from parallel.layout import build_layout
-from parallel.shapes import GIB, RunShape, Shape, Target, Topology
-from parallel.stage_costs import BlockOption
+from parallel.planning.auto_recompute import CostTable, analytic_costs, choose_stage, least_stage_bytes
+from parallel.planning.config import AutoRecompute, SelectiveRecompute
+from parallel.planning.layout import build_layout
+from parallel.planning.shapes import GIB, RunShape, Shape, Target, Topology
+from parallel.planning.stage_costs import BlockOption
 
 TABLE = CostTable(
     options=(
@@ -144,7 +144,7 @@ def test_auto_run_applies_a_per_stage_plan_exact_against_none(tmp_path):
     launch(tmp_path / "none", *common)
     none = summary(tmp_path / "none")
     assert "stagecheck: recompute profile (s per block forward part): " in profiled_run.stdout
-    # ... and the parts the step-time model reads (parallel/step_costs.py)
+    # ... and the parts the step-time model reads (parallel/planning/step_costs.py)
     assert all(f"{key} " in profiled_run.stdout for key in ("block_backward", "head_forward", "embedding_backward"))
     assert "stagecheck: plan with the profiled costs:" in profiled_run.stdout
     for name in ("auto", "profiled"):

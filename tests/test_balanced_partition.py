@@ -8,11 +8,11 @@ import time
 import pytest
 
 from model import GPTConfig, gpt_layers
-from parallel.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute
-from parallel.layout import build_layout
-from parallel.partition import balanced_block_counts, stages_of_block_counts
-from parallel.run_plan import plan_run
-from parallel.shapes import GIB, RunShape, Target, Topology
+from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute
+from parallel.planning.layout import build_layout
+from parallel.planning.partition import balanced_block_counts, stages_of_block_counts
+from parallel.planning.run_plan import plan_run
+from parallel.planning.shapes import GIB, RunShape, Target, Topology
 
 GPT2 = GPTConfig(n_layer=12, n_head=12, n_embd=768, seq_len=1024, vocab_size=50257, dropout=0.0)
 # A head (vocab 4096 over h=128) that costs about two and a half blocks: balanced gives the last stage less.

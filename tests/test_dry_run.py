@@ -7,10 +7,10 @@ import time
 import pytest
 
 from model import GPTConfig
-from parallel.config import NoRecompute
-from parallel.layout import build_layout
-from parallel.run_plan import RunPlan
-from parallel.shapes import RunShape, Target, Topology
+from parallel.planning.config import NoRecompute
+from parallel.planning.layout import build_layout
+from parallel.planning.run_plan import RunPlan
+from parallel.planning.shapes import RunShape, Target, Topology
 from tests.runs import python_run
 
 STAGE_KEYS = {

@@ -30,18 +30,30 @@ MAY_IMPORT = {
 """Project packages each part may import (its own modules aside); tests/ may import anything."""
 
 PLANNING = [
-    {"parallel.config", "parallel.shapes"},
-    {"parallel.pipe_schedule"},  # step 1's schedules, which schedule.py and step_sim.py walk
-    {"parallel.stage_plan", "parallel.partition", "parallel.schedule", "parallel.step_sim"},
-    {"parallel.memory_model", "parallel.flops"},
-    {"parallel.stage_costs"},
-    {"parallel.auto_recompute"},
-    {"parallel.step_costs"},
-    {"parallel.layout"},
-    {"parallel.run_plan"},
+    {"parallel.planning.config", "parallel.planning.shapes"},
+    {"parallel.planning.schedules"},  # step 1's schedules, which schedule_walk.py and step_sim.py walk
+    {
+        "parallel.planning.stage_plan",
+        "parallel.planning.partition",
+        "parallel.planning.schedule_walk",
+        "parallel.planning.step_sim",
+    },
+    {"parallel.planning.memory_model", "parallel.planning.flops"},
+    {"parallel.planning.stage_costs"},
+    {"parallel.planning.auto_recompute"},
+    {"parallel.planning.step_costs"},
+    {"parallel.planning.layout"},
+    {"parallel.planning.run_plan"},
 ]
 """Planning flows one way: shapes, then bytes / FLOPs / schedule, then per-stage costs, then auto, then the
 step-time model, then the layout and the plan. A planning module imports only from steps before its own."""
+
+PARALLEL_MAY_IMPORT = {
+    "parallel.planning": set(),
+    "parallel.runtime": {"parallel.planning"},
+    "parallel.measurement": {"parallel.planning", "parallel.runtime"},
+}
+"""Inside parallel/: planning <- runtime <- measurement (each may also import its own modules and model/)."""
 
 
 def project_modules() -> dict[str, Path]:
@@ -128,6 +140,39 @@ def test_there_is_no_import_cycle():
         if module not in index:
             visit(module)
     assert not cycles, f"import cycles: {cycles}"
+
+
+def subpackage_of(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def test_parallel_subpackages_import_one_way():
+    wrong = [
+        f"{module} imports {target}"
+        for module, (project, _) in GRAPH.items()
+        if subpackage_of(module) in PARALLEL_MAY_IMPORT
+        for target in sorted(project)
+        if part_of(target) == "parallel"
+        and subpackage_of(target) != subpackage_of(module)
+        and subpackage_of(target) not in PARALLEL_MAY_IMPORT[subpackage_of(module)]
+    ]
+    assert not wrong, "parallel/ must flow planning <- runtime <- measurement:\n" + "\n".join(wrong)
+
+
+def test_planning_imports_neither_deepspeed_nor_torch_distributed():
+    """On the source, every import anywhere in a module: `import torch` itself loads torch.distributed, so only
+    the source can tell what planning asks for."""
+    wrong = []
+    for module, path in MODULES.items():
+        if subpackage_of(module) != "parallel.planning":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            wrong += [f"{module} imports {n}" for n in names if n.split(".")[0] == "deepspeed"]
+            wrong += [f"{module} imports {n}" for n in names if n.startswith("torch.distributed")]
+    assert not wrong, "planning must stay free of DeepSpeed and torch.distributed:\n" + "\n".join(wrong)
 
 
 def test_only_parallel_imports_deepspeed():

@@ -9,7 +9,7 @@ import pytest
 
 from harness.launcher_args import strip_launcher_args
 from harness.run_dir import run_stamp
-from parallel.dist_env import read_dist_env
+from parallel.runtime.dist_env import read_dist_env
 from tests.runs import REPO, TINY, python_run, summary
 
 

@@ -4,7 +4,7 @@ the last step, and a skipped update does not advance it."""
 import pytest
 import torch
 
-from parallel.lr_schedule import lr_factor, warmup_cosine
+from parallel.runtime.lr_schedule import lr_factor, warmup_cosine
 from schema.training import TrainConfig
 
 

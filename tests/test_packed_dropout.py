@@ -11,12 +11,12 @@ import torch.nn.functional as F
 
 from model import GPTConfig
 from model.packed_dropout import pack_bits, packed_dropout, unpack_bits
-from parallel.config import FullRecompute, NoRecompute, SelectiveRecompute
-from parallel.layout import build_layout
-from parallel.local_stages import LocalPipeline
-from parallel.memory_model import block_items, selective_combinations, total
-from parallel.run_plan import plan_run
-from parallel.shapes import RunShape, Shape, Target, Topology
+from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
+from parallel.planning.layout import build_layout
+from parallel.measurement.local_stages import LocalPipeline
+from parallel.planning.memory_model import block_items, selective_combinations, total
+from parallel.planning.run_plan import plan_run
+from parallel.planning.shapes import RunShape, Shape, Target, Topology
 from tests.runs import TINY, python_run
 from tests.test_recompute_exact import loss_and_grads as exact_loss_and_grads
 

@@ -1,9 +1,9 @@
-"""The training schedules of parallel/pipe_schedule.py, checked instruction by instruction on every stage of 1, 2
+"""The training schedules of parallel/planning/schedules.py, checked instruction by instruction on every stage of 1, 2
 and 4 stages with 1..8 micro-batches: each micro-batch's forward, B and W once and in order, W's deferred within
 ZB-H1's bound, early recompute right before its RecvGrad, pipe buffers never shared while live, DeepSpeed's
 communication order kept (a forward's output sent first in its step), and no deadlock under the engine's
 asynchronous sends (the step-time simulator); and the activation
-peak parallel/schedule.py reads off each schedule."""
+peak parallel/planning/schedule_walk.py reads off each schedule."""
 
 import itertools
 from collections import Counter
@@ -11,9 +11,9 @@ from collections import Counter
 import pytest
 from deepspeed.runtime.pipe.schedule import TrainSchedule
 
-from parallel.pipe_schedule import SCHEDULES, ZeroBubbleH1Schedule, train_schedule
-from parallel.schedule import activation_peak
-from parallel.step_sim import PER_STEP, simulate
+from parallel.planning.schedules import SCHEDULES, ZeroBubbleH1Schedule, train_schedule
+from parallel.planning.schedule_walk import activation_peak
+from parallel.planning.step_sim import PER_STEP, simulate
 
 SHAPES = [(stages, micro_batches) for stages in (1, 2, 4) for micro_batches in range(1, 9)]
 COMBINATIONS = list(itertools.product(SCHEDULES, (False, True)))

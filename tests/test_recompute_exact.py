@@ -1,15 +1,15 @@
 """Every `recompute.modules` combination (and every full interval) is bit-exact with no recompute: the same
-loss and the same gradients, dropout on, on the unpipelined GPT run through parallel.recompute.run_stage,
+loss and the same gradients, dropout on, on the unpipelined GPT run through parallel.runtime.recompute.run_stage,
 for both attention kernels."""
 
 import pytest
 import torch
 
 from model import GPT, Block, GPTConfig, lm_loss
-from parallel.config import FullRecompute, NoRecompute, SelectiveRecompute
-from parallel.memory_model import selective_combinations
-from parallel.recompute import apply_plan, run_stage
-from parallel.stage_plan import plan_stage
+from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
+from parallel.planning.memory_model import selective_combinations
+from parallel.runtime.recompute import apply_plan, run_stage
+from parallel.planning.stage_plan import plan_stage
 
 COMBOS = selective_combinations()
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from model import GPT, Block, GPTConfig, lm_loss
-from parallel.config import FullRecompute, NoRecompute, SelectiveRecompute
-from parallel.recompute import apply_plan, run_stage
-from parallel.stage_plan import plan_stage
+from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
+from parallel.runtime.recompute import apply_plan, run_stage
+from parallel.planning.stage_plan import plan_stage
 
 STAGE = [False, False, True, True, True, True, True]  # embeddings, then 5 blocks
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from parallel.shapes import MIB
+from parallel.planning.shapes import MIB
 from sweep.report import write_report
 from sweep.report.loading import load_jobs
 from sweep.report.table import rows

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from parallel.dist_env import first_host, read_dist_env, slurm_master_port
+from parallel.runtime.dist_env import first_host, read_dist_env, slurm_master_port
 from sweep import slurm_launcher
 from tests.runs import REPO, TINY, cpu_env
 

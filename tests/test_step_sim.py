@@ -1,6 +1,6 @@
-"""The step-time simulator replays DeepSpeed's own TrainSchedule (and parallel/pipe_schedule.py's ZB-H1 and
+"""The step-time simulator replays DeepSpeed's own TrainSchedule (and parallel/planning/schedules.py's ZB-H1 and
 early recompute): checked against a timeline worked out by hand, for every instruction's presence and order on
-bigger shapes, and against a traced run's own costs; the per-stage costs it is fed (parallel/step_costs.py),
+bigger shapes, and against a traced run's own costs; the per-stage costs it is fed (parallel/planning/step_costs.py),
 measured and analytic, with the backward split into B and W; and the lower bound no schedule beats."""
 
 import dataclasses
@@ -11,16 +11,16 @@ import pytest
 from harness.bubbles import stage_times
 from harness.timeline import COLOURS, chrome_trace, render_timeline, schedule_name
 from model import GPTConfig
-from parallel.auto_recompute import measured_costs
-from parallel.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute
-from parallel.layout import build_layout
-from parallel.pipe_schedule import SCHEDULES
-from parallel.run_plan import plan_run
-from parallel.shapes import RunShape, Shape, Target, Topology
-from parallel.step_costs import StageCosts, analytic_rates, layout_costs, lower_bound_s, simulate_stages
-from parallel.step_sim import COMPUTE, PER_STEP, instructions, simulate
-from parallel.trace import Interval as TraceInterval
-from parallel.trace import RankTrace, StepTrace
+from parallel.planning.auto_recompute import measured_costs
+from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute
+from parallel.planning.layout import build_layout
+from parallel.planning.schedules import SCHEDULES
+from parallel.planning.run_plan import plan_run
+from parallel.planning.shapes import RunShape, Shape, Target, Topology
+from parallel.planning.step_costs import StageCosts, analytic_rates, layout_costs, lower_bound_s, simulate_stages
+from parallel.planning.step_sim import COMPUTE, PER_STEP, instructions, simulate
+from parallel.measurement.trace import Interval as TraceInterval
+from parallel.measurement.trace import RankTrace, StepTrace
 from tests.runs import TINY, launch, python_run
 
 # Synthetic seconds: stage 0 is the slow one (forward 2, backward 3), stage 1 forward 1, backward 2.

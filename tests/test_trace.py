@@ -12,8 +12,8 @@ import pytest
 import torch
 from deepspeed.runtime.pipe.schedule import TrainSchedule
 
-from parallel.config import FullRecompute, NoRecompute, SelectiveRecompute
-from parallel.recompute import observe_recompute
+from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
+from parallel.runtime.recompute import observe_recompute
 from sweep.report import write_report
 from tests.runs import TINY, free_port, launch, python_run, summary
 from tests.test_recompute_exact import loss_and_grads

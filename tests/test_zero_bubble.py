@@ -14,12 +14,12 @@ import torch.nn.functional as F
 
 from model import FIRST_BLOCK_INDEX, GPT, Block, GPTConfig, gpt_layers, lm_loss
 from model.weight_grad import WeightGradStore, linear, split_backward
-from parallel.config import FullRecompute, NoRecompute, SelectiveRecompute
-from parallel.early_recompute import EarlyRecompute
-from parallel.memory_model import selective_combinations, stage_activations
-from parallel.recompute import apply_plan, run_stage
-from parallel.shapes import Shape, Target
-from parallel.stage_plan import StagePlan, plan_stage
+from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
+from parallel.runtime.early_recompute import EarlyRecompute
+from parallel.planning.memory_model import selective_combinations, stage_activations
+from parallel.runtime.recompute import apply_plan, run_stage
+from parallel.planning.shapes import Shape, Target
+from parallel.planning.stage_plan import StagePlan, plan_stage
 from tests.runs import DEEPSPEED, REPO, TINY, cpu_env, free_port, launch, metrics
 
 FIXTURE = REPO / "tests" / "fixtures" / "zero_bubble_runs.py"
@@ -100,7 +100,7 @@ def test_early_and_deferred_recompute_is_bit_exact_with_none(recompute, attentio
 )
 def test_early_recompute_holds_what_the_memory_model_says(modules):
     """The bytes an early recompute keeps until its backward are the block's bytes under none minus under its
-    plan: what parallel/stage_costs.py charges an early-recomputed micro-batch."""
+    plan: what parallel/planning/stage_costs.py charges an early-recomputed micro-batch."""
     cfg = GPTConfig(n_layer=1, n_head=4, n_embd=64, seq_len=32, vocab_size=256, dropout=0.1)
     block = Block(cfg, seed=0, layer_index=FIRST_BLOCK_INDEX)
     apply_plan([block], StagePlan(selective={0: tuple(modules)}))

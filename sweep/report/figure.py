@@ -4,7 +4,7 @@ measurement (filled)."""
 
 from pathlib import Path
 
-from parallel.shapes import MIB
+from parallel.planning.shapes import MIB
 from sweep.report.loading import Job
 from sweep.report.table import axis_label, varying_axes
 

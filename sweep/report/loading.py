@@ -15,7 +15,7 @@ import yaml
 from sweep.job import FAILED
 
 if TYPE_CHECKING:  # imported where used: parallel/ imports DeepSpeed (see _deepspeed_on_cpu)
-    from parallel.run_plan import RunPlan
+    from parallel.planning.run_plan import RunPlan
 
 JOB_FILES = ("summary.json", "plan.json", "config.yaml", FAILED)
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size", "attention", "dropout")
@@ -173,7 +173,7 @@ def _read_plan(path: Path) -> Optional["RunPlan"]:
     if data is None:
         return None
     _deepspeed_on_cpu()
-    from parallel.run_plan import RunPlan  # imported only now: it imports DeepSpeed
+    from parallel.planning.run_plan import RunPlan  # imported only now: it imports DeepSpeed
 
     try:
         return RunPlan.from_json(data)
@@ -188,9 +188,9 @@ def plan_from_config(job: Job) -> Optional["RunPlan"]:
     try:
         _deepspeed_on_cpu()  # parallel/ below imports DeepSpeed, which picks its accelerator at first import
         from model import GPTConfig
-        from parallel.layout import build_layout
-        from parallel.run_plan import plan_run
-        from parallel.shapes import RunShape, Target, Topology
+        from parallel.planning.layout import build_layout
+        from parallel.planning.run_plan import plan_run
+        from parallel.planning.shapes import RunShape, Target, Topology
         from schema.run import GROUP_SCHEMAS
 
         model = GPTConfig(**cfg["model"])

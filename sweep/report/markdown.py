@@ -5,7 +5,7 @@ messages, the planner's largest error, and the figure."""
 import statistics
 from pathlib import Path
 
-from parallel.shapes import MIB
+from parallel.planning.shapes import MIB
 from sweep.job import FAILED
 from sweep.report.loading import Job
 from sweep.report.table import rows, varying_axes
@@ -167,7 +167,7 @@ def render_markdown(sweep_dir: Path, jobs: list[Job], figure: bool = True) -> st
 
 
 def _tensor_peak_lines(done: list[Job]) -> list[str]:
-    """Measured peak tensor bytes (parallel/tensor_peak.py, the allocator's view) against the planner's predicted
+    """Measured peak tensor bytes (parallel/measurement/tensor_peak.py, the allocator's view) against the planner's predicted
     peak, per job: MiB per stage and the largest error."""
     cells, errors = [], []
     for job in done:

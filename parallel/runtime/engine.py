@@ -16,13 +16,13 @@ from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.utils import safe_set_full_fp32_param
 from torch._utils import _flatten_dense_tensors
 
-from parallel.config import OptimConfig, ParallelConfig
-from parallel.dist_env import DistEnv, export_dist_env
-from parallel.ds_config import deepspeed_config
-from parallel.layout import PipelineLayout
-from parallel.lr_schedule import warmup_cosine
-from parallel.pipeline import RecomputingPipelineModule
-from parallel.zero_bubble_engine import zero_bubble
+from parallel.planning.config import OptimConfig, ParallelConfig
+from parallel.runtime.dist_env import DistEnv, export_dist_env
+from parallel.runtime.ds_config import deepspeed_config
+from parallel.planning.layout import PipelineLayout
+from parallel.runtime.lr_schedule import warmup_cosine
+from parallel.runtime.pipeline import RecomputingPipelineModule
+from parallel.runtime.zero_bubble_engine import zero_bubble
 
 
 def init_process_group(env: DistEnv, device: str, timeout_s: float) -> None:

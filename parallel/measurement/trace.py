@@ -4,7 +4,7 @@ DeepSpeed's `PipelineEngine._exec_schedule` runs each instruction of its `TrainS
 `self._INSTRUCTION_MAP[type(cmd)]`, looked up on the engine. For the traced step an instance-level map
 of timed wrappers shadows the class's map; deleting it afterwards restores the class's map, so untraced
 steps run DeepSpeed's own code with nothing added. The recompute that autograd runs inside a backward
-pass reaches the trace through parallel/recompute.py's `observe_recompute`.
+pass reaches the trace through parallel/runtime/recompute.py's `observe_recompute`.
 
 The clock: a barrier before the step, and each rank's `perf_counter` at barrier exit is its zero. A
 second barrier right after measures how far apart the ranks leave a barrier: the residual skew.
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from parallel.recompute import observe_recompute
-from parallel.step_sim import PER_STEP
+from parallel.runtime.recompute import observe_recompute
+from parallel.planning.step_sim import PER_STEP
 
 RECOMPUTE = "Recompute"
 

@@ -1,8 +1,8 @@
 """Analytic activation memory: the bytes autograd keeps for backward, per layer and per stage.
 
-Pure arithmetic derived from this code (model/layers.py, model/attention.py, parallel/recompute.py)
+Pure arithmetic derived from this code (model/layers.py, model/attention.py, parallel/runtime/recompute.py)
 and the kernels it calls; docs/activation_model.md derives every item and compares it with
-Korthikanti et al. 2022. `parallel/activation_meter.py` measures the same quantity, and tests hold
+Korthikanti et al. 2022. `parallel/measurement/activation_meter.py` measures the same quantity, and tests hold
 the two equal.
 
 What is counted, per micro-batch and stage: every distinct storage kept for backward by the stage's
@@ -17,9 +17,9 @@ from itertools import combinations
 
 from model import Block, LayerRecipe
 from model.layers import FinalNorm, PositionEmbedding, TokenEmbedding
-from parallel.config import RECOMPUTE_MODULES
-from parallel.shapes import DTYPE_BYTES, FP32, Shape, Target
-from parallel.stage_plan import StagePlan
+from parallel.planning.config import RECOMPUTE_MODULES
+from parallel.planning.shapes import DTYPE_BYTES, FP32, Shape, Target
+from parallel.planning.stage_plan import StagePlan
 
 INDEX_BYTES = 8  # int64 token ids, positions and labels
 

@@ -1,5 +1,5 @@
 """`recompute.profile=true`: time what each recompute choice redoes, on one block, on the real device, and
-the parts of a step the step-time model needs (parallel/step_costs.py).
+the parts of a step the step-time model needs (parallel/planning/step_costs.py).
 
 The forward of each part runs in training mode (dropout on, as recompute replays it) under no_grad, a
 few times after a warm-up; the median seconds replace the analytic FLOP/byte costs of the auto planner.
@@ -16,7 +16,7 @@ import torch
 from model import Block, GPTConfig, gpt_layers
 from model.fused_loss import HeadLoss
 from model.layers import FinalNorm, PositionEmbedding, TokenEmbedding
-from parallel.shapes import TORCH_DTYPES
+from parallel.planning.shapes import TORCH_DTYPES
 
 
 def _median_seconds(fn: Callable[[], object], device: str, repeats: int) -> float:

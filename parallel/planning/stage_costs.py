@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from model import LayerRecipe
-from parallel.memory_model import (
+from parallel.planning.memory_model import (
     LayerActivation,
     block_full_items,
     block_items,
@@ -22,10 +22,10 @@ from parallel.memory_model import (
     stage_weight_grad_bytes,
     total,
 )
-from parallel.partition import StageRange
-from parallel.schedule import ActivationPeak, activation_peak, in_flight_micro_batches, pipe_buffers
-from parallel.shapes import FP32, RunShape, Shape, Target
-from parallel.stage_plan import StagePlan
+from parallel.planning.partition import StageRange
+from parallel.planning.schedule_walk import ActivationPeak, activation_peak, in_flight_micro_batches, pipe_buffers
+from parallel.planning.shapes import FP32, RunShape, Shape, Target
+from parallel.planning.stage_plan import StagePlan
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class StageMemory:
     plain_layers: tuple[LayerActivation, ...]
     """`layers` of a micro-batch that runs with no recompute."""
     schedule_peak: ActivationPeak | None = None
-    """zb-h1 or early recompute: the activation peak of a walk of the stage's schedule (parallel/schedule.py),
+    """zb-h1 or early recompute: the activation peak of a walk of the stage's schedule (parallel/planning/schedule_walk.py),
     W-pending and early-recomputed micro-batches included; None under plain 1F1B."""
     transfer_buffers: dict[str, int] = field(default_factory=dict)
     """DeepSpeed's buffers alive all step besides the pipe buffers (`transfer_buffers`)."""
@@ -114,7 +114,7 @@ class StageMemory:
 
     @property
     def peak_tensor_terms(self) -> dict[str, int]:
-        """Live tensor bytes at the stage's peak, by name (parallel/tensor_peak.py measures the same): the states,
+        """Live tensor bytes at the stage's peak, by name (parallel/measurement/tensor_peak.py measures the same): the states,
         the pipe buffers and DeepSpeed's transfer buffers, the activations live at the peak, and the largest of the
         backward's working sets, which run one at a time."""
         terms = {**self.states, "pipe buffers": self.pipe_buffer_bytes, **self.transfer_buffers}
@@ -138,8 +138,8 @@ def stage_memory(
     param_counts: Sequence[int],
     schedule: str = "1f1b",
 ) -> StageMemory:
-    """`param_counts`: parallel.partition.layer_param_counts(recipes), counted once per layout. `schedule`: the
-    layout's (parallel/pipe_schedule.py); with `plan.early` it decides what the peak holds."""
+    """`param_counts`: parallel.planning.partition.layer_param_counts(recipes), counted once per layout. `schedule`: the
+    layout's (parallel/planning/schedules.py); with `plan.early` it decides what the peak holds."""
     num_stages = run.topology.pipeline_stages
     is_last = stage.stage == num_stages - 1
     in_flight = in_flight_micro_batches(run.micro_batches, num_stages, stage.stage)

@@ -10,9 +10,9 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from model import Block, GPTConfig, layer_param_counts
-from parallel.auto_recompute import StageBudget, analytic_costs
-from parallel.config import FullRecompute, NoRecompute, RecomputeConfig, SelectiveRecompute
-from parallel.flops import (
+from parallel.planning.auto_recompute import StageBudget, analytic_costs
+from parallel.planning.config import FullRecompute, NoRecompute, RecomputeConfig, SelectiveRecompute
+from parallel.planning.flops import (
     head_flops_per_token,
     model_flops_per_token,
     non_embedding_params,
@@ -20,12 +20,12 @@ from parallel.flops import (
     selective_recompute_flops,
     stage_flops,
 )
-from parallel.layout import PipelineLayout, per_micro_batch_costs
-from parallel.memory_model import attention_kernel, block_full_items, stage_input_bytes, total
-from parallel.shapes import GIB, RunShape, Shape, Target
-from parallel.stage_costs import block_options, stage_memory
-from parallel.stage_plan import plan_stage
-from parallel.step_costs import (
+from parallel.planning.layout import PipelineLayout, per_micro_batch_costs
+from parallel.planning.memory_model import attention_kernel, block_full_items, stage_input_bytes, total
+from parallel.planning.shapes import GIB, RunShape, Shape, Target
+from parallel.planning.stage_costs import block_options, stage_memory
+from parallel.planning.stage_plan import plan_stage
+from parallel.planning.step_costs import (
     analytic_rates,
     layout_costs,
     lower_bound_s,
@@ -104,7 +104,7 @@ class StageEstimate:
     """Micro-batches of a step that run under the plan (StagePlan.recomputes_micro_batch)."""
     predicted_peak_tensor_bytes: int | None = None
     """Live tensor bytes at the stage's peak moment (StageMemory.peak_tensor_terms), compared with the
-    measurement of parallel/tensor_peak.py. Absent from plan.json files before it."""
+    measurement of parallel/measurement/tensor_peak.py. Absent from plan.json files before it."""
     peak_tensor_terms: dict[str, int] | None = None
     """Its named terms; `phase` names the moment of the peak."""
 
@@ -141,7 +141,7 @@ class PlanTarget:
     attention: str
     """model.attention."""
     attention_kernel: str
-    """The attention code that really runs (parallel.memory_model.attention_kernel)."""
+    """The attention code that really runs (parallel.planning.memory_model.attention_kernel)."""
     dropout: float
 
 
@@ -184,12 +184,12 @@ class FlopsEstimate:
 
 @dataclass(frozen=True)
 class StepTimeEstimate:
-    """The simulated 1F1B step (parallel/step_sim.py) of the layout, with the costs it was planned with."""
+    """The simulated 1F1B step (parallel/planning/step_sim.py) of the layout, with the costs it was planned with."""
 
     costs: str
     """`measured` (recompute.profile) or `analytic` (FLOPs at peak, bytes at bandwidth: a lower bound)."""
     device: str
-    """What analytic costs are charged at: `cpu` (a nominal core) or a GPU of parallel/flops.py's table."""
+    """What analytic costs are charged at: `cpu` (a nominal core) or a GPU of parallel/planning/flops.py's table."""
     predicted_step_time_s: float
     stage_busy_s: tuple[float, ...]
     stage_idle_s: tuple[float, ...]
@@ -200,7 +200,7 @@ class StepTimeEstimate:
     by_gpu: dict[str, dict[str, float]]
     """CUDA plans: {GPU: {step_time_s, mfu}} with analytic costs at that GPU's peak."""
     schedule: str = "1f1b"
-    """The pipeline schedule the layout runs (parallel/pipe_schedule.py)."""
+    """The pipeline schedule the layout runs (parallel/planning/schedules.py)."""
     early_stages: tuple[int, ...] = ()
     """Stages that run their recompute early (RecomputeEarly)."""
     lower_bound_s: float | None = None

@@ -15,12 +15,12 @@ import torch.nn as nn
 
 from model import LayerRecipe, build_layers
 from model.fused_loss import HeadLoss
-from parallel.activation_meter import ActivationMeter
-from parallel.layout import PipelineLayout
-from parallel.partition import StageRange
-from parallel.recompute import apply_plan, run_stage
-from parallel.shapes import TORCH_DTYPES
-from parallel.stage_plan import StagePlan
+from parallel.measurement.activation_meter import ActivationMeter
+from parallel.planning.layout import PipelineLayout
+from parallel.planning.partition import StageRange
+from parallel.runtime.recompute import apply_plan, run_stage
+from parallel.planning.shapes import TORCH_DTYPES
+from parallel.planning.stage_plan import StagePlan
 
 
 class LocalStage(nn.Module):

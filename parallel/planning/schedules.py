@@ -11,8 +11,8 @@ Both schedules are DeepSpeed's `TrainSchedule` rewritten step by step: the commu
 their order are TrainSchedule's own, and only local instructions are added. Under rendezvous sends (a send
 blocks until its recv is posted: gloo here) whether a schedule deadlocks depends only on the order of each
 stage's communication, which DeepSpeed's schedule gets right, so neither rewrite can deadlock
-(parallel/step_sim.py checks it). Every per-micro-batch kind still runs in micro-batch order on every stage, so
-the k-th of a kind is micro-batch k (parallel/trace.py and parallel/step_sim.py rely on it), and the pipe
+(parallel/planning/step_sim.py checks it). Every per-micro-batch kind still runs in micro-batch order on every stage, so
+the k-th of a kind is micro-batch k (parallel/measurement/trace.py and parallel/planning/step_sim.py rely on it), and the pipe
 buffers are TrainSchedule's: a buffer is live from its forward to its B, and neither rewrite changes that.
 """
 
@@ -64,7 +64,7 @@ def _sends_first(commands: list) -> list:
     next RecvGrad, so whatever this stage runs before that RecvGrad (an early recompute, deferred W's) would hold up
     the next stage's forward. Sending first needs asynchronous sends: under rendezvous sends this stage would block
     in the send while the next stage blocks in its SendGrad to this stage's RecvGrad. The engine running these
-    schedules sends asynchronously (parallel/zero_bubble_engine.py), and the simulator replays them so."""
+    schedules sends asynchronously (parallel/runtime/zero_bubble_engine.py), and the simulator replays them so."""
     sends = [command for command in commands if isinstance(command, SendActivation)]
     return sends + [command for command in commands if not isinstance(command, SendActivation)]
 

@@ -1,7 +1,7 @@
-"""Seconds of each pipeline instruction on each stage, for the step-time simulator (parallel/step_sim.py).
+"""Seconds of each pipeline instruction on each stage, for the step-time simulator (parallel/planning/step_sim.py).
 
 Two sources, one shape. `measured`: `recompute.profile=true` times a block's forward, backward and
-recompute parts, the embeddings and the head with its loss on the device (parallel/recompute_profile.py).
+recompute parts, the embeddings and the head with its loss on the device (parallel/measurement/recompute_profile.py).
 `analytic` (the fallback, and the only choice in a dry run): FLOPs at the device's peak plus the
 elementwise work's bytes at its memory bandwidth, transfers at a link bandwidth. Analytic seconds assume
 peak throughput, so they are a lower bound on the time a real device takes.
@@ -14,12 +14,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from model import Block, LayerRecipe, layer_param_counts
-from parallel.auto_recompute import MACHINE_BALANCE, CostTable
-from parallel.flops import attention_core_forward_flops, block_forward_flops, head_forward_flops, lookup_peak_tflops
-from parallel.partition import StageRange
-from parallel.shapes import FP32, RunShape, Shape
-from parallel.stage_plan import StagePlan
-from parallel.step_sim import Timeline, simulate
+from parallel.planning.auto_recompute import MACHINE_BALANCE, CostTable
+from parallel.planning.flops import attention_core_forward_flops, block_forward_flops, head_forward_flops, lookup_peak_tflops
+from parallel.planning.partition import StageRange
+from parallel.planning.shapes import FP32, RunShape, Shape
+from parallel.planning.stage_plan import StagePlan
+from parallel.planning.step_sim import Timeline, simulate
 
 # Nominal rates of a target without a measured profile. A CPU rank here: one core's fp32 matmuls; a CUDA
 # rank whose GPU is unknown is planned as an H100. Stage-to-stage links: one 400 Gb/s NIC between GPU
@@ -47,7 +47,7 @@ class DeviceRates:
 def analytic_rates(
     device: str, precision: str, peak_tflops: float | None = None, gpu: str | None = None
 ) -> DeviceRates:
-    """`peak_tflops` (train.peak_tflops) wins; else the GPU's entry in parallel/flops.py's table (`gpu`, or
+    """`peak_tflops` (train.peak_tflops) wins; else the GPU's entry in parallel/planning/flops.py's table (`gpu`, or
     an H100 when unknown); a CPU gets a nominal core."""
     if device == "cpu":
         name, flops = "cpu", (peak_tflops * 1e12 if peak_tflops else CPU_FLOPS_PER_S)
@@ -76,7 +76,7 @@ class StageCosts:
     """The part of `backward` that ZB-H1 defers into a BackwardWeight: the Linear layers' weight gradients."""
 
     def by_instruction(self, early: bool = False) -> dict[str, float]:
-        """Seconds by instruction name (DeepSpeed's and parallel/pipe_schedule.py's); `early`: the stage runs
+        """Seconds by instruction name (DeepSpeed's and parallel/planning/schedules.py's); `early`: the stage runs
         its recompute as RecomputeEarly, not inside its backward."""
         inside = 0.0 if early else self.recompute
         return {
@@ -161,7 +161,7 @@ class TimeModel:
 
 
 def time_model(shape: Shape, run: RunShape, table: CostTable, rates: DeviceRates) -> TimeModel:
-    """Measured where the table carries a profile (parallel/recompute_profile.py's keys), analytic elsewhere."""
+    """Measured where the table carries a profile (parallel/measurement/recompute_profile.py's keys), analytic elsewhere."""
     d, bsh, tokens = run.target.dtype_bytes, shape.bsh, shape.b * shape.s
     flops, bandwidth = rates.flops_per_s, rates.bytes_per_s
     matmul = block_forward_flops(shape) / flops
@@ -263,7 +263,7 @@ def predict_step(
     schedule: str = "1f1b",
     early: bool = False,
 ) -> Timeline:
-    """The simulated step of a layout under `schedule` (parallel/pipe_schedule.py) and `early` recompute."""
+    """The simulated step of a layout under `schedule` (parallel/planning/schedules.py) and `early` recompute."""
     costs = layout_costs(model, recipes, stages, plans, run, param_counts)
     return simulate_stages(costs, run.micro_batches, schedule, early)
 

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from model import Block, GPTConfig, LayerRecipe
-from parallel.shapes import Shape
-from parallel.stage_plan import StagePlan
+from parallel.planning.shapes import Shape
+from parallel.planning.stage_plan import StagePlan
 
 
 def block_forward_flops(shape: Shape) -> int:
@@ -111,7 +111,7 @@ class StageFlops:
 def stage_flops(
     recipes: Sequence[LayerRecipe], layers: range, plan: StagePlan, shape: Shape, kernel: str
 ) -> StageFlops:
-    """`kernel`: the attention code that runs (parallel.memory_model.attention_kernel)."""
+    """`kernel`: the attention code that runs (parallel.planning.memory_model.attention_kernel)."""
     forward = recompute = 0
     for local, flat in enumerate(layers):
         recipe = recipes[flat]

@@ -3,7 +3,7 @@
 The meter counts every distinct storage (once, however many tensors view it) that autograd's
 saved-tensor hooks see during the forward passes it records, parameters excluded. Inside a
 non-reentrant checkpoint the checkpoint's own hooks win and it holds its inputs by reference, so those
-never reach an outer hook: parallel/recompute.py reports each such kept tensor to `observe_stored`, and
+never reach an outer hook: parallel/runtime/recompute.py reports each such kept tensor to `observe_stored`, and
 the meter counts them too. It is armed for a few steps only (the hooks cost Python calls per op).
 """
 
@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
-from parallel.recompute import observe_stored
+from parallel.runtime.recompute import observe_stored
 
 
 class ActivationMeter:
@@ -71,7 +71,7 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
 def attach_to_pipeline(module, meter: ActivationMeter) -> None:
     """Record the pipeline stage's forward passes (and the loss, on the last stage) while `meter` is
     armed. DeepSpeed calls `module(...)` and `module.loss_fn(outputs, labels)`; both are wrapped here,
-    as parallel/recompute.py wraps module forwards."""
+    as parallel/runtime/recompute.py wraps module forwards."""
     forward, loss_fn = module.forward, module.loss_fn
 
     def metered_forward(x):
@@ -92,7 +92,7 @@ def attach_to_pipeline(module, meter: ActivationMeter) -> None:
 
 def peak_memory_bytes(device: str) -> int:
     """Peak memory of this process: allocated CUDA memory on GPU, resident set size on CPU (which
-    includes the interpreter and libraries, a few hundred MB; parallel/tensor_peak.py measures live tensors)."""
+    includes the interpreter and libraries, a few hundred MB; parallel/measurement/tensor_peak.py measures live tensors)."""
     if device == "cuda":
         return int(torch.cuda.max_memory_allocated())
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

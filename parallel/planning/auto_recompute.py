@@ -27,11 +27,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from parallel.flops import block_forward_flops, mlp_output_matmul_flops, selective_recompute_flops
-from parallel.memory_model import attention_kernel, block_full_items, total
-from parallel.shapes import Shape, Target
-from parallel.stage_costs import BlockOption, block_options
-from parallel.stage_plan import StagePlan
+from parallel.planning.flops import block_forward_flops, mlp_output_matmul_flops, selective_recompute_flops
+from parallel.planning.memory_model import attention_kernel, block_full_items, total
+from parallel.planning.shapes import Shape, Target
+from parallel.planning.stage_costs import BlockOption, block_options
+from parallel.planning.stage_plan import StagePlan
 
 # FLOPs a device does in the time it moves one byte: elementwise recompute (softmax, dropout, GELU,
 # LayerNorm) is bandwidth-bound, so the analytic cost charges its memory traffic at this rate.
@@ -53,7 +53,7 @@ class CostTable:
     segment_discount: float = 0.0
     """Cost a segment saves once (torch's early stop skips the last matmul when nothing after it is saved)."""
     profile: dict[str, float] | None = None
-    """Measured tables only: the profile's seconds (parallel/recompute_profile.py), costs in seconds."""
+    """Measured tables only: the profile's seconds (parallel/measurement/recompute_profile.py), costs in seconds."""
 
 
 @dataclass(frozen=True)

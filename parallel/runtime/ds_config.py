@@ -1,6 +1,6 @@
 """The DeepSpeed config dict, built from the typed run config in this one place."""
 
-from parallel.config import OptimConfig, ParallelConfig
+from parallel.planning.config import OptimConfig, ParallelConfig
 
 NEVER = 10**9  # steps_per_print: DeepSpeed's own step log would duplicate ours
 
@@ -23,7 +23,7 @@ def deepspeed_config(
                 "torch_adam": device == "cpu",
             },
         },
-        # The LR schedule is passed to deepspeed.initialize: parallel/lr_schedule.py.
+        # The LR schedule is passed to deepspeed.initialize: parallel/runtime/lr_schedule.py.
         "gradient_clipping": train.grad_clip,
         "bf16": {"enabled": precision == "bf16"},
         "fp16": {"enabled": precision == "fp16"},

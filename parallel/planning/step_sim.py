@@ -1,5 +1,5 @@
 """The step time of a pipeline, predicted by replaying the stage's training schedule (DeepSpeed's own 1F1B
-`TrainSchedule`, or one of parallel/pipe_schedule.py's rewrites of it) as an event simulation (pure: no
+`TrainSchedule`, or one of parallel/planning/schedules.py's rewrites of it) as an event simulation (pure: no
 process group).
 
 Each stage runs its instruction list in order. A local instruction (load, forward, backward, the
@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from parallel.pipe_schedule import train_schedule
+from parallel.planning.schedules import train_schedule
 
 PER_STEP = ("ReduceTiedGrads", "ReduceGrads", "OptimizerStep")
 """Instructions that run once per step; every other kind runs once per micro-batch."""
@@ -33,7 +33,7 @@ COMPUTE = (
     "RecomputeEarly",
     "OptimizerStep",
 )
-"""What counts as busy (parallel/trace.py's split): the rest is communication or waiting."""
+"""What counts as busy (parallel/measurement/trace.py's split): the rest is communication or waiting."""
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def instructions(
     early: bool = False,
     deferred: int | None = None,
 ) -> tuple[Instruction, ...]:
-    """The stage's training schedule (parallel/pipe_schedule.py's `train_schedule`, with the stage plan's
+    """The stage's training schedule (parallel/planning/schedules.py's `train_schedule`, with the stage plan's
     `early` and `deferred_weights`), flattened, each instruction with its micro-batch (cached: the balanced
     partition simulates one shape many times)."""
     seen: Counter[str] = Counter()
@@ -136,7 +136,7 @@ def simulate(
     its sides' costs: a measured blocking call includes its wait, and the side that arrived last waited least.
 
     Under DeepSpeed's own 1F1B every send is a rendezvous (its p2p is a blocking send on gloo). The schedules
-    of parallel/pipe_schedule.py (zb-h1, or any stage early) run on an engine that sends asynchronously: a send
+    of parallel/planning/schedules.py (zb-h1, or any stage early) run on an engine that sends asynchronously: a send
     only posts (no time on the sender), and its recv ends `cost(recv)` after both sides have posted."""
     early_of = [early] * stages if isinstance(early, bool) else list(early)
     deferred_of = [None] * stages if deferred is None else list(deferred)

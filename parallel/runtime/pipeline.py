@@ -10,9 +10,9 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 from model import LayerRecipe
 from model.fused_loss import HeadLoss
-from parallel.partition import StageRange
-from parallel.recompute import apply_plan, run_stage
-from parallel.stage_plan import StagePlan
+from parallel.planning.partition import StageRange
+from parallel.runtime.recompute import apply_plan, run_stage
+from parallel.planning.stage_plan import StagePlan
 
 
 def layer_specs(recipes: Sequence[LayerRecipe]) -> list[LayerSpec]:
@@ -74,7 +74,7 @@ class RecomputingPipelineModule(PipelineModule):
 
     def _partition_layers(self, method="uniform"):
         """DeepSpeed's own methods stay DeepSpeed's (and are cross-checked against the plan); `balanced`
-        boundaries come from the plan (parallel/layout.py), set the way DeepSpeed sets its own."""
+        boundaries come from the plan (parallel/planning/layout.py), set the way DeepSpeed sets its own."""
         if method != "balanced":
             return super()._partition_layers(method=method)
         self.parts = list(self._planned_parts)

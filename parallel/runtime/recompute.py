@@ -1,4 +1,4 @@
-"""Recompute at run time: a stage's layers run under its StagePlan (parallel/stage_plan.py).
+"""Recompute at run time: a stage's layers run under its StagePlan (parallel/planning/stage_plan.py).
 
 A stage runs its local layers in order. The plan says which runs of consecutive blocks are
 checkpointed as one segment (full recompute) and, for the other blocks, which modules inside them
@@ -15,13 +15,13 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from model import Block, LayerFn
-from parallel import early_recompute
-from parallel.stage_plan import StagePlan
+from parallel.runtime import early_recompute
+from parallel.planning.stage_plan import StagePlan
 
 # Tensors kept for backward *outside* autograd's saved-tensor hooks: a non-reentrant checkpoint holds
 # its inputs by reference, and inside a checkpoint or an output-discarding consumer the innermost hooks
 # win, so an outer saved_tensors_hooks meter cannot see them. Each place that keeps such a tensor
-# reports it to these observers (parallel/activation_meter.py); with none registered this costs nothing.
+# reports it to these observers (parallel/measurement/activation_meter.py); with none registered this costs nothing.
 _stored_observers: list[Callable[[torch.Tensor], None]] = []
 
 
@@ -42,7 +42,7 @@ def note_stored(*tensors) -> None:
                 observer(t)
 
 
-# Brackets around each recompute that backward runs (parallel/trace.py times them); with none registered
+# Brackets around each recompute that backward runs (parallel/measurement/trace.py times them); with none registered
 # the checkpoints get torch's own no-op contexts.
 _recompute_observers: list[Callable[[], AbstractContextManager]] = []
 

@@ -11,8 +11,8 @@ SCHEDULE_CHOICES = ("1f1b", "zb-h1", "auto")
 
 @dataclass
 class OptimConfig:
-    """Batch shape, AdamW, learning-rate schedule and clipping: what parallel/ds_config.py and
-    parallel/lr_schedule.py build DeepSpeed's engine from. The `train` node's schema extends it."""
+    """Batch shape, AdamW, learning-rate schedule and clipping: what parallel/runtime/ds_config.py and
+    parallel/runtime/lr_schedule.py build DeepSpeed's engine from. The `train` node's schema extends it."""
 
     steps: int = 20
     """Optimizer steps (one pipeline batch each)."""
@@ -25,7 +25,7 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     """Final learning rate of the cosine decay, as a fraction of `lr`."""
     warmup_steps: int = 2
-    """Linear warm-up steps: step s (1-based) trains with lr * s / warmup_steps (parallel/lr_schedule.py)."""
+    """Linear warm-up steps: step s (1-based) trains with lr * s / warmup_steps (parallel/runtime/lr_schedule.py)."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay, applied to weight matrices and embeddings only (not to biases or
     LayerNorm gains)."""
@@ -135,7 +135,7 @@ class PlannedRecompute:
     and recomputes inside backward."""
     micro_batches: int | None = None
     """Recompute for only this many of each stage's in-flight micro-batches, those whose activations wait
-    longest (parallel/stage_plan.py's `StagePlan.recomputes_micro_batch` says which); the others run with no
+    longest (parallel/planning/stage_plan.py's `StagePlan.recomputes_micro_batch` says which); the others run with no
     recompute. null: all of them. From 1 to train.micro_batches; a stage with fewer in flight recomputes all."""
 
     def __post_init__(self) -> None:

@@ -4,7 +4,7 @@
 printed at start-up and the dry run's stages are the partition training really gets (a test checks
 `PipelineModule.parts`). Parameters are counted on the meta device (model.layer_param_counts): no memory,
 even for gpt3-175b. `balanced` is ours: `balanced_block_counts` splits the blocks so that the slowest
-stage is as fast as it can be, given a stage's time as a function of its block count (parallel/layout.py
+stage is as fast as it can be, given a stage's time as a function of its block count (parallel/planning/layout.py
 supplies it from the step-time model), and `stages_of_block_counts` turns the counts into stage ranges.
 """
 
@@ -40,7 +40,7 @@ def partition_layers(recipes: Sequence[LayerRecipe], num_stages: int, method: st
         weights = [1 if pattern.search(r.module_class.__name__) else 0 for r in recipes]
         parts = partition_balanced(weights=weights, num_parts=num_stages)
     else:
-        raise ValueError(f"parallel.partition_method={method!r} is unknown here (balanced: see parallel/layout.py)")
+        raise ValueError(f"parallel.partition_method={method!r} is unknown here (balanced: see parallel/planning/layout.py)")
     return [StageRange(s, int(parts[s]), int(parts[s + 1])) for s in range(num_stages)]
 
 

@@ -1,10 +1,10 @@
-"""DeepSpeed's PipelineEngine running the schedules of parallel/pipe_schedule.py: ZB-H1's split backward and early
+"""DeepSpeed's PipelineEngine running the schedules of parallel/planning/schedules.py: ZB-H1's split backward and early
 recompute.
 
 DeepSpeed's `train_batch` builds its schedule with `_train_schedule()` and runs each instruction through the
 class's `_INSTRUCTION_MAP`, so the schedules and the handlers of their three new instructions are all it takes
-(as Megatron-DeepSpeed's zero-bubble schedule did). parallel/engine.py swaps a built engine's class to this one;
-parallel/trace.py times the new instructions under their class names like any other.
+(as Megatron-DeepSpeed's zero-bubble schedule did). parallel/runtime/engine.py swaps a built engine's class to this one;
+parallel/measurement/trace.py times the new instructions under their class names like any other.
 
 - BackwardInput: DeepSpeed's own backward pass (the last stage through `engine.backward(loss)`, the others
   through their outputs' backward with bf16's gradient bookkeeping around it), with the Linear layers' weight
@@ -12,7 +12,7 @@ parallel/trace.py times the new instructions under their class names like any ot
 - BackwardWeight: the oldest deferred micro-batch's weight gradients, through each weight's AccumulateGrad (so
   ZeRO's and bf16's gradient hooks fire as in any backward) and, under bf16, moved into the fp32 gradients
   exactly as a non-last stage's backward moves them: once, after clearing the 16-bit gradients.
-- RecomputeEarly: the oldest registered micro-batch's recompute (parallel/early_recompute.py), registered by
+- RecomputeEarly: the oldest registered micro-batch's recompute (parallel/runtime/early_recompute.py), registered by
   the forward passes of a stage whose plan is early.
 
 Gradient clipping, the optimizer step and the tied-weight all-reduce all run after ReduceTiedGrads, which
@@ -27,9 +27,9 @@ from deepspeed.runtime.pipe import p2p, schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from model.weight_grad import WeightGradStore, split_backward
-from parallel.early_recompute import EarlyRecompute
-from parallel.layout import PipelineLayout
-from parallel.pipe_schedule import BackwardInput, BackwardWeight, RecomputeEarly, train_schedule
+from parallel.runtime.early_recompute import EarlyRecompute
+from parallel.planning.layout import PipelineLayout
+from parallel.planning.schedules import BackwardInput, BackwardWeight, RecomputeEarly, train_schedule
 
 
 class ZeroBubblePipelineEngine(PipelineEngine):
@@ -138,8 +138,8 @@ def zero_bubble(engine: PipelineEngine, layout: PipelineLayout) -> ZeroBubblePip
         immediate=[p for m in engine.module.tied_modules.values() for p in m.parameters()] if tied else ()
     )
     engine.early_recompute = EarlyRecompute()
-    # parallel/pipe_schedule.py's schedules send a forward's output before the early work of its step, which only
-    # asynchronous sends allow; DeepSpeed's own 1F1B keeps its blocking sends (parallel/step_sim.py models both).
+    # parallel/planning/schedules.py's schedules send a forward's output before the early work of its step, which only
+    # asynchronous sends allow; DeepSpeed's own 1F1B keeps its blocking sends (parallel/planning/step_sim.py models both).
     engine.async_sends = layout.schedule != "1f1b" or any(p.early for p in layout.plans)
     engine.posted_sends = []
     return engine

@@ -1,5 +1,5 @@
 """Early recompute at run time (Mario, PPoPP'25): a micro-batch's recompute runs as its own pipeline instruction
-(RecomputeEarly, parallel/pipe_schedule.py) while the stage would otherwise wait for that micro-batch's output
+(RecomputeEarly, parallel/planning/schedules.py) while the stage would otherwise wait for that micro-batch's output
 gradient, and its backward then runs on the activations already recomputed.
 
 Torch's non-reentrant checkpoint cannot be run ahead: it keys what it recomputes by the id of the backward
@@ -17,7 +17,7 @@ micro-batch:
 `recompute_next()` recomputes the oldest registered micro-batch (micro-batches are recomputed in forward order,
 as RecomputeEarly's run in micro-batch order). A region its micro-batch's backward reaches before any early
 recompute ran recomputes there, inside backward, as a checkpoint does. Every recompute, early or not, runs inside
-the bracket parallel/recompute.py passes (the trace times it).
+the bracket parallel/runtime/recompute.py passes (the trace times it).
 """
 
 from collections import deque

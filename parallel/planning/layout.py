@@ -3,17 +3,17 @@ also each stage's side of the memory budget. Pure: the start-up print, the dry r
 the same layout, built by `build_layout` alone.
 
 `parallel.partition_method=balanced` chooses the stage boundaries together with each stage's plan: a
-stage's price is its predicted forward + backward time (parallel/step_costs.py) under the plan it would get
+stage's price is its predicted forward + backward time (parallel/planning/step_costs.py) under the plan it would get
 with that many blocks (a fixed mode's, or auto's cheapest that fits the stage's side of the budget, given
 the micro-batches it holds in flight), a dynamic programme minimises the slowest stage, and single-block
-moves keep what shortens the simulated 1F1B step (parallel/step_sim.py).
+moves keep what shortens the simulated 1F1B step (parallel/planning/step_sim.py).
 """
 
 import math
 from dataclasses import dataclass, replace
 
 from model import Block, GPTConfig, LayerRecipe, gpt_layers, layer_param_counts
-from parallel.auto_recompute import (
+from parallel.planning.auto_recompute import (
     CostTable,
     StageBudget,
     analytic_costs,
@@ -22,13 +22,13 @@ from parallel.auto_recompute import (
     least_stage_bytes,
     to_stage_plan,
 )
-from parallel.config import AutoRecompute, RecomputeConfig
-from parallel.partition import StageRange, balanced_block_counts, partition_layers, stages_of_block_counts
-from parallel.pipe_schedule import SCHEDULES
-from parallel.shapes import GIB, RunShape, Shape
-from parallel.stage_costs import stage_memory
-from parallel.stage_plan import StagePlan, plan_stage
-from parallel.step_costs import (
+from parallel.planning.config import AutoRecompute, RecomputeConfig
+from parallel.planning.partition import StageRange, balanced_block_counts, partition_layers, stages_of_block_counts
+from parallel.planning.schedules import SCHEDULES
+from parallel.planning.shapes import GIB, RunShape, Shape
+from parallel.planning.stage_costs import stage_memory
+from parallel.planning.stage_plan import StagePlan, plan_stage
+from parallel.planning.step_costs import (
     DeviceRates,
     StageCosts,
     TimeModel,
@@ -50,7 +50,7 @@ class PipelineLayout:
     timing: TimeModel | None = None
     """The step-time model the layout was planned with (the run plan predicts the step with it)."""
     schedule: str = "1f1b"
-    """The concrete schedule every stage runs (parallel/pipe_schedule.py's SCHEDULES); the engine reads it and
+    """The concrete schedule every stage runs (parallel/planning/schedules.py's SCHEDULES); the engine reads it and
     each plan's `early` and `deferred_weights`."""
     schedule_options: tuple["ScheduleOption", ...] = ()
     """Every schedule x early setting the planner priced for these plans (the dry run's table)."""
@@ -141,7 +141,7 @@ def build_layout(
 ) -> PipelineLayout:
     """The layout training and the dry run use. `recompute=auto` plans each stage against the budget (with
     `costs`, else the analytic ones) and raises ValueError when a stage cannot fit. `rates`: what the
-    analytic step-time model charges at (default: parallel/step_costs.py's nominal rates for the target).
+    analytic step-time model charges at (default: parallel/planning/step_costs.py's nominal rates for the target).
     `schedule` (parallel.schedule) and `recompute.early`: see `_choose_schedule`."""
     recipes = gpt_layers(model, seed)
     shape = Shape.of(model, run.micro_batch_size)
@@ -252,7 +252,7 @@ model can tell apart, and chasing them makes uneven partitions for nothing."""
 
 
 def _balanced_counts(planner: _StagePlanner, blocks: int, num_stages: int) -> list[int]:
-    """Blocks per stage: the split whose slowest stage is fastest (parallel/partition.py's programme), then
+    """Blocks per stage: the split whose slowest stage is fastest (parallel/planning/partition.py's programme), then
     single-block moves across a boundary while the simulated step gets shorter. When no split fits the
     budget, the even split, so that the budget check names the stage that cannot fit.
 
@@ -306,9 +306,9 @@ class ScheduleOption:
     plans: tuple[StagePlan, ...]
     """The layout's plans with this setting's `early` and ZB-H1 deferral."""
     step_time_s: float
-    """The simulated step (parallel/step_sim.py)."""
+    """The simulated step (parallel/planning/step_sim.py)."""
     lower_bound_s: float
-    """What no schedule of these stages beats (parallel/step_costs.py's `lower_bound_s`)."""
+    """What no schedule of these stages beats (parallel/planning/step_costs.py's `lower_bound_s`)."""
     peak_bytes: tuple[int, ...]
     """Each stage's predicted peak tensor bytes under this setting (StageMemory.predicted_peak_tensor_bytes: the
     backward's working set included, which early recompute moves ahead of the backward)."""

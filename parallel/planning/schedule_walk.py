@@ -1,10 +1,10 @@
-"""What a stage's training schedule keeps, read by walking the schedule itself (parallel/pipe_schedule.py:
+"""What a stage's training schedule keeps, read by walking the schedule itself (parallel/planning/schedules.py:
 DeepSpeed's 1F1B TrainSchedule, or ZB-H1, with or without early recompute; pure: no process group)."""
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from parallel.pipe_schedule import train_schedule
+from parallel.planning.schedules import train_schedule
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ def activation_peak(
 
     Live bytes are counted after each instruction, except right after a B that a W follows at once: there
     the W's belong to the same backward (as in 1F1B's own backward, whose transient gradients the model does
-    not count either), and the state after them counts. `deferred`: ZB-H1's deferral (parallel/pipe_schedule.py).
+    not count either), and the state after them counts. `deferred`: ZB-H1's deferral (parallel/planning/schedules.py).
     `transient[k]`: bytes micro-batch k's backward allocates on top while it runs (its working set: a full-recompute
     segment remade inside it, the gradients of its largest node), counted inside each backward, before it frees
     the micro-batch's activations; None counts the state between instructions only."""
@@ -90,5 +90,5 @@ def in_flight_micro_batches(micro_batches: int, stages: int, stage_id: int) -> i
 
 def pipe_buffers(micro_batches: int, stages: int, stage_id: int) -> int:
     """Pipe buffers DeepSpeed allocates on the stage (at least 2, even when fewer are in flight). Every
-    schedule of parallel/pipe_schedule.py keeps TrainSchedule's buffers."""
+    schedule of parallel/planning/schedules.py keeps TrainSchedule's buffers."""
     return train_schedule("1f1b", False, micro_batches, stages, stage_id).num_pipe_buffers()
