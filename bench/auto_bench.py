@@ -18,11 +18,11 @@ import time
 import torch
 
 from model import GPTConfig
+from parallel.measurement.local_stages import LocalPipeline
+from parallel.measurement.recompute_profile import profile_block
 from parallel.planning.auto_recompute import measured_costs
 from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.planning.layout import build_layout
-from parallel.measurement.local_stages import LocalPipeline
-from parallel.measurement.recompute_profile import profile_block
 from parallel.planning.run_plan import block_choices, plan_run
 from parallel.planning.shapes import GIB, MIB, RunShape, Shape, Target, Topology
 

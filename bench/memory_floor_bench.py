@@ -23,9 +23,9 @@ from collections.abc import Callable
 import torch
 
 from model import GPTConfig
+from parallel.measurement.local_stages import LocalPipeline
 from parallel.planning.config import NoRecompute, RecomputeConfig, SelectiveRecompute
 from parallel.planning.layout import build_layout
-from parallel.measurement.local_stages import LocalPipeline
 from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import GIB, MIB, RunShape, Target, Topology
 

@@ -30,11 +30,11 @@ import torch
 from data import SyntheticDataConfig, open_token_source
 from model import GPTConfig, lm_loss
 from parallel.measurement.activation_meter import ActivationMeter
+from parallel.measurement.local_stages import LocalPipeline
 from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.planning.layout import build_layout
-from parallel.measurement.local_stages import LocalPipeline
-from parallel.runtime.recompute import note_stored  # the observers stagecheck's own segments report to
 from parallel.planning.shapes import MIB, RunShape, Target, Topology
+from parallel.runtime.recompute import note_stored  # the observers stagecheck's own segments report to
 
 STAGECHECK_MODES = {
     "stagecheck none": NoRecompute(),

@@ -20,9 +20,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from model import GPTConfig
+from parallel.measurement.local_stages import LocalPipeline
 from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.planning.layout import build_layout
-from parallel.measurement.local_stages import LocalPipeline
 from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import MIB, RunShape, Target, Topology
 

@@ -13,10 +13,10 @@ import torch
 
 from harness.context import RunContext
 from parallel.measurement.activation_meter import ActivationMeter, attach_to_pipeline, peak_memory_bytes
+from parallel.measurement.tensor_peak import TensorPeak, TensorPeakMeter
 from parallel.planning.flops import lookup_peak_tflops
 from parallel.planning.run_plan import RunPlan
 from parallel.planning.schedule_walk import in_flight_micro_batches
-from parallel.measurement.tensor_peak import TensorPeak, TensorPeakMeter
 
 
 def peak_tflops(configured: float | None, device: str, precision: str) -> float | None:

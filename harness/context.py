@@ -5,8 +5,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.job import JobHooks
-from parallel.runtime.dist_env import DistEnv
 from parallel.planning.shapes import RunShape, Target, Topology
+from parallel.runtime.dist_env import DistEnv
 from schema.run import RunConfig
 
 

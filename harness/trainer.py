@@ -17,14 +17,14 @@ from harness.run_layout import layout_of
 from harness.run_summary import done_line, wandb_sync_command
 from harness.timeline import publish_trace
 from harness.wandb_logger import open_wandb
-from parallel.planning.auto_recompute import measured_costs
-from parallel.runtime.dist_env import node_name
-from parallel.runtime.engine import build_engine, init_process_group
-from parallel.planning.layout import PipelineLayout
 from parallel.measurement.recompute_profile import profile_block
+from parallel.measurement.trace import StepTracer
+from parallel.planning.auto_recompute import measured_costs
+from parallel.planning.layout import PipelineLayout
 from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import Shape
-from parallel.measurement.trace import StepTracer
+from parallel.runtime.dist_env import node_name
+from parallel.runtime.engine import build_engine, init_process_group
 
 # DeepSpeed's pipeline sends activations with c10d broadcasts inside autograd; torch warns once per
 # rank that the op has no autograd kernel. DeepSpeed handles those gradients itself: noise.

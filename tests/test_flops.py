@@ -6,10 +6,15 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from model import GPT, GPTConfig
-from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
-from parallel.planning.flops import head_flops_per_token, lookup_peak_tflops, model_flops_per_token, non_embedding_params
-from parallel.planning.layout import build_layout
 from parallel.measurement.local_stages import LocalPipeline
+from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
+from parallel.planning.flops import (
+    head_flops_per_token,
+    lookup_peak_tflops,
+    model_flops_per_token,
+    non_embedding_params,
+)
+from parallel.planning.layout import build_layout
 from parallel.planning.memory_model import selective_combinations
 from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import RunShape, Target, Topology

@@ -11,9 +11,9 @@ import torch
 from model import GPT, GPTConfig, gpt_layers, lm_loss
 from model.fused_loss import HeadLoss, chunked_lm_loss
 from model.layers import final_hidden, head_logits
+from parallel.measurement.local_stages import LocalPipeline
 from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.planning.layout import build_layout
-from parallel.measurement.local_stages import LocalPipeline
 from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import RunShape, Target, Topology
 from tests.runs import TINY, python_run

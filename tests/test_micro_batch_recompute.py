@@ -14,12 +14,12 @@ from parallel.measurement.activation_meter import ActivationMeter
 from parallel.planning.auto_recompute import analytic_costs, choose_stage, choose_stage_micro_batches
 from parallel.planning.config import AutoRecompute, FullRecompute, SelectiveRecompute
 from parallel.planning.layout import build_layout
-from parallel.runtime.recompute import apply_plan, run_stage
 from parallel.planning.run_plan import RunPlan, plan_run
 from parallel.planning.schedule_walk import in_flight_micro_batches
 from parallel.planning.shapes import GIB, RunShape, Shape, Target, Topology
 from parallel.planning.stage_plan import StagePlan, plan_stage
 from parallel.planning.step_sim import instructions, simulate
+from parallel.runtime.recompute import apply_plan, run_stage
 from tests.runs import DEEPSPEED, REPO, cpu_env, free_port, python_run
 
 TINY = GPTConfig(n_layer=4, n_head=2, n_embd=32, seq_len=32, vocab_size=64, dropout=0.1, attention="math")

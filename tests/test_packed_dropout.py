@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 from model import GPTConfig
 from model.packed_dropout import pack_bits, packed_dropout, unpack_bits
+from parallel.measurement.local_stages import LocalPipeline
 from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.planning.layout import build_layout
-from parallel.measurement.local_stages import LocalPipeline
 from parallel.planning.memory_model import block_items, selective_combinations, total
 from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import RunShape, Shape, Target, Topology

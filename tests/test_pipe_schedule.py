@@ -11,8 +11,8 @@ from collections import Counter
 import pytest
 from deepspeed.runtime.pipe.schedule import TrainSchedule
 
-from parallel.planning.schedules import SCHEDULES, ZeroBubbleH1Schedule, train_schedule
 from parallel.planning.schedule_walk import activation_peak
+from parallel.planning.schedules import SCHEDULES, ZeroBubbleH1Schedule, train_schedule
 from parallel.planning.step_sim import PER_STEP, simulate
 
 SHAPES = [(stages, micro_batches) for stages in (1, 2, 4) for micro_batches in range(1, 9)]

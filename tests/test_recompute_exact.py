@@ -8,8 +8,8 @@ import torch
 from model import GPT, Block, GPTConfig, lm_loss
 from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.planning.memory_model import selective_combinations
-from parallel.runtime.recompute import apply_plan, run_stage
 from parallel.planning.stage_plan import plan_stage
+from parallel.runtime.recompute import apply_plan, run_stage
 
 COMBOS = selective_combinations()
 

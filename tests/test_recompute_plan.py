@@ -5,8 +5,8 @@ import torch
 
 from model import GPT, Block, GPTConfig, lm_loss
 from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
-from parallel.runtime.recompute import apply_plan, run_stage
 from parallel.planning.stage_plan import plan_stage
+from parallel.runtime.recompute import apply_plan, run_stage
 
 STAGE = [False, False, True, True, True, True, True]  # embeddings, then 5 blocks
 

@@ -11,16 +11,16 @@ import pytest
 from harness.bubbles import stage_times
 from harness.timeline import COLOURS, chrome_trace, render_timeline, schedule_name
 from model import GPTConfig
+from parallel.measurement.trace import Interval as TraceInterval
+from parallel.measurement.trace import RankTrace, StepTrace
 from parallel.planning.auto_recompute import measured_costs
 from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.planning.layout import build_layout
-from parallel.planning.schedules import SCHEDULES
 from parallel.planning.run_plan import plan_run
+from parallel.planning.schedules import SCHEDULES
 from parallel.planning.shapes import RunShape, Shape, Target, Topology
 from parallel.planning.step_costs import StageCosts, analytic_rates, layout_costs, lower_bound_s, simulate_stages
 from parallel.planning.step_sim import COMPUTE, PER_STEP, instructions, simulate
-from parallel.measurement.trace import Interval as TraceInterval
-from parallel.measurement.trace import RankTrace, StepTrace
 from tests.runs import TINY, launch, python_run
 
 # Synthetic seconds: stage 0 is the slow one (forward 2, backward 3), stage 1 forward 1, backward 2.

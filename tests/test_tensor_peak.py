@@ -1,15 +1,16 @@
-"""Peak tensor memory on CPU (parallel/measurement/tensor_peak.py): the allocator's view of one window, the tensors alive when
+"""Peak tensor memory on CPU (parallel/measurement/tensor_peak.py): the allocator's view of one window, the tensors
+alive when
 it opens included, and a real 2-rank run whose summary.json compares it with the planner's predicted peak."""
 
 import pytest
 import torch
 
 from model import GPTConfig
+from parallel.measurement.tensor_peak import TensorPeakMeter, live_storages
 from parallel.planning.config import FullRecompute, NoRecompute
 from parallel.planning.layout import build_layout
 from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import RunShape, Target, Topology
-from parallel.measurement.tensor_peak import TensorPeakMeter, live_storages
 from tests.runs import TINY, launch, summary
 
 MB = 1_000_000

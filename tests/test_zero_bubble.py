@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from model import FIRST_BLOCK_INDEX, GPT, Block, GPTConfig, gpt_layers, lm_loss
 from model.weight_grad import WeightGradStore, linear, split_backward
 from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
-from parallel.runtime.early_recompute import EarlyRecompute
 from parallel.planning.memory_model import selective_combinations, stage_activations
-from parallel.runtime.recompute import apply_plan, run_stage
 from parallel.planning.shapes import Shape, Target
 from parallel.planning.stage_plan import StagePlan, plan_stage
+from parallel.runtime.early_recompute import EarlyRecompute
+from parallel.runtime.recompute import apply_plan, run_stage
 from tests.runs import DEEPSPEED, REPO, TINY, cpu_env, free_port, launch, metrics
 
 FIXTURE = REPO / "tests" / "fixtures" / "zero_bubble_runs.py"

@@ -92,7 +92,8 @@ def attach_to_pipeline(module, meter: ActivationMeter) -> None:
 
 def peak_memory_bytes(device: str) -> int:
     """Peak memory of this process: allocated CUDA memory on GPU, resident set size on CPU (which
-    includes the interpreter and libraries, a few hundred MB; parallel/measurement/tensor_peak.py measures live tensors)."""
+    includes the interpreter and libraries, a few hundred MB; parallel/measurement/tensor_peak.py measures live
+    tensors)."""
     if device == "cuda":
         return int(torch.cuda.max_memory_allocated())
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

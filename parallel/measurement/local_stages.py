@@ -18,9 +18,9 @@ from model.fused_loss import HeadLoss
 from parallel.measurement.activation_meter import ActivationMeter
 from parallel.planning.layout import PipelineLayout
 from parallel.planning.partition import StageRange
-from parallel.runtime.recompute import apply_plan, run_stage
 from parallel.planning.shapes import TORCH_DTYPES
 from parallel.planning.stage_plan import StagePlan
+from parallel.runtime.recompute import apply_plan, run_stage
 
 
 class LocalStage(nn.Module):

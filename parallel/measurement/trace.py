@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from parallel.runtime.recompute import observe_recompute
 from parallel.planning.step_sim import PER_STEP
+from parallel.runtime.recompute import observe_recompute
 
 RECOMPUTE = "Recompute"
 

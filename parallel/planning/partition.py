@@ -40,7 +40,9 @@ def partition_layers(recipes: Sequence[LayerRecipe], num_stages: int, method: st
         weights = [1 if pattern.search(r.module_class.__name__) else 0 for r in recipes]
         parts = partition_balanced(weights=weights, num_parts=num_stages)
     else:
-        raise ValueError(f"parallel.partition_method={method!r} is unknown here (balanced: see parallel/planning/layout.py)")
+        raise ValueError(
+            f"parallel.partition_method={method!r} is unknown here (balanced: see parallel/planning/layout.py)"
+        )
     return [StageRange(s, int(parts[s]), int(parts[s + 1])) for s in range(num_stages)]
 
 

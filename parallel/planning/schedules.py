@@ -12,7 +12,8 @@ their order are TrainSchedule's own, and only local instructions are added. Unde
 blocks until its recv is posted: gloo here) whether a schedule deadlocks depends only on the order of each
 stage's communication, which DeepSpeed's schedule gets right, so neither rewrite can deadlock
 (parallel/planning/step_sim.py checks it). Every per-micro-batch kind still runs in micro-batch order on every stage, so
-the k-th of a kind is micro-batch k (parallel/measurement/trace.py and parallel/planning/step_sim.py rely on it), and the pipe
+the k-th of a kind is micro-batch k (parallel/measurement/trace.py and parallel/planning/step_sim.py rely on it), and
+the pipe
 buffers are TrainSchedule's: a buffer is live from its forward to its B, and neither rewrite changes that.
 """
 

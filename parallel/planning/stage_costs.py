@@ -72,7 +72,8 @@ class StageMemory:
     plain_layers: tuple[LayerActivation, ...]
     """`layers` of a micro-batch that runs with no recompute."""
     schedule_peak: ActivationPeak | None = None
-    """zb-h1 or early recompute: the activation peak of a walk of the stage's schedule (parallel/planning/schedule_walk.py),
+    """zb-h1 or early recompute: the activation peak of a walk of the stage's schedule
+    (parallel/planning/schedule_walk.py),
     W-pending and early-recomputed micro-batches included; None under plain 1F1B."""
     transfer_buffers: dict[str, int] = field(default_factory=dict)
     """DeepSpeed's buffers alive all step besides the pipe buffers (`transfer_buffers`)."""
@@ -114,9 +115,9 @@ class StageMemory:
 
     @property
     def peak_tensor_terms(self) -> dict[str, int]:
-        """Live tensor bytes at the stage's peak, by name (parallel/measurement/tensor_peak.py measures the same): the states,
-        the pipe buffers and DeepSpeed's transfer buffers, the activations live at the peak, and the largest of the
-        backward's working sets, which run one at a time."""
+        """Live tensor bytes at the stage's peak, by name (parallel/measurement/tensor_peak.py measures the same):
+        the states, the pipe buffers and DeepSpeed's transfer buffers, the activations live at the peak, and the
+        largest of the backward's working sets, which run one at a time."""
         terms = {**self.states, "pipe buffers": self.pipe_buffer_bytes, **self.transfer_buffers}
         peak = self.tensor_peak
         terms["activations"] = peak.bytes - peak.working_set

@@ -23,8 +23,8 @@ class StagePlan:
     """Recompute for only this many of the stage's in-flight micro-batches (`recomputes_micro_batch` says
     which); the others run with no recompute. None: all of them."""
     in_flight: int | None = None
-    """Micro-batches the stage holds at once (parallel/planning/schedule_walk.py), of which `micro_batches` recompute: set
-    by the layout, which knows the schedule, whenever `micro_batches` is."""
+    """Micro-batches the stage holds at once (parallel/planning/schedule_walk.py), of which `micro_batches`
+    recompute: set by the layout, which knows the schedule, whenever `micro_batches` is."""
     early: bool = False
     """This stage runs its recompute as RecomputeEarly, before it waits for the gradient (never the last
     stage, whose backward follows its forward with no wait: parallel/planning/schedules.py)."""
@@ -60,7 +60,9 @@ class StagePlan:
         if self.micro_batches is None:
             return True
         if self.in_flight is None:
-            raise RuntimeError("StagePlan.micro_batches is set without in_flight: plan it through parallel/planning/layout.py")
+            raise RuntimeError(
+                "StagePlan.micro_batches is set without in_flight: plan it through parallel/planning/layout.py"
+            )
         return index % self.in_flight >= self.in_flight - self.recomputed_in_flight(self.in_flight)
 
     def recomputed_count(self, micro_batches: int) -> int:

@@ -15,7 +15,12 @@ from dataclasses import dataclass
 
 from model import Block, LayerRecipe, layer_param_counts
 from parallel.planning.auto_recompute import MACHINE_BALANCE, CostTable
-from parallel.planning.flops import attention_core_forward_flops, block_forward_flops, head_forward_flops, lookup_peak_tflops
+from parallel.planning.flops import (
+    attention_core_forward_flops,
+    block_forward_flops,
+    head_forward_flops,
+    lookup_peak_tflops,
+)
 from parallel.planning.partition import StageRange
 from parallel.planning.shapes import FP32, RunShape, Shape
 from parallel.planning.stage_plan import StagePlan
@@ -161,7 +166,8 @@ class TimeModel:
 
 
 def time_model(shape: Shape, run: RunShape, table: CostTable, rates: DeviceRates) -> TimeModel:
-    """Measured where the table carries a profile (parallel/measurement/recompute_profile.py's keys), analytic elsewhere."""
+    """Measured where the table carries a profile (parallel/measurement/recompute_profile.py's keys), analytic
+    elsewhere."""
     d, bsh, tokens = run.target.dtype_bytes, shape.bsh, shape.b * shape.s
     flops, bandwidth = rates.flops_per_s, rates.bytes_per_s
     matmul = block_forward_flops(shape) / flops

@@ -17,9 +17,9 @@ from deepspeed.utils import safe_set_full_fp32_param
 from torch._utils import _flatten_dense_tensors
 
 from parallel.planning.config import OptimConfig, ParallelConfig
+from parallel.planning.layout import PipelineLayout
 from parallel.runtime.dist_env import DistEnv, export_dist_env
 from parallel.runtime.ds_config import deepspeed_config
-from parallel.planning.layout import PipelineLayout
 from parallel.runtime.lr_schedule import warmup_cosine
 from parallel.runtime.pipeline import RecomputingPipelineModule
 from parallel.runtime.zero_bubble_engine import zero_bubble

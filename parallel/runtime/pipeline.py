@@ -11,8 +11,8 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from model import LayerRecipe
 from model.fused_loss import HeadLoss
 from parallel.planning.partition import StageRange
-from parallel.runtime.recompute import apply_plan, run_stage
 from parallel.planning.stage_plan import StagePlan
+from parallel.runtime.recompute import apply_plan, run_stage
 
 
 def layer_specs(recipes: Sequence[LayerRecipe]) -> list[LayerSpec]:

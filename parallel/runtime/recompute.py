@@ -15,8 +15,8 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from model import Block, LayerFn
-from parallel.runtime import early_recompute
 from parallel.planning.stage_plan import StagePlan
+from parallel.runtime import early_recompute
 
 # Tensors kept for backward *outside* autograd's saved-tensor hooks: a non-reentrant checkpoint holds
 # its inputs by reference, and inside a checkpoint or an output-discarding consumer the innermost hooks

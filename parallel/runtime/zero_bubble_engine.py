@@ -27,9 +27,9 @@ from deepspeed.runtime.pipe import p2p, schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from model.weight_grad import WeightGradStore, split_backward
-from parallel.runtime.early_recompute import EarlyRecompute
 from parallel.planning.layout import PipelineLayout
 from parallel.planning.schedules import BackwardInput, BackwardWeight, RecomputeEarly, train_schedule
+from parallel.runtime.early_recompute import EarlyRecompute
 
 
 class ZeroBubblePipelineEngine(PipelineEngine):
@@ -139,7 +139,8 @@ def zero_bubble(engine: PipelineEngine, layout: PipelineLayout) -> ZeroBubblePip
     )
     engine.early_recompute = EarlyRecompute()
     # parallel/planning/schedules.py's schedules send a forward's output before the early work of its step, which only
-    # asynchronous sends allow; DeepSpeed's own 1F1B keeps its blocking sends (parallel/planning/step_sim.py models both).
+    # asynchronous sends allow; DeepSpeed's own 1F1B keeps its blocking sends (parallel/planning/step_sim.py models
+    # both).
     engine.async_sends = layout.schedule != "1f1b" or any(p.early for p in layout.plans)
     engine.posted_sends = []
     return engine

@@ -167,7 +167,8 @@ def render_markdown(sweep_dir: Path, jobs: list[Job], figure: bool = True) -> st
 
 
 def _tensor_peak_lines(done: list[Job]) -> list[str]:
-    """Measured peak tensor bytes (parallel/measurement/tensor_peak.py, the allocator's view) against the planner's predicted
+    """Measured peak tensor bytes (parallel/measurement/tensor_peak.py, the allocator's view) against the planner's
+    predicted
     peak, per job: MiB per stage and the largest error."""
     cells, errors = [], []
     for job in done:
