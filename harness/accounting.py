@@ -15,7 +15,7 @@ from harness.context import RunContext
 from parallel.measurement.activation_meter import ActivationMeter, attach_to_pipeline, peak_memory_bytes
 from parallel.measurement.tensor_peak import TensorPeak, TensorPeakMeter
 from parallel.planning.flops import lookup_peak_tflops
-from parallel.planning.run_plan import RunPlan
+from parallel.planning.plan_record import RunPlan
 from parallel.planning.schedule_walk import in_flight_micro_batches
 
 

@@ -9,7 +9,8 @@ the predicted step time, and writes plan.json to the run directory.
 from harness.context import RunContext
 from harness.files import atomic_write_json
 from parallel.planning.layout import PipelineLayout
-from parallel.planning.run_plan import RunPlan, plan_run
+from parallel.planning.plan_record import RunPlan
+from parallel.planning.run_plan import plan_run
 
 
 def dry_run(ctx: RunContext, layout: PipelineLayout) -> RunPlan:

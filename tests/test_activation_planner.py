@@ -11,7 +11,8 @@ from parallel.measurement.local_stages import LocalPipeline
 from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.planning.layout import build_layout
 from parallel.planning.memory_model import block_items, selective_combinations, total
-from parallel.planning.run_plan import PaperBytes, block_choices, plan_run
+from parallel.planning.plan_record import PaperBytes
+from parallel.planning.run_plan import block_choices, plan_run
 from parallel.planning.schedule_walk import in_flight_micro_batches, pipe_buffers
 from parallel.planning.shapes import RunShape, Shape, Target, Topology
 

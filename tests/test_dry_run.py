@@ -9,7 +9,7 @@ import pytest
 from model import GPTConfig
 from parallel.planning.config import NoRecompute
 from parallel.planning.layout import build_layout
-from parallel.planning.run_plan import RunPlan
+from parallel.planning.plan_record import RunPlan
 from parallel.planning.shapes import RunShape, Target, Topology
 from tests.runs import python_run
 

@@ -42,7 +42,9 @@ PLANNING = [
     {"parallel.planning.stage_costs"},
     {"parallel.planning.auto_recompute"},
     {"parallel.planning.step_costs"},
-    {"parallel.planning.layout"},
+    {"parallel.planning.stage_planner"},
+    {"parallel.planning.balanced_search", "parallel.planning.schedule_choice"},
+    {"parallel.planning.layout", "parallel.planning.plan_record"},
     {"parallel.planning.run_plan"},
 ]
 """Planning flows one way: shapes, then bytes / FLOPs / schedule, then per-stage costs, then auto, then the

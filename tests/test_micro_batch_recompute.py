@@ -14,7 +14,8 @@ from parallel.measurement.activation_meter import ActivationMeter
 from parallel.planning.auto_recompute import analytic_costs, choose_stage, choose_stage_micro_batches
 from parallel.planning.config import AutoRecompute, FullRecompute, SelectiveRecompute
 from parallel.planning.layout import build_layout
-from parallel.planning.run_plan import RunPlan, plan_run
+from parallel.planning.plan_record import RunPlan
+from parallel.planning.run_plan import plan_run
 from parallel.planning.schedule_walk import in_flight_micro_batches
 from parallel.planning.shapes import GIB, RunShape, Shape, Target, Topology
 from parallel.planning.stage_plan import StagePlan, plan_stage

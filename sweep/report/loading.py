@@ -15,7 +15,7 @@ import yaml
 from sweep.job import FAILED
 
 if TYPE_CHECKING:  # imported where used: parallel/ imports DeepSpeed (see _deepspeed_on_cpu)
-    from parallel.planning.run_plan import RunPlan
+    from parallel.planning.plan_record import RunPlan
 
 JOB_FILES = ("summary.json", "plan.json", "config.yaml", FAILED)
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size", "attention", "dropout")
@@ -173,7 +173,7 @@ def _read_plan(path: Path) -> Optional["RunPlan"]:
     if data is None:
         return None
     _deepspeed_on_cpu()
-    from parallel.planning.run_plan import RunPlan  # imported only now: it imports DeepSpeed
+    from parallel.planning.plan_record import RunPlan  # imported only now: it imports DeepSpeed
 
     try:
         return RunPlan.from_json(data)

@@ -1,0 +1,128 @@
+"""The schedule a layout runs: every schedule x early-recompute setting of the layout's plans priced (the
+simulated step, the peaks, the budget), and the allowed one with the shortest step that fits chosen; ZB-H1's
+deferred W's per stage bounded by 1F1B's peak.
+"""
+
+from dataclasses import dataclass, replace
+
+from parallel.planning.config import AutoRecompute
+from parallel.planning.partition import StageRange
+from parallel.planning.schedules import SCHEDULES
+from parallel.planning.shapes import GIB
+from parallel.planning.stage_costs import stage_memory
+from parallel.planning.stage_plan import StagePlan
+from parallel.planning.stage_planner import StagePlanner, per_micro_batch_costs
+from parallel.planning.step_costs import lower_bound_s, simulate_stages, stage_range_costs
+
+
+@dataclass(frozen=True)
+class ScheduleOption:
+    """One schedule x early-recompute setting of a layout's plans, as the planner priced it."""
+
+    schedule: str
+    early: bool
+    plans: tuple[StagePlan, ...]
+    """The layout's plans with this setting's `early` and ZB-H1 deferral."""
+    step_time_s: float
+    """The simulated step (parallel/planning/step_sim.py)."""
+    lower_bound_s: float
+    """What no schedule of these stages beats (parallel/planning/step_costs.py's `lower_bound_s`)."""
+    peak_bytes: tuple[int, ...]
+    """Each stage's predicted peak tensor bytes under this setting (StageMemory.predicted_peak_tensor_bytes: the
+    backward's working set included, which early recompute moves ahead of the backward)."""
+    fits: bool
+    """`recompute=auto` only (always true without it): every stage's peak within the budget, or no higher than
+    under the 1F1B schedule the plans were chosen for (the budget check of auto's own plan counts its segment's
+    working set its own way)."""
+    allowed: bool
+    """parallel.schedule and recompute.early allow it (`auto` / null allow every value)."""
+
+
+def choose_schedule(
+    planner: StagePlanner, stages: list[StageRange], plans: list[StagePlan], schedule: str, early: bool | None
+) -> tuple[ScheduleOption, tuple[ScheduleOption, ...]]:
+    """Price every schedule x early setting of the plans, and keep the allowed one with the shortest simulated
+    step among those that fit (`schedule` `auto` or `early` None: the planner's choice). Early recompute is
+    priced only where some stage recomputes. The plans are auto's (or the mode's) for 1F1B: early recompute
+    adds one micro-batch's recomputed activations to a stage's peak, so under a budget it may not fit; ZB-H1
+    stays within 1F1B's peak by construction (`_deferrals`), so it fits wherever 1F1B with the same `early`
+    does. Raises ValueError when the configured setting does not fit the budget."""
+    recomputes = any(p.segments or p.selective for p in plans)
+    options = []
+    for early_here in (False, True) if recomputes else (False,):
+        for kind in SCHEDULES:
+            # With nothing to recompute, early=true has nothing to move: its setting is early=false's.
+            allowed = schedule in ("auto", kind) and (early is None or early == early_here or not recomputes)
+            options.append(_price_schedule(planner, stages, plans, kind, early_here, allowed))
+    candidates = [o for o in options if o.allowed and o.fits]
+    if not candidates:
+        usable = planner.usable / GIB
+        raise ValueError(
+            f"recompute.early={str(early).lower()} does not fit recompute.budget_gb: early recompute holds one "
+            f"micro-batch's recomputed activations on top of the plan, and a stage's peak then exceeds its "
+            f"{usable:g} GiB; use recompute.early=null (the planner chooses) or false, or a larger recompute.budget_gb"
+        )
+    return min(candidates, key=lambda o: o.step_time_s), tuple(options)
+
+
+def _price_schedule(
+    planner: StagePlanner, stages: list[StageRange], plans: list[StagePlan], kind: str, early: bool, allowed: bool
+) -> ScheduleOption:
+    last = len(stages) - 1
+    plans = [
+        replace(p, early=early and s < last and bool(p.segments or p.selective), deferred_weights=None)
+        for s, p in enumerate(plans)
+    ]
+    if kind == "zb-h1":
+        plans = _deferrals(planner, stages, plans)
+    run, counts = planner.run, planner.counts
+    memory = [stage_memory(planner.recipes, st, p, planner.shape, run, counts, kind) for st, p in zip(stages, plans)]
+    reference = [
+        stage_memory(planner.recipes, st, replace(p, early=False, deferred_weights=None), planner.shape, run, counts)
+        for st, p in zip(stages, plans)
+    ]
+    costs = [
+        per_micro_batch_costs(
+            stage_range_costs(planner.timing, planner.recipes, st, p, run, counts), p, run.micro_batches
+        )
+        for st, p in zip(stages, plans)
+    ]
+    peaks = tuple(m.predicted_peak_tensor_bytes for m in memory)
+    fits = not isinstance(planner.recompute, AutoRecompute) or all(
+        peak <= max(planner.usable, r.predicted_peak_tensor_bytes) for peak, r in zip(peaks, reference)
+    )
+    return ScheduleOption(
+        kind,
+        early,
+        tuple(plans),
+        simulate_stages(
+            costs, run.micro_batches, kind, [p.early for p in plans], [p.deferred_weights for p in plans]
+        ).step_time_s,
+        lower_bound_s(costs, run.micro_batches, early),
+        peaks,
+        fits,
+        allowed,
+    )
+
+
+def _deferrals(planner: StagePlanner, stages: list[StageRange], plans: list[StagePlan]) -> list[StagePlan]:
+    """ZB-H1's bound, per stage: the most deferred W's (up to the stage index, ZB-H1's own count) that keep
+    the stage's predicted peak tensor bytes (each backward's working set inside it) within the fullest stage's
+    1F1B peak of the same plans. That is ZB-H1's promise
+    ("1F1B's activation memory"): a later stage holds fewer micro-batches under 1F1B than stage 0, and the room
+    left takes deferred W's. A W-pending micro-batch holds each Linear's input and output gradient
+    (memory_model.weight_grad_items), whatever the plan recomputes, so under heavy recompute even one may not
+    fit: the stage then defers none, and its B and W are 1F1B's backward cut in two."""
+    run, counts = planner.run, planner.counts
+
+    def peak(stage: StageRange, plan: StagePlan, kind: str) -> int:
+        return stage_memory(planner.recipes, stage, plan, planner.shape, run, counts, kind).predicted_peak_tensor_bytes
+
+    bound = max(peak(st, p, "1f1b") for st, p in zip(stages, plans))
+    out = []
+    for st, p in zip(stages, plans):
+        deferred = next(
+            d for d in range(st.stage, -1, -1) if d == 0 or peak(st, replace(p, deferred_weights=d), "zb-h1") <= bound
+        )
+        out.append(replace(p, deferred_weights=deferred))
+    return out
