@@ -18,6 +18,7 @@ from harness.job import JobHooks
 from harness.run_dir import check_run_dir, remove_if_empty
 from model import gpt_layers, model_param_count
 from parallel.runtime.dist_env import DistEnv, read_dist_env
+from parallel.runtime.threads import set_threads_per_rank
 from schema.checks import check_data, run_shape, to_run_config
 from schema.run import RunConfig
 
@@ -50,6 +51,9 @@ def run_from_hydra(cfg: DictConfig, job: JobHooks) -> None:
     if ctx.run.dry_run:
         dry_run(ctx, layout)  # plan.json and the per-stage table; no process group
         return
+    threads = set_threads_per_rank(ctx.env)  # OMP_NUM_THREADS, else this rank's share of the node's cores
+    if rank == 0:
+        print(f"stagecheck: {threads}", flush=True)
     # SIGTERM/SIGUSR1 from here on: checkpoint at the next step boundary, exit 75 (harness/faults.py).
     preemption.install(rank)
     # An exception ends this rank at once with `stagecheck: rank N failed: ...`, never a hang; the job's guard

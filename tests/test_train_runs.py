@@ -7,8 +7,9 @@ import torch
 
 from data import SyntheticDataConfig, open_token_source
 from model import GPT, GPTConfig, lm_loss
+from parallel.runtime.threads import usable_cores
 from tests import wandb_file
-from tests.runs import TINY, launch, metrics, summary
+from tests.runs import TINY, cpu_env, launch, metrics, summary
 
 pytestmark = pytest.mark.multiproc
 MODES = {"none": [], "full": ["+recompute=full"], "selective": ["+recompute=selective"]}
@@ -18,9 +19,12 @@ STEPS = ["train.steps=3", "train.micro_batches=4", "train.micro_batch_size=2"]
 @pytest.fixture(scope="module")
 def mode_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("modes")
+    env = {k: v for k, v in cpu_env(root).items() if k != "OMP_NUM_THREADS"}  # as the deepspeed launcher leaves it
+    share = max(1, usable_cores() // 2)  # each of the 2 ranks on this node (parallel/runtime/threads.py)
     runs = {}
     for mode, overrides in MODES.items():
-        launch(root / mode, *TINY, *STEPS, "model.dropout=0.1", *overrides)
+        result = launch(root / mode, *TINY, *STEPS, "model.dropout=0.1", *overrides, env=env)
+        assert f"stagecheck: {usable_cores()} cores / 2 ranks on this node: {share} intra-op thread" in result.stdout
         runs[mode] = root / mode
     return runs
 

@@ -1,4 +1,4 @@
-"""Rank, world size and rendezvous address from the launcher's environment.
+"""Rank, world size, ranks on this node and rendezvous address from the launcher's environment.
 
 Read in this order: torch/DeepSpeed variables (RANK, WORLD_SIZE, LOCAL_RANK: deepspeed, torchrun),
 then SLURM's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID: srun), else a single process.
@@ -23,6 +23,10 @@ class DistEnv:
     master_port: int
     source: str
     """`torch`, `slurm` or `single`: which variables the ranks came from."""
+    local_world_size: int = 1
+    """Ranks on this node (`local_world_size`)."""
+    cpus_per_task: int | None = None
+    """srun's `--cpus-per-task` (SLURM_CPUS_PER_TASK): the cores SLURM gave each rank; None elsewhere."""
 
 
 def _int_var(environ: Mapping[str, str], name: str) -> int:
@@ -59,6 +63,48 @@ def node_name(environ: Mapping[str, str] = os.environ) -> str:
     return environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
+def tasks_per_node(spec: str) -> list[int] | None:
+    """SLURM's compressed tasks-per-node list, one count per node: `2(x3),1` -> [2, 2, 2, 1]; None when `spec` is
+    not such a list."""
+    counts = []
+    for part in spec.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not match:
+            return None
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
+
+
+SLURM_TASKS_PER_NODE = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
+"""Where srun says how many tasks each node runs: this step's, the job's, the job's request."""
+
+
+def _slurm_tasks_on_this_node(environ: Mapping[str, str], name: str) -> int:
+    """The count at this node's SLURM_NODEID in the list `name`; the largest when the node is not in it."""
+    counts = tasks_per_node(environ[name])
+    if counts is None:
+        raise ValueError(f"environment variable {name}={environ[name]!r} is invalid: expected counts such as 2(x3),1")
+    node = _int_var(environ, "SLURM_NODEID") if "SLURM_NODEID" in environ else -1
+    return counts[node] if 0 <= node < len(counts) else max(counts)
+
+
+def local_world_size(environ: Mapping[str, str], source: str) -> int:
+    """Ranks on this node, for the `torch` or `slurm` variables: torchrun's LOCAL_WORLD_SIZE, else the deepspeed
+    launcher's LOCAL_SIZE; srun's first of SLURM_TASKS_PER_NODE that is set. A launcher that says neither counts
+    as all its ranks on this node (the fewest threads each: parallel/runtime/threads.py)."""
+    if source == "torch":
+        read, names = _int_var, ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")
+    else:
+        read, names = _slurm_tasks_on_this_node, SLURM_TASKS_PER_NODE
+    for name in names:
+        if name in environ:
+            count = read(environ, name)
+            if count <= 0:
+                raise ValueError(f"environment variable {name}={environ[name]!r} is invalid: it must be positive")
+            return count
+    return _int_var(environ, "WORLD_SIZE" if source == "torch" else "SLURM_NTASKS")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -92,7 +138,8 @@ def read_dist_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
     port = _int_var(environ, "MASTER_PORT") if "MASTER_PORT" in environ else port
     if not 0 < port < 65536:
         raise ValueError(f"environment variable MASTER_PORT={port} is invalid: it must be in 1..65535")
-    return DistEnv(rank, world, local, addr or "127.0.0.1", port, source)
+    cpus = _int_var(environ, "SLURM_CPUS_PER_TASK") if source == "slurm" and "SLURM_CPUS_PER_TASK" in environ else None
+    return DistEnv(rank, world, local, addr or "127.0.0.1", port, source, local_world_size(environ, source), cpus)
 
 
 def export_dist_env(env: DistEnv) -> None:
