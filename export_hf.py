@@ -3,10 +3,12 @@
 python export_hf.py checkpoint=outputs/RUN out=exports/my-gpt2
 """
 
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
-from harness.command import run_command
+from harness.command import refuse_file_as_directory, run_command
 from harness.hf_export import export_hf
 from schema.scripts import register_script_schemas, to_script_config
 
@@ -19,4 +21,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    refuse_file_as_directory(sys.argv)  # before Hydra makes the directory
     main()

@@ -3,10 +3,12 @@
 python generate.py checkpoint=outputs/RUN 'prompt="def main("' max_new_tokens=200 temperature=0.8 top_k=50 seed=1
 """
 
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
-from harness.command import run_command
+from harness.command import refuse_file_as_directory, run_command
 from harness.generation import sample_text
 from schema.scripts import register_script_schemas, to_script_config
 
@@ -19,4 +21,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    refuse_file_as_directory(sys.argv)  # before Hydra makes the directory
     main()

@@ -6,10 +6,13 @@ python train.py model=gpt3-175b parallel.pipeline_stages=8 dry_run=true
 
 import sys
 
+from harness.command import refuse_file_as_directory
 from harness.launcher_args import strip_launcher_args
 
-# Before Hydra parses argv: it rejects the deepspeed launcher's --local_rank=N.
+# Before Hydra parses argv: it rejects the deepspeed launcher's --local_rank=N, and ends in a traceback when
+# hydra.run.dir is a file.
 sys.argv = strip_launcher_args(sys.argv)
+refuse_file_as_directory(sys.argv)
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402

@@ -7,7 +7,7 @@ launcher process (deepspeed, torchrun) that started all local ranks, else this p
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -58,6 +58,26 @@ def check_run_dir(run_dir: Path, continuing: bool = False, overwrite: bool = Fal
         )
     if not os.access(run_dir, os.W_OK):
         raise ValueError(f"hydra.run.dir={str(run_dir)!r} is not writable: choose a writable hydra.run.dir")
+
+
+DIRECTORY_OVERRIDES = ("hydra.run.dir", "hydra.sweep.dir")
+
+
+def check_directory_overrides(overrides: Sequence[str]) -> None:
+    """Refuse a hydra.run.dir or hydra.sweep.dir that names a file, or a path under one: Hydra would end in a
+    FileExistsError (or NotADirectoryError) traceback when it makes the directory, before any of our code runs.
+    Read from the command line before Hydra parses it; a value with an interpolation is left to Hydra."""
+    for override in overrides:
+        key, assigned, value = override.lstrip("+").partition("=")
+        if not assigned or key not in DIRECTORY_OVERRIDES or "${" in value:
+            continue
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":  # Hydra's quoted value
+            value = value[1:-1]
+        path = Path(value)
+        existing = next((p for p in (path, *path.parents) if p.exists()), None)
+        if existing is not None and not existing.is_dir():
+            where = "is a file" if existing == path else f"is under {str(existing)!r}, which is a file"
+            raise ValueError(f"{key}={value!r} {where}: choose a directory (or leave {key} unset)")
 
 
 def remove_if_empty(run_dir: Path) -> None:

@@ -1,9 +1,14 @@
 """Bad input fails at start-up: non-zero exit, one message naming the option and the allowed values,
 no traceback, and no run directory or file left behind."""
 
+import re
+import subprocess
+import sys
+
 import pytest
 
-from tests.runs import TINY, cpu_env, launch, python_run
+from harness.run_dir import check_directory_overrides
+from tests.runs import REPO, TINY, cpu_env, launch, python_run
 
 CASES = [
     (["+recompute=sometimes"], "Could not find 'recompute/sometimes'"),
@@ -90,3 +95,31 @@ def test_bad_input_through_the_deepspeed_launcher(tmp_path):
     assert result.returncode != 0
     assert "parallel.pipeline_stages=3 does not divide the world size 2" in result.stderr + result.stdout
     assert not run_dir.exists()
+
+
+def test_a_file_or_a_path_under_one_as_the_output_directory_is_refused(tmp_path):
+    file = tmp_path / "notes.txt"
+    file.write_text("mine\n")
+    for override, message in [
+        (f"hydra.run.dir={file}", f"hydra.run.dir='{file}' is a file: choose a directory"),
+        (f"++hydra.run.dir={file}/run", f"hydra.run.dir='{file}/run' is under '{file}', which is a file: choose"),
+        (f"hydra.sweep.dir='{file}'", f"hydra.sweep.dir='{file}' is a file: choose a directory"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            check_directory_overrides(["model=tiny", override])
+    for fine in (f"hydra.run.dir={tmp_path}", f"hydra.run.dir={tmp_path}/new/run", "hydra.run.dir=${oc.env:X}/run"):
+        check_directory_overrides([fine])  # a directory, one Hydra makes, one only Hydra can resolve
+    check_directory_overrides([f"data.path={file}"])  # other options are not directories to make
+
+
+@pytest.mark.parametrize("script", ["train.py", "generate.py", "export_hf.py"])
+def test_a_file_as_the_run_directory_ends_each_command_before_hydra_runs(tmp_path, script):
+    """Hydra itself would end in a FileExistsError traceback while making the directory."""
+    file = tmp_path / "notes.txt"
+    file.write_text("mine\n")
+    run = [sys.executable, script, f"hydra.run.dir={file}"]  # refused before any other option is read
+    result = subprocess.run(run, cwd=REPO, env=cpu_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    refusal = f"hydra.run.dir='{file}' is a file: choose a directory (or leave hydra.run.dir unset)"
+    assert result.stderr == f"stagecheck: error: {refusal}\n"
+    assert file.read_text() == "mine\n" and list(tmp_path.iterdir()) == [file]
