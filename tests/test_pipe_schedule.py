@@ -12,7 +12,7 @@ import pytest
 from deepspeed.runtime.pipe.schedule import TrainSchedule
 
 from parallel.planning.schedule_walk import activation_peak
-from parallel.planning.schedules import SCHEDULES, ZeroBubbleH1Schedule, train_schedule
+from parallel.planning.schedules import SCHEDULES, StageProgram, one_f_one_b, train_schedule
 from parallel.planning.step_sim import PER_STEP, simulate
 
 SHAPES = [(stages, micro_batches) for stages in (1, 2, 4) for micro_batches in range(1, 9)]
@@ -34,15 +34,14 @@ def communication(kind: str, early: bool, micro_batches: int, stages: int, stage
     return out
 
 
-def flat(schedule) -> list[tuple[str, int | None, int | None]]:
+def flat(program: StageProgram) -> list[tuple[str, int | None, int | None]]:
     """(name, micro-batch, buffer id) of every instruction in order; the k-th of a kind is micro-batch k."""
     seen: Counter[str] = Counter()
     out = []
-    for commands in schedule.steps():
-        for command in commands:
-            name = type(command).__name__
-            out.append((name, None if name in PER_STEP else seen[name], getattr(command, "buffer_id", None)))
-            seen[name] += 1
+    for command in program.commands():
+        name = type(command).__name__
+        out.append((name, None if name in PER_STEP else seen[name], getattr(command, "buffer_id", None)))
+        seen[name] += 1
     return out
 
 
@@ -86,7 +85,7 @@ def test_a_pipe_buffer_is_never_reused_while_its_micro_batch_is_live(kind, early
         program = [
             (i, m, b) for i, (name, m, b) in enumerate(flat(schedule)) if b is not None and name != "BackwardWeight"
         ]
-        assert all(0 <= b < schedule.num_pipe_buffers() for _, _, b in program)
+        assert all(0 <= b < schedule.pipe_buffers for _, _, b in program)
         spans = {}
         for i, m, b in program:
             first, _, _ = spans.get(m, (i, i, b))
@@ -113,7 +112,7 @@ def test_sending_activations_first_needs_asynchronous_sends():
     program = [n for n, _, _ in flat(train_schedule("1f1b", True, 4, 2, 0))]
     first_recv = program.index("RecvGrad")
     assert program[first_recv - 2 : first_recv + 1] == ["SendActivation", "RecomputeEarly", "RecvGrad"]
-    theirs = [n for n, _, _ in flat(TrainSchedule(4, 2, 0))]
+    theirs = [type(c).__name__ for commands in TrainSchedule(4, 2, 0).steps() for c in commands]
     assert theirs[theirs.index("RecvGrad") + 1] == "SendActivation"
 
 
@@ -152,13 +151,13 @@ def test_a_planner_chosen_deferral_is_kept_and_every_w_still_runs_in_order(early
 @pytest.mark.parametrize("stages, micro_batches", [(2, 4), (4, 8)])
 def test_without_deferral_w_follows_its_b_and_with_it_the_last_gradient_goes_first(stages, micro_batches):
     for stage in range(stages):
-        program = [(name, m) for name, m, _ in flat(ZeroBubbleH1Schedule(micro_batches, stages, stage, deferred=0))]
+        program = [(name, m) for name, m, _ in flat(train_schedule("zb-h1", False, micro_batches, stages, stage, 0))]
         last = stage == stages - 1
         for i, (name, m) in enumerate(program):
             if name == "BackwardInput":  # 1F1B's backward cut in two; the last stage sends the gradient first
                 assert program[i + 1 : i + 2 + last] == [("SendGrad", m)] * last + [("BackwardWeight", m)]
         if stage > 0:  # the default defers: after the last B nothing is left for the previous stage but its gradient
-            program = [(name, m) for name, m, _ in flat(ZeroBubbleH1Schedule(micro_batches, stages, stage))]
+            program = [(name, m) for name, m, _ in flat(train_schedule("zb-h1", False, micro_batches, stages, stage))]
             last_b = program.index(("BackwardInput", micro_batches - 1))
             assert program[last_b + 1] == ("SendGrad", micro_batches - 1)
             assert all(name == "BackwardWeight" for name, _ in program[last_b + 2 : -3])
@@ -197,7 +196,8 @@ def test_early_recompute_hides_in_the_wait_for_the_gradient(kind):
 
 
 def test_1f1b_without_early_is_deepspeeds_schedule_and_unknown_kinds_are_refused():
-    assert type(train_schedule("1f1b", False, 4, 2, 0)) is TrainSchedule
+    # one_f_one_b is DeepSpeed's TrainSchedule instruction for instruction: tests/test_schedules_match_deepspeed.py
+    assert train_schedule("1f1b", False, 4, 2, 0) == one_f_one_b(4, 2, 0)
     with pytest.raises(ValueError, match="1f1b, zb-h1"):
         train_schedule("gpipe", False, 4, 2, 0)
 

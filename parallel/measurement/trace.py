@@ -1,10 +1,11 @@
 """The per-instruction trace of one training step: what every rank executed, when, on one clock.
 
-DeepSpeed's `PipelineEngine._exec_schedule` runs each instruction of its `TrainSchedule` through
-`self._INSTRUCTION_MAP[type(cmd)]`, looked up on the engine. For the traced step an instance-level map
-of timed wrappers shadows the class's map; deleting it afterwards restores the class's map, so untraced
-steps run DeepSpeed's own code with nothing added. The recompute that autograd runs inside a backward
-pass reaches the trace through parallel/runtime/recompute.py's `observe_recompute`.
+DeepSpeed's `PipelineEngine._exec_schedule` runs each instruction of the stage's schedule (the planned programme
+in DeepSpeed's instruction classes: parallel/runtime/ds_schedule.py) through `self._INSTRUCTION_MAP[type(cmd)]`,
+looked up on the engine. For the traced step an instance-level map of timed wrappers shadows the class's map;
+deleting it afterwards restores the class's map, so untraced steps run DeepSpeed's own code with nothing added.
+The recompute that autograd runs inside a backward pass reaches the trace through parallel/runtime/recompute.py's
+`observe_recompute`.
 
 The clock: a barrier before the step, and each rank's `perf_counter` at barrier exit is its zero. A
 second barrier right after measures how far apart the ranks leave a barrier: the residual skew.

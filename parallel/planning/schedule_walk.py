@@ -1,10 +1,10 @@
 """What a stage's training schedule keeps, read by walking the schedule itself (parallel/planning/schedules.py:
-DeepSpeed's 1F1B TrainSchedule, or ZB-H1, with or without early recompute; pure: no process group)."""
+DeepSpeed's 1F1B, or ZB-H1, with or without early recompute; pure: no process group)."""
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from parallel.planning.schedules import train_schedule
+from parallel.planning import schedules
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,8 @@ def activation_peak(
     `transient[k]`: bytes micro-batch k's backward allocates on top while it runs (its working set: a full-recompute
     segment remade inside it, the gradients of its largest node), counted inside each backward, before it frees
     the micro-batch's activations; None counts the state between instructions only."""
-    steps = train_schedule(schedule, early, micro_batches, stages, stage, deferred).steps()
-    program = [type(command).__name__ for commands in steps for command in commands]
+    commands = schedules.train_schedule(schedule, early, micro_batches, stages, stage, deferred).commands()
+    program = [type(command).__name__ for command in commands]
     forwards = backwards = weights = 0  # counts so far: micro-batch k is the k-th of each kind
     early_live: int | None = None
     best = ActivationPeak(0, 0, 0, 0)
@@ -90,5 +90,5 @@ def in_flight_micro_batches(micro_batches: int, stages: int, stage_id: int) -> i
 
 def pipe_buffers(micro_batches: int, stages: int, stage_id: int) -> int:
     """Pipe buffers DeepSpeed allocates on the stage (at least 2, even when fewer are in flight). Every
-    schedule of parallel/planning/schedules.py keeps TrainSchedule's buffers."""
-    return train_schedule("1f1b", False, micro_batches, stages, stage_id).num_pipe_buffers()
+    schedule of parallel/planning/schedules.py keeps 1F1B's buffers."""
+    return schedules.pipe_buffers(micro_batches, stages, stage_id)

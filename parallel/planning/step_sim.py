@@ -1,6 +1,5 @@
-"""The step time of a pipeline, predicted by replaying the stage's training schedule (DeepSpeed's own 1F1B
-`TrainSchedule`, or one of parallel/planning/schedules.py's rewrites of it) as an event simulation (pure: no
-process group).
+"""The step time of a pipeline, predicted by replaying the stage's training schedule (DeepSpeed's own 1F1B, or
+one of its rewrites: parallel/planning/schedules.py) as an event simulation (pure: no process group).
 
 Each stage runs its instruction list in order. A local instruction (load, forward, backward, the
 data-parallel reduce, the optimizer step) starts when the stage is free. Communication is a rendezvous:
@@ -10,7 +9,7 @@ its neighbour start together, when the later of the two arrives, and both are bu
 ReduceTiedGrads is a collective of the first and the last stage, which hold the tied embedding; elsewhere it
 does nothing.
 
-Micro-batches are not named in DeepSpeed's instructions (they carry a buffer id), but under 1F1B every
+Micro-batches are not named in the instructions (they carry a buffer id, as DeepSpeed's do), but under 1F1B every
 stage runs each kind of per-micro-batch instruction in micro-batch order (so do ZB-H1 and early recompute),
 so the k-th of a kind belongs to micro-batch k; that is how a send finds its recv.
 """
@@ -42,7 +41,8 @@ class Instruction:
     index: int
     """Position in the stage's instruction list."""
     name: str
-    """DeepSpeed's instruction class name: ForwardPass, SendActivation, ReduceTiedGrads, ..."""
+    """The instruction's class name (parallel/planning/schedules.py's, DeepSpeed's too): ForwardPass, SendActivation,
+    ReduceTiedGrads, ..."""
     micro_batch: int | None
     """None for the once-per-step instructions."""
 
@@ -94,12 +94,11 @@ def instructions(
     partition simulates one shape many times)."""
     seen: Counter[str] = Counter()
     out = []
-    for commands in train_schedule(schedule, early, micro_batches, stages, stage, deferred).steps():
-        for command in commands:
-            name = type(command).__name__
-            micro_batch = None if name in PER_STEP else seen[name]
-            seen[name] += 1
-            out.append(Instruction(stage, len(out), name, micro_batch))
+    for command in train_schedule(schedule, early, micro_batches, stages, stage, deferred).commands():
+        name = type(command).__name__
+        micro_batch = None if name in PER_STEP else seen[name]
+        seen[name] += 1
+        out.append(Instruction(stage, len(out), name, micro_batch))
     return tuple(out)
 
 

@@ -2,9 +2,10 @@
 recompute.
 
 DeepSpeed's `train_batch` builds its schedule with `_train_schedule()` and runs each instruction through the
-class's `_INSTRUCTION_MAP`, so the schedules and the handlers of their three new instructions are all it takes
-(as Megatron-DeepSpeed's zero-bubble schedule did). parallel/runtime/engine.py swaps a built engine's class to this one;
-parallel/measurement/trace.py times the new instructions under their class names like any other.
+class's `_INSTRUCTION_MAP`, so the planned programme in DeepSpeed's instructions (parallel/runtime/ds_schedule.py)
+and the handlers of its three new instructions are all it takes (as Megatron-DeepSpeed's zero-bubble schedule did).
+parallel/runtime/engine.py swaps a built engine's class to this one; parallel/measurement/trace.py times the new
+instructions under their class names like any other.
 
 - BackwardInput: DeepSpeed's own backward pass (the last stage through `engine.backward(loss)`, the others
   through their outputs' backward with bf16's gradient bookkeeping around it), with the Linear layers' weight
@@ -28,7 +29,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from model.weight_grad import WeightGradStore, split_backward
 from parallel.planning.layout import PipelineLayout
-from parallel.planning.schedules import BackwardInput, BackwardWeight, RecomputeEarly, train_schedule
+from parallel.runtime.ds_schedule import BackwardInput, BackwardWeight, RecomputeEarly, deepspeed_schedule
 from parallel.runtime.early_recompute import EarlyRecompute
 
 
@@ -41,7 +42,7 @@ class ZeroBubblePipelineEngine(PipelineEngine):
             return super().train_batch(data_iter)
 
     def _train_schedule(self):
-        return train_schedule(
+        return deepspeed_schedule(
             self.schedule_kind, self.early, self.micro_batches, self.num_stages, self.stage_id, self.deferred_weights
         )
 
