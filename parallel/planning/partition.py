@@ -1,18 +1,20 @@
 """Stage partitioning as a pure function of (layers, stages, method).
 
-`parameters`, `uniform` and `type:REGEX` call the same DeepSpeed routines `PipelineModule` uses, so the plan
-printed at start-up and the dry run's stages are the partition training really gets (a test checks
-`PipelineModule.parts`). Parameters are counted on the meta device (model.layer_param_counts): no memory,
-even for gpt3-175b. `balanced` is ours: `balanced_block_counts` splits the blocks so that the slowest
-stage is as fast as it can be, given a stage's time as a function of its block count (parallel/planning/layout.py
-supplies it from the step-time model), and `stages_of_block_counts` turns the counts into stage ranges.
+`parameters`, `uniform` and `type:REGEX` are the partition methods of DeepSpeed's `PipelineModule`, written out
+here (`uniform_bounds`, `balanced_bounds`: tests/test_partition_matches_deepspeed.py checks them against
+DeepSpeed 0.19.8's), so the plan printed at start-up and the dry run's stages are the partition training really
+gets (a test checks `PipelineModule.parts`). Parameters are counted on the meta device (model.layer_param_counts):
+no memory, even for gpt3-175b. `balanced` is ours: `balanced_block_counts` splits the blocks so that the slowest
+stage is as fast as it can be, given a stage's time as a function of its block count
+(parallel/planning/layout.py supplies it from the step-time model), and `stages_of_block_counts` turns the counts
+into stage ranges.
 """
 
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-
-from deepspeed.runtime.utils import partition_balanced, partition_uniform
+from itertools import accumulate
 
 from model import Block, LayerRecipe, layer_param_counts
 
@@ -32,18 +34,56 @@ class StageRange:
 
 def partition_layers(recipes: Sequence[LayerRecipe], num_stages: int, method: str) -> list[StageRange]:
     if method == "uniform":
-        parts = partition_uniform(num_items=len(recipes), num_parts=num_stages)
+        bounds = uniform_bounds(len(recipes), num_stages)
     elif method == "parameters":
-        parts = partition_balanced(weights=layer_param_counts(recipes), num_parts=num_stages)
+        bounds = balanced_bounds(layer_param_counts(recipes), num_stages)
     elif method.startswith("type:"):
         pattern = re.compile(method.split(":", 1)[1], re.IGNORECASE)
-        weights = [1 if pattern.search(r.module_class.__name__) else 0 for r in recipes]
-        parts = partition_balanced(weights=weights, num_parts=num_stages)
+        bounds = balanced_bounds([1 if pattern.search(r.module_class.__name__) else 0 for r in recipes], num_stages)
     else:
         raise ValueError(
             f"parallel.partition_method={method!r} is unknown here (balanced: see parallel/planning/layout.py)"
         )
-    return [StageRange(s, int(parts[s]), int(parts[s + 1])) for s in range(num_stages)]
+    return [StageRange(s, bounds[s], bounds[s + 1]) for s in range(num_stages)]
+
+
+def uniform_bounds(items: int, parts: int) -> list[int]:
+    """The `parts + 1` boundaries of `items` split into runs as even as can be, the longer runs first (DeepSpeed's
+    `partition_uniform`); with fewer items than parts, one each to the first parts."""
+    size, longer = divmod(items, parts)
+    return [part * size + min(part, longer) for part in range(parts + 1)]
+
+
+def balanced_bounds(weights: Sequence[int], parts: int) -> list[int]:
+    """The `parts + 1` boundaries of `weights` split into non-empty runs whose sums are close together: DeepSpeed
+    0.19.8's `partition_balanced`, a dynamic programme over prefixes that keeps, for the first i items in j runs,
+    the split with the smallest spread (largest run sum minus smallest) that extends a kept split of fewer items,
+    the later cut on a tie. (It is not always the split of least spread: a prefix keeps only one split.) With no
+    more items than parts, `uniform_bounds`. Sums are compared as floats, as DeepSpeed's numpy arrays hold them.
+    O(items^2 x parts)."""
+    items = len(weights)
+    if items <= parts:
+        return uniform_bounds(items, parts)
+    prefix = [0.0] + [float(total) for total in accumulate(weights)]
+    # For the first i items in j runs: the kept split's spread, largest and smallest run, and where its last run
+    # starts. No runs yet: largest 0, smallest unset (inf), so the first run sets both.
+    spread = [[math.inf] * (parts + 1) for _ in range(items + 1)]
+    largest = [[math.inf] * (parts + 1) for _ in range(items + 1)]
+    smallest = [[math.inf] * (parts + 1) for _ in range(items + 1)]
+    last_start = [[0] * (parts + 1) for _ in range(items + 1)]
+    spread[0][0] = largest[0][0] = 0.0
+    for i in range(1, items + 1):
+        for j in range(1, min(i, parts) + 1):
+            # The first run starts at 0; a later one where the j - 1 runs before it have an item each.
+            for start in range(j - 1, i) if j > 1 else (0,):
+                run = prefix[i] - prefix[start]
+                high, low = max(largest[start][j - 1], run), min(smallest[start][j - 1], run)
+                if spread[i][j] >= high - low:
+                    spread[i][j], largest[i][j], smallest[i][j], last_start[i][j] = high - low, high, low, start
+    bounds = [items]
+    for j in range(parts, 0, -1):
+        bounds.append(last_start[bounds[-1]][j])
+    return bounds[::-1]
 
 
 def balanced_block_counts(
