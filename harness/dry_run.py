@@ -1,7 +1,7 @@
 """`python train.py ... dry_run=true`: plan the run without running it.
 
-No launcher, no process group, no deepspeed.initialize: the model is only ever built on the meta device
-(to count parameters), split into stages by the same partition routine training uses, and planned by
+No launcher, no process group, no DeepSpeed (planning never loads it): the model is only ever built on the meta
+device (to count parameters), split into stages by the same partition routine training uses, and planned by
 parallel/planning/run_plan.py. Prints the per-stage table (with a warning for each stage that holds no block) and
 the predicted step time, and writes plan.json to the run directory.
 """

@@ -1,7 +1,6 @@
 """From a composed Hydra config to a run: every input validated once, before any process group or file exists
 (bad input exits 2 with one message naming the option), then a dry run or training."""
 
-import os
 import sys
 from pathlib import Path
 
@@ -12,11 +11,14 @@ from omegaconf import DictConfig, OmegaConf
 from harness import preemption
 from harness.checkpoint import check_compatible, resume_point
 from harness.context import RunContext
+from harness.dry_run import dry_run
 from harness.faults import EXIT_CONFIG, check_output_dir, run_guarded
 from harness.init_from import resolve_init_from
 from harness.job import JobHooks
 from harness.run_dir import check_run_dir, remove_if_empty
+from harness.run_layout import layout_of
 from model import gpt_layers, model_param_count
+from parallel.runtime.accelerator import use_accelerator
 from parallel.runtime.dist_env import DistEnv, read_dist_env
 from parallel.runtime.threads import set_threads_per_rank
 from schema.checks import check_data, run_shape, to_run_config
@@ -32,14 +34,9 @@ def run_from_hydra(cfg: DictConfig, job: JobHooks) -> None:
         if job.finished_earlier(run_dir, cfg, rank):  # a relaunched sweep: this job is done
             return
         ctx = validate(cfg, run_dir, env, job)
-        # DeepSpeed fixes its accelerator when it is first imported (importing parallel.planning.layout does), so the
-        # modules that import it come only after validate() has chosen one.
-        os.environ.setdefault("DS_ACCELERATOR", "cpu" if ctx.run.dry_run else ctx.target.device)
-        from harness.dry_run import dry_run
-        from harness.run_layout import layout_of
-        from harness.trainer import train
-
         layout = layout_of(ctx)  # recompute=auto may not fit its budget
+        if not ctx.run.dry_run:  # a dry run loads no DeepSpeed
+            use_accelerator(ctx.target.device)
     except ValueError as error:
         message = f"stagecheck: error: {error}"
         print(message, file=sys.stderr)
@@ -56,6 +53,9 @@ def run_from_hydra(cfg: DictConfig, job: JobHooks) -> None:
         print(f"stagecheck: {threads}", flush=True)
     # SIGTERM/SIGUSR1 from here on: checkpoint at the next step boundary, exit 75 (harness/faults.py).
     preemption.install(rank)
+    # Loads DeepSpeed, whose accelerator use_accelerator chose above: imported only here, after that choice.
+    from harness.trainer import train
+
     # An exception ends this rank at once with `stagecheck: rank N failed: ...`, never a hang; the job's guard
     # decides what a sweep does with it.
     run_guarded(rank, job.guard(run_dir, rank, lambda: train(ctx, layout)))

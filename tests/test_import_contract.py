@@ -1,13 +1,20 @@
 """The import contract of docs/ARCHITECTURE.md, checked on the source: which package may import which, the
-one-way order of the planning modules, no import cycle anywhere, DeepSpeed only in parallel/, model/ pure
-PyTorch. Every import counts, wherever it stands: one placed inside a function cannot dodge the contract."""
+one-way order of the planning modules, no import cycle anywhere, DeepSpeed only in parallel/ (never in planning),
+model/ pure PyTorch. Every import counts, wherever it stands: one placed inside a function cannot dodge the
+contract. And in subprocesses: start-up, the dry run and the sweep report load no DeepSpeed, and the runtime
+loads it with train.device's accelerator."""
 
 import ast
+import os
+import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests.runs import TINY, cpu_env
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("model", "data", "parallel", "schema", "harness", "sweep", "hydra_plugins", "bench")
@@ -42,6 +49,7 @@ PLANNING = [
     {"parallel.planning.stage_costs"},
     {"parallel.planning.auto_recompute"},
     {"parallel.planning.step_costs"},
+    {"parallel.planning.stage_price"},  # the one function that prices a stage: memory, seconds, FLOPs
     {"parallel.planning.stage_planner"},
     {"parallel.planning.balanced_search", "parallel.planning.schedule_choice"},
     {"parallel.planning.layout", "parallel.planning.plan_record"},
@@ -204,13 +212,48 @@ def test_every_package_says_what_it_does():
     assert not undocumented, f"packages whose __init__.py has no docstring: {undocumented}"
 
 
-def test_start_up_imports_no_deepspeed_before_the_accelerator_is_chosen():
-    """DeepSpeed fixes its accelerator when first imported, and harness/startup.py sets DS_ACCELERATOR from
-    train.device only after validation: what train.py and Hydra's sweep callback import up to then must not
-    pull DeepSpeed in."""
-    code = (
-        "import sys; import harness.startup, harness.run_dir, schema, sweep.job, sweep.callback; "
-        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'deepspeed'))"
+def test_start_up_loads_no_deepspeed_until_use_accelerator_chooses_train_devices():
+    """DeepSpeed settles its accelerator when it is first loaded. What train.py and Hydra's sweep callback import
+    (start-up, the dry run, the report, all of planning) loads none of it; `use_accelerator` then loads it with
+    train.device's accelerator, over a DS_ACCELERATOR left in the environment and over what DeepSpeed would detect
+    (no GPU here: it would say cpu), and refuses another device once one is settled."""
+    code = textwrap.dedent(
+        """
+        import sys
+        import harness.startup, harness.run_dir, schema, sweep.job, sweep.callback, parallel.planning.run_plan
+        assert not [m for m in sys.modules if m.split(".")[0] == "deepspeed"]
+        from parallel.runtime.accelerator import settled_accelerator, use_accelerator
+        assert settled_accelerator() is None
+        use_accelerator("cuda")
+        from deepspeed.accelerator import get_accelerator
+        assert get_accelerator().device_name() == settled_accelerator() == "cuda"
+        use_accelerator("cuda")  # the next job of a sweep, on the same device
+        try:
+            use_accelerator("cpu")
+        except ValueError as error:
+            print(error)
+        """
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("train.device='cpu', but DeepSpeed already runs on its 'cuda' accelerator"), out
+
+
+def deepspeed_loaded_by(command: list[str], tmp_path: Path) -> list[str]:
+    """Run `command` (it must succeed) under PYTHONPROFILEIMPORTTIME: the DeepSpeed modules it imported."""
+    env = cpu_env(tmp_path, PYTHONPROFILEIMPORTTIME="1")
+    out = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    imported = [line.rsplit("|", 1)[1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")]
+    assert "torch" in imported  # the profile is there to read
+    return [name for name in imported if name.split(".")[0] == "deepspeed"]
+
+
+def test_the_dry_run_and_the_sweep_report_load_no_deepspeed(tmp_path):
+    run_dir = tmp_path / "plan"
+    dry_run = [sys.executable, "train.py", f"hydra.run.dir={run_dir}", *TINY, "dry_run=true"]
+    assert deepspeed_loaded_by(dry_run, tmp_path) == []
+    assert (run_dir / "plan.json").is_file()
+    sweep = shutil.copytree(REPO / "tests" / "fixtures" / "sweep_report", tmp_path / "sweep")
+    assert deepspeed_loaded_by([sys.executable, "report.py", "--no-wandb", str(sweep)], tmp_path) == []
+    assert (sweep / "report.md").is_file()

@@ -19,7 +19,8 @@ from parallel.planning.layout import build_layout
 from parallel.planning.run_plan import plan_run
 from parallel.planning.schedules import SCHEDULES
 from parallel.planning.shapes import RunShape, Shape, Target, Topology
-from parallel.planning.step_costs import StageCosts, analytic_rates, layout_costs, lower_bound_s, simulate_stages
+from parallel.planning.stage_price import StagePricing, price_stage
+from parallel.planning.step_costs import StageCosts, analytic_rates, lower_bound_s, simulate_stages
 from parallel.planning.step_sim import COMPUTE, PER_STEP, instructions, simulate
 from tests.runs import TINY, launch, python_run
 
@@ -194,6 +195,12 @@ def test_analytic_costs_charge_full_recompute_one_forward_and_a_gpu_by_its_peak(
     assert analytic_rates("cuda", "bf16", peak_tflops=100.0).flops_per_s == 100e12  # train.peak_tflops wins
 
 
+def layout_costs(layout, model: GPTConfig, run: RunShape) -> list[StageCosts]:
+    """Each stage's costs under the layout's plans, priced as the planner prices them."""
+    pricing = StagePricing.of(layout.recipes, run, Shape.of(model, run.micro_batch_size), layout.timing)
+    return [price_stage(pricing, stage, plan).costs for stage, plan in zip(layout.stages, layout.plans)]
+
+
 def unit_stage(recompute: float = 0.0) -> StageCosts:
     """Forward 1, backward 2 of which W is 1, free transfers and step work."""
     return StageCosts(1.0, 2.0, recompute, 0.0, 0.0, 0.0, 0.0, 0.0, weight_grad=1.0)
@@ -240,7 +247,7 @@ def test_w_is_the_linear_layers_weight_gradients_analytic_and_a_share_of_the_mea
     share = linear / (2 * (linear + 4 * shape.b * shape.s * shape.s * shape.h))
     assert measured.timing.block_weight_grad == pytest.approx(0.009 * share)
     assert measured.timing.head_weight_grad == pytest.approx(0.003 / 2)
-    first, last = layout_costs(measured.timing, measured.recipes, measured.stages, measured.plans, RUN)
+    first, last = layout_costs(measured, unfused, RUN)
     assert first.weight_grad == pytest.approx(2 * 0.009 * share)  # the embeddings' gradients are B's
     assert last.weight_grad == pytest.approx(2 * 0.009 * share + 0.003 / 2)
 
@@ -251,7 +258,7 @@ def test_the_issues_benchmark_shape_predicts_zb_h1_with_early_recompute_within_5
     model = GPTConfig(n_layer=8, n_head=8, n_embd=256, seq_len=512, vocab_size=256, dropout=0.1, attention="math")
     run = RunShape(Topology(2), Target("cpu", "fp32"), micro_batches=4, micro_batch_size=1)
     layout = build_layout(model, FullRecompute(interval="stage"), run, "type:Block", 0)
-    costs = layout_costs(layout.timing, layout.recipes, layout.stages, layout.plans, run)
+    costs = layout_costs(layout, model, run)
     baseline = simulate_stages(costs, 4).step_time_s
     step = {(s, e): simulate_stages(costs, 4, s, e).step_time_s for s in SCHEDULES for e in (False, True)}
     assert step[("zb-h1", True)] < min(step[("zb-h1", False)], step[("1f1b", True)]) < baseline

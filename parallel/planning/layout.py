@@ -18,6 +18,7 @@ from parallel.planning.schedule_choice import ScheduleOption, choose_schedule
 from parallel.planning.shapes import GIB, RunShape, Shape
 from parallel.planning.stage_plan import StagePlan
 from parallel.planning.stage_planner import StagePlanner
+from parallel.planning.stage_price import StagePricing
 from parallel.planning.step_costs import DeviceRates, TimeModel, analytic_rates, time_model
 
 
@@ -128,7 +129,7 @@ def build_layout(
     shape = Shape.of(model, run.micro_batch_size)
     table = costs or analytic_costs(shape, run.target)
     timing = time_model(shape, run, table, rates or analytic_rates(run.target.device, run.target.precision))
-    planner = StagePlanner(recipes, recompute, run, shape, table, timing)
+    planner = StagePlanner(StagePricing.of(recipes, run, shape, timing), recompute, table)
     num_stages = run.topology.pipeline_stages
     if partition_method != "balanced":
         stages = partition_layers(recipes, num_stages, partition_method)

@@ -1,11 +1,14 @@
 """The run plan: per stage, what a run will hold and compute before it runs (plan.json, the dry run's
 table, the planned figures in summary.json). The last step of planning: it reads the layout (which already
-holds auto's choices) through stage_costs and flops, and nothing in planning reads it back.
+holds auto's choices), prices each stage with parallel/planning/stage_price.py, and nothing in planning reads it
+back.
 
 `plan_run` returns a typed `RunPlan` (parallel/planning/plan_record.py: its JSON and the dry run's table).
 """
 
-from model import Block, GPTConfig, layer_param_counts
+from dataclasses import replace
+
+from model import Block, GPTConfig
 from parallel.planning.auto_recompute import StageBudget, analytic_costs
 from parallel.planning.config import FullRecompute, NoRecompute, RecomputeConfig, SelectiveRecompute
 from parallel.planning.flops import (
@@ -14,7 +17,6 @@ from parallel.planning.flops import (
     non_embedding_params,
     segment_recompute_flops,
     selective_recompute_flops,
-    stage_flops,
 )
 from parallel.planning.layout import PipelineLayout
 from parallel.planning.memory_model import attention_kernel, block_full_items, stage_input_bytes, total
@@ -30,17 +32,10 @@ from parallel.planning.plan_record import (
     StepTimeEstimate,
 )
 from parallel.planning.shapes import RunShape, Shape, Target
-from parallel.planning.stage_costs import block_options, stage_memory
+from parallel.planning.stage_costs import block_options
 from parallel.planning.stage_plan import plan_stage
-from parallel.planning.stage_planner import per_micro_batch_costs
-from parallel.planning.step_costs import (
-    analytic_rates,
-    layout_costs,
-    lower_bound_s,
-    predict_step,
-    simulate_stages,
-    time_model,
-)
+from parallel.planning.stage_price import StagePrice, StagePricing, price_stage, simulate_priced
+from parallel.planning.step_costs import analytic_rates, lower_bound_s, time_model
 
 COMPARED_MODES = {"none": NoRecompute(), "selective": SelectiveRecompute(), "full": FullRecompute()}
 """The uniform modes whose predicted step time plan.json gives beside the chosen plan's (their defaults)."""
@@ -65,12 +60,12 @@ def block_choices(shape: Shape, target: Target) -> dict[str, ChoiceEstimate]:
 def plan_run(model: GPTConfig, recompute: RecomputeConfig, layout: PipelineLayout, run: RunShape) -> RunPlan:
     shape, target = Shape.of(model, run.micro_batch_size), run.target
     kernel = attention_kernel(shape, target)
-    counts = layer_param_counts(layout.recipes)
+    pricing = StagePricing.of(layout.recipes, run, shape, layout.timing)
+    prices = [price_stage(pricing, stage, plan, layout.schedule) for stage, plan in zip(layout.stages, layout.plans)]
     stages = []
-    for index, (stage, plan) in enumerate(zip(layout.stages, layout.plans)):
-        memory = stage_memory(layout.recipes, stage, plan, shape, run, counts, layout.schedule)
-        flops = stage_flops(layout.recipes, stage.layers, plan, shape, kernel)
-        recomputed = plan.recomputed_count(run.micro_batches)
+    for index, (stage, price) in enumerate(zip(layout.stages, prices)):
+        memory, flops = price.memory, price.flops
+        recomputed = price.plan.recomputed_count(run.micro_batches)
         stages.append(
             StageEstimate(
                 stage=stage.stage,
@@ -105,7 +100,7 @@ def plan_run(model: GPTConfig, recompute: RecomputeConfig, layout: PipelineLayou
     data_parallel = run.topology.data_parallel_size
     tokens_per_step = run.tokens_per_step(model.seq_len)
     model_flops = model_flops_per_token(model) * tokens_per_step
-    step_time = _step_time(layout, run, shape, counts, model_flops) if layout.timing else None
+    step_time = _step_time(layout, prices, model_flops) if layout.timing else None
     recompute_flops = sum(s.recompute_flops_per_step for s in stages) * data_parallel
     return RunPlan(
         target=PlanTarget(target.device, target.precision, model.attention, kernel, model.dropout),
@@ -138,29 +133,29 @@ def plan_run(model: GPTConfig, recompute: RecomputeConfig, layout: PipelineLayou
     )
 
 
-def _step_time(layout: PipelineLayout, run: RunShape, shape: Shape, counts, model_flops: int) -> StepTimeEstimate:
-    timing = layout.timing
-    costs = layout_costs(timing, layout.recipes, layout.stages, layout.plans, run, counts)
-    costs = [per_micro_batch_costs(c, plan, run.micro_batches) for c, plan in zip(costs, layout.plans)]
-    early = [plan.early for plan in layout.plans]
-    timeline = simulate_stages(
-        costs, run.micro_batches, layout.schedule, early, [plan.deferred_weights for plan in layout.plans]
-    )
+def _step_time(layout: PipelineLayout, prices: list[StagePrice], model_flops: int) -> StepTimeEstimate:
+    """The layout's simulated step, and beside it the same stages under each uniform mode and on each GPU."""
+    pricing = prices[0].pricing
+    run, timing = pricing.run, pricing.timing
+    costs = [price.costs for price in prices]
+    early = [price.plan.early for price in prices]
+    timeline = simulate_priced(prices)
     is_block = [[layout.recipes[i].module_class is Block for i in s.layers] for s in layout.stages]
     by_mode = {
-        mode: predict_step(
-            timing, layout.recipes, layout.stages, [plan_stage(b, config) for b in is_block], run, counts
+        mode: simulate_priced(
+            [price_stage(pricing, s, plan_stage(b, config)) for s, b in zip(layout.stages, is_block)]
         ).step_time_s
         for mode, config in COMPARED_MODES.items()
     }
     by_gpu = {}
     if run.target.device == "cuda":
-        table = analytic_costs(shape, run.target)
+        table = analytic_costs(pricing.shape, run.target)
+        # The layout's plans under 1F1B with their recompute inside the backward, whatever the layout's schedule.
+        plain = [replace(plan, early=False, deferred_weights=None) for plan in layout.plans]
         for gpu in GPU_TARGETS:
             rates = analytic_rates("cuda", run.target.precision, gpu=gpu)
-            step = predict_step(
-                time_model(shape, run, table, rates), layout.recipes, layout.stages, layout.plans, run, counts
-            ).step_time_s
+            on_gpu = pricing.at(time_model(pricing.shape, run, table, rates))
+            step = simulate_priced([price_stage(on_gpu, s, p) for s, p in zip(layout.stages, plain)]).step_time_s
             peak = rates.flops_per_s * run.topology.world_size
             by_gpu[rates.name] = {"step_time_s": step, "mfu": model_flops / step / peak}
     stages = range(len(layout.stages))

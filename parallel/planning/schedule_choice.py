@@ -9,10 +9,10 @@ from parallel.planning.config import AutoRecompute
 from parallel.planning.partition import StageRange
 from parallel.planning.schedules import SCHEDULES
 from parallel.planning.shapes import GIB
-from parallel.planning.stage_costs import stage_memory
 from parallel.planning.stage_plan import StagePlan
-from parallel.planning.stage_planner import StagePlanner, per_micro_batch_costs
-from parallel.planning.step_costs import lower_bound_s, simulate_stages, stage_range_costs
+from parallel.planning.stage_planner import StagePlanner
+from parallel.planning.stage_price import price_stage, simulate_priced
+from parallel.planning.step_costs import lower_bound_s
 
 
 @dataclass(frozen=True)
@@ -75,30 +75,21 @@ def _price_schedule(
     ]
     if kind == "zb-h1":
         plans = _deferrals(planner, stages, plans)
-    run, counts = planner.run, planner.counts
-    memory = [stage_memory(planner.recipes, st, p, planner.shape, run, counts, kind) for st, p in zip(stages, plans)]
+    pricing = planner.pricing
+    prices = [price_stage(pricing, st, p, kind) for st, p in zip(stages, plans)]
     reference = [
-        stage_memory(planner.recipes, st, replace(p, early=False, deferred_weights=None), planner.shape, run, counts)
-        for st, p in zip(stages, plans)
+        price_stage(pricing, st, replace(p, early=False, deferred_weights=None)) for st, p in zip(stages, plans)
     ]
-    costs = [
-        per_micro_batch_costs(
-            stage_range_costs(planner.timing, planner.recipes, st, p, run, counts), p, run.micro_batches
-        )
-        for st, p in zip(stages, plans)
-    ]
-    peaks = tuple(m.predicted_peak_tensor_bytes for m in memory)
+    peaks = tuple(price.memory.predicted_peak_tensor_bytes for price in prices)
     fits = not isinstance(planner.recompute, AutoRecompute) or all(
-        peak <= max(planner.usable, r.predicted_peak_tensor_bytes) for peak, r in zip(peaks, reference)
+        peak <= max(planner.usable, r.memory.predicted_peak_tensor_bytes) for peak, r in zip(peaks, reference)
     )
     return ScheduleOption(
         kind,
         early,
         tuple(plans),
-        simulate_stages(
-            costs, run.micro_batches, kind, [p.early for p in plans], [p.deferred_weights for p in plans]
-        ).step_time_s,
-        lower_bound_s(costs, run.micro_batches, early),
+        simulate_priced(prices).step_time_s,
+        lower_bound_s([price.costs for price in prices], pricing.run.micro_batches, early),
         peaks,
         fits,
         allowed,
@@ -113,10 +104,9 @@ def _deferrals(planner: StagePlanner, stages: list[StageRange], plans: list[Stag
     left takes deferred W's. A W-pending micro-batch holds each Linear's input and output gradient
     (memory_model.weight_grad_items), whatever the plan recomputes, so under heavy recompute even one may not
     fit: the stage then defers none, and its B and W are 1F1B's backward cut in two."""
-    run, counts = planner.run, planner.counts
 
     def peak(stage: StageRange, plan: StagePlan, kind: str) -> int:
-        return stage_memory(planner.recipes, stage, plan, planner.shape, run, counts, kind).predicted_peak_tensor_bytes
+        return price_stage(planner.pricing, stage, plan, kind).memory.predicted_peak_tensor_bytes
 
     bound = max(peak(st, p, "1f1b") for st, p in zip(stages, plans))
     out = []

@@ -11,9 +11,9 @@ table, seconds for a measured one), so the planner and the simulator price a cho
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from model import Block, LayerRecipe, layer_param_counts
+from model import Block, LayerRecipe
 from parallel.planning.auto_recompute import MACHINE_BALANCE, CostTable
 from parallel.planning.flops import (
     attention_core_forward_flops,
@@ -223,20 +223,6 @@ def time_model(shape: Shape, run: RunShape, table: CostTable, rates: DeviceRates
     )
 
 
-def layout_costs(
-    model: TimeModel,
-    recipes: Sequence[LayerRecipe],
-    stages: Sequence[StageRange],
-    plans: Sequence[StagePlan],
-    run: RunShape,
-    param_counts: Sequence[int] | None = None,
-) -> list[StageCosts]:
-    """Each stage's costs under a layout (partition plus per-stage plans). `param_counts`:
-    model.layer_param_counts(recipes), when the caller has it already."""
-    counts = param_counts or layer_param_counts(recipes)
-    return [stage_range_costs(model, recipes, stage, plan, run, counts) for stage, plan in zip(stages, plans)]
-
-
 def stage_range_costs(
     model: TimeModel,
     recipes: Sequence[LayerRecipe],
@@ -259,19 +245,13 @@ def stage_range_costs(
     )
 
 
-def predict_step(
-    model: TimeModel,
-    recipes: Sequence[LayerRecipe],
-    stages: Sequence[StageRange],
-    plans: Sequence[StagePlan],
-    run: RunShape,
-    param_counts: Sequence[int] | None = None,
-    schedule: str = "1f1b",
-    early: bool = False,
-) -> Timeline:
-    """The simulated step of a layout under `schedule` (parallel/planning/schedules.py) and `early` recompute."""
-    costs = layout_costs(model, recipes, stages, plans, run, param_counts)
-    return simulate_stages(costs, run.micro_batches, schedule, early)
+def per_micro_batch_costs(costs: StageCosts, plan: StagePlan, micro_batches: int) -> StageCosts:
+    """A stage's costs with its recompute spread over the step's backward passes: only the micro-batches the
+    plan recomputes for pay it (StagePlan.micro_batches), and the simulator charges every backward alike, so
+    each pays the mean (the step's busy time is exact; where in the step the recompute falls is not)."""
+    if plan.micro_batches is None:
+        return costs
+    return replace(costs, recompute=costs.recompute * plan.recomputed_count(micro_batches) / micro_batches)
 
 
 def simulate_stages(

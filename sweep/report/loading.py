@@ -5,17 +5,18 @@ Per-stage figures are lists, one entry per stage, None where unknown; bytes thro
 """
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
 
 import yaml
 
+from model import GPTConfig
+from parallel.planning.layout import build_layout
+from parallel.planning.plan_record import RunPlan
+from parallel.planning.run_plan import plan_run
+from parallel.planning.shapes import RunShape, Target, Topology
+from schema.run import GROUP_SCHEMAS
 from sweep.job import FAILED
-
-if TYPE_CHECKING:  # imported where used: parallel/ imports DeepSpeed (see _deepspeed_on_cpu)
-    from parallel.planning.plan_record import RunPlan
 
 JOB_FILES = ("summary.json", "plan.json", "config.yaml", FAILED)
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size", "attention", "dropout")
@@ -27,7 +28,7 @@ class Job:
     num: str
     path: Path
     summary: dict | None = None
-    plan: Optional["RunPlan"] = None
+    plan: RunPlan | None = None
     config: dict = field(default_factory=dict)
     failure: str | None = None
     plan_source: str = "summary.json"
@@ -153,13 +154,6 @@ class Job:
         return path if path.is_file() else None
 
 
-def _deepspeed_on_cpu() -> None:
-    """Call before importing parallel/: it imports DeepSpeed, which picks its accelerator when first imported,
-    and the report uses only DeepSpeed's pure partition code. A training process writing the report at a
-    sweep's end has imported DeepSpeed already and keeps its choice."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-
 def _read_json(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -167,32 +161,22 @@ def _read_json(path: Path) -> dict | None:
         return None
 
 
-def _read_plan(path: Path) -> Optional["RunPlan"]:
+def _read_plan(path: Path) -> RunPlan | None:
     """plan.json as a RunPlan; None where it is missing, unreadable or not a plan."""
     data = _read_json(path)
     if data is None:
         return None
-    _deepspeed_on_cpu()
-    from parallel.planning.plan_record import RunPlan  # imported only now: it imports DeepSpeed
-
     try:
         return RunPlan.from_json(data)
     except (KeyError, TypeError, AttributeError, ValueError):  # another layout, or not an object
         return None
 
 
-def plan_from_config(job: Job) -> Optional["RunPlan"]:
+def plan_from_config(job: Job) -> RunPlan | None:
     """The planner's plan for a trained job without plan.json, from its config.yaml and summary.json (what
     `dry_run=true` would write). None when the planner cannot be run on it."""
     s, cfg = job.summary or {}, job.config
     try:
-        _deepspeed_on_cpu()  # parallel/ below imports DeepSpeed, which picks its accelerator at first import
-        from model import GPTConfig
-        from parallel.planning.layout import build_layout
-        from parallel.planning.run_plan import plan_run
-        from parallel.planning.shapes import RunShape, Target, Topology
-        from schema.run import GROUP_SCHEMAS
-
         model = GPTConfig(**cfg["model"])
         recompute = GROUP_SCHEMAS["recompute"][job.mode](**job.recompute)
         run = RunShape(
