@@ -134,7 +134,7 @@ def test_auto_searches_k_and_never_pays_more_recompute_than_without():
         assert (every is None) == (some is None)
         if every is None:
             continue
-        k = some.recomputed_in_flight(2)
+        k = StagePlan(micro_batches=some.micro_batches).recomputed_in_flight(2)
         assert k * some.kept_bytes + (2 - k) * some.plain_kept_bytes + some.working_bytes <= room
         recomputed = StagePlan(micro_batches=k, in_flight=2).recomputed_count(3)
         assert some.cost * recomputed <= every.cost * 3

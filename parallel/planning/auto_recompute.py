@@ -74,9 +74,6 @@ class StageChoice:
     plain_kept_bytes: int = 0
     """What the blocks keep per micro-batch that runs with no recompute (when `micro_batches` is set)."""
 
-    def recomputed_in_flight(self, in_flight: int) -> int:
-        return in_flight if self.micro_batches is None else self.micro_batches
-
 
 def _elementwise_bytes(shape: Shape, target: Target, modules: Sequence[str]) -> int:
     """Memory traffic (read + write) of the non-matmul work each module recomputes."""
@@ -274,6 +271,6 @@ class StageBudget:
     def predicted_peak_bytes(self) -> int | None:
         if self.choice is None:
             return None
-        k = self.choice.recomputed_in_flight(self.in_flight)
+        k = StagePlan(micro_batches=self.choice.micro_batches).recomputed_in_flight(self.in_flight)
         kept = k * self.choice.kept_bytes + (self.in_flight - k) * self.choice.plain_kept_bytes
         return self.fixed_bytes + kept + self.choice.working_bytes
