@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, gpt_layers, layer_param_counts
 from parallel.measurement.local_stages import LocalPipeline
 from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.planning.flops import (
@@ -64,13 +64,20 @@ def test_model_flops_formula_matches_counted_matmuls_up_to_biases_and_norms():
     assert plan.flops.model_flops_per_step == counted - head_forward + extra
 
 
-def test_non_embedding_params_exclude_both_embeddings_and_count_the_tied_head_once():
-    cfg = GPTConfig(n_layer=12, n_head=12, n_embd=768, seq_len=1024, vocab_size=50257)
+@pytest.mark.parametrize("bias", [True, False])
+def test_non_embedding_params_exclude_both_embeddings_and_count_the_tied_head_once(bias):
+    cfg = GPTConfig(n_layer=12, n_head=12, n_embd=768, seq_len=1024, vocab_size=50257, bias=bias)
     with torch.device("meta"):
         model = GPT(cfg, seed=0)
     total = sum(p.numel() for p in model.parameters())  # the tied weight appears once
-    assert non_embedding_params(cfg) == total - 50257 * 768 - 1024 * 768
-    assert model_flops_per_token(cfg) == 6 * (non_embedding_params(cfg) + 768 * 50257) + 12 * 12 * 768 * 1024
+    recipes = gpt_layers(cfg, seed=0)
+    n = non_embedding_params(recipes, layer_param_counts(recipes))
+    assert n == total - 50257 * 768 - 1024 * 768
+    # The closed form: per block 12 h^2 weights, 9 h biases (QKV 3h, projection h, MLP 4h + h) and two LayerNorms
+    # (h gains, h biases each); then the final LayerNorm.
+    h, layers = 768, 12
+    assert n == layers * (12 * h * h + bias * 9 * h + (2 + 2 * bias) * h) + (1 + bias) * h
+    assert model_flops_per_token(cfg, n) == 6 * (n + 768 * 50257) + 12 * 12 * 768 * 1024
     assert head_flops_per_token(cfg) == 6 * 768 * 50257
 
 

@@ -11,8 +11,8 @@ tensor backward needs has been packed again ("early stop", torch's default). A n
 (probs x V) matmul of the attention core, and the MLP output matmul of a region that ends without
 dropout. Dropout saves after that matmul has run (CPU: the noise it multiplies by; CUDA: its mask).
 
-Model FLOPs per token = 6 (N + h V) + 12 L h s, where N is the parameter count without the token and
-position embeddings (a lookup does no matmul) and h V is the tied LM head: its weight *is* the token
+Model FLOPs per token = 6 (N + h V) + 12 L h s, where N is the parameter count (the model's own, on the meta
+device) without the token and position embeddings (a lookup does no matmul) and h V is the tied LM head: its weight *is* the token
 embedding, so N leaves it out, but it runs a (h x V) matmul per token, which we count (as Megatron-LM's
 formula does). Drop `head_flops_per_token` to get the 6N + 12 L h s of Kaplan / PaLM.
 """
@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from model import Block, GPTConfig, LayerRecipe
+from model.layers import PositionEmbedding, TokenEmbedding
 from parallel.planning.shapes import Shape
 from parallel.planning.stage_plan import StagePlan
 
@@ -71,18 +72,18 @@ def segment_recompute_flops(shape: Shape, blocks: int) -> int:
     return blocks * block_forward_flops(shape) - (0 if shape.dropout else mlp_output_matmul_flops(shape))
 
 
-def non_embedding_params(model: GPTConfig) -> int:
-    """N: blocks and the final LayerNorm (biases and gains included), without the embeddings."""
-    h, bias = model.n_embd, 1 if model.bias else 0
-    ln = h * (1 + bias)
-    block = 12 * h * h + bias * (3 * h + h + 4 * h + h) + 2 * ln
-    return model.n_layer * block + ln
+def non_embedding_params(recipes: Sequence[LayerRecipe], param_counts: Sequence[int]) -> int:
+    """N: the blocks and the final LayerNorm (biases and gains included), without the token and position
+    embeddings (the tied LM head is the token embedding). `param_counts`: model.layer_param_counts(recipes), the
+    one count of parameters (on the meta device) that the memory model and the partition read too."""
+    embeddings = (TokenEmbedding, PositionEmbedding)
+    return sum(count for recipe, count in zip(recipes, param_counts) if recipe.module_class not in embeddings)
 
 
-def model_flops_per_token(model: GPTConfig) -> int:
-    """6 (N + h V) + 12 L h s."""
+def model_flops_per_token(model: GPTConfig, non_embedding: int) -> int:
+    """6 (N + h V) + 12 L h s, N = `non_embedding` (non_embedding_params)."""
     h = model.n_embd
-    return 6 * (non_embedding_params(model) + h * model.vocab_size) + 12 * model.n_layer * h * model.seq_len
+    return 6 * (non_embedding + h * model.vocab_size) + 12 * model.n_layer * h * model.seq_len
 
 
 def head_flops_per_token(model: GPTConfig) -> int:

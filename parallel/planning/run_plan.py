@@ -99,7 +99,8 @@ def plan_run(model: GPTConfig, recompute: RecomputeConfig, layout: PipelineLayou
         )
     data_parallel = run.topology.data_parallel_size
     tokens_per_step = run.tokens_per_step(model.seq_len)
-    model_flops = model_flops_per_token(model) * tokens_per_step
+    non_embedding = non_embedding_params(pricing.recipes, pricing.param_counts)
+    model_flops = model_flops_per_token(model, non_embedding) * tokens_per_step
     step_time = _step_time(layout, prices, model_flops) if layout.timing else None
     recompute_flops = sum(s.recompute_flops_per_step for s in stages) * data_parallel
     return RunPlan(
@@ -119,8 +120,8 @@ def plan_run(model: GPTConfig, recompute: RecomputeConfig, layout: PipelineLayou
         block_choices=block_choices(shape, target),
         korthikanti_per_block_bytes=PaperBytes.of(shape),
         flops=FlopsEstimate(
-            non_embedding_params=non_embedding_params(model),
-            model_flops_per_token=model_flops_per_token(model),
+            non_embedding_params=non_embedding,
+            model_flops_per_token=model_flops_per_token(model, non_embedding),
             head_flops_per_token=head_flops_per_token(model),
             tokens_per_step=tokens_per_step,
             model_flops_per_step=model_flops,
