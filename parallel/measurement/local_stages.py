@@ -1,7 +1,8 @@
 """Every stage of a pipeline layout in one process, for the recompute benchmark and tests.
 
 Each stage builds its own layers (the tied embedding once per stage that uses it, as DeepSpeed does
-across ranks), applies its StagePlan and runs it with `run_stage`, exactly as PlannedPipelineModule does.
+across ranks), applies its StagePlan and runs it with `run_stage`, exactly as
+parallel/runtime/pipeline.py's RecomputingPipelineModule does.
 A step runs the micro-batches one after another through all stages and mimics what DeepSpeed's engine
 does around each stage forward: the received input is a leaf that requires grad and the forward gets a
 clone of it; the last stage computes the loss; backward goes stage by stage from the last.
