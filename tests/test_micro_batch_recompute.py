@@ -123,6 +123,18 @@ def test_the_planned_peak_counts_k_recomputed_and_the_rest_plain(k):
     assert any("recompute for 1 of 2 in flight" in line for line in plan.lines()) == (k == 1)
 
 
+def test_the_h100_figure_of_a_per_micro_batch_plan_is_its_predicted_step():
+    """A CUDA plan is timed at an H100's peak unless told otherwise, so under 1F1B its `by_gpu` H100 step is the
+    predicted step itself: both charge the plan's recompute only to the micro-batches that run it."""
+    run = RunShape(Topology(2, 1), Target("cuda", "bf16"), micro_batches=3, micro_batch_size=2)
+    recompute = FullRecompute(micro_batches=1)
+    step = plan_run(TINY, recompute, build_layout(TINY, recompute, run, "type:Block", 0), run).step_time
+    every = FullRecompute()
+    always = plan_run(TINY, every, build_layout(TINY, every, run, "type:Block", 0), run).step_time
+    assert step.schedule == "1f1b" and step.by_gpu["H100"]["step_time_s"] == step.predicted_step_time_s
+    assert step.predicted_step_time_s < always.predicted_step_time_s
+
+
 def test_auto_searches_k_and_never_pays_more_recompute_than_without():
     shape, target = Shape.of(TINY, 2), TWO_STAGES.target
     table = analytic_costs(shape, target)
