@@ -1,8 +1,9 @@
 """The GPT as a DeepSpeed PipelineModule whose stages run under recompute plans."""
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -33,6 +34,41 @@ def layer_specs(recipes: Sequence[LayerRecipe]) -> list[LayerSpec]:
     return specs
 
 
+class BuiltLayer(NamedTuple):
+    """One layer a stage built: its flat index, its module's class and the function that runs it (a tied
+    module's `forward_fn`; None: the module itself), as its LayerRecipe names them."""
+
+    index: int
+    module_class: type
+    forward_fn: Callable | None
+
+    @classmethod
+    def planned(cls, recipes: Sequence[LayerRecipe], index: int) -> "BuiltLayer":
+        return cls(index, recipes[index].module_class, recipes[index].forward_fn)
+
+    def __str__(self) -> str:
+        return f"{self.index}:{self.forward_fn.__name__ if self.forward_fn else self.module_class.__name__}"
+
+
+def check_built_as_planned(
+    built: Sequence[BuiltLayer],
+    parts: Sequence[int],
+    stages: Sequence[StageRange],
+    recipes: Sequence[LayerRecipe],
+    stage_id: int,
+) -> None:
+    """Raise unless DeepSpeed's partition (`parts`: each stage's first layer, then one past the last) is the plan's
+    and this stage built exactly the layers of its StageRange, each as its recipe says: a stage plan counts its
+    layers from the stage's first, so a layer built off by one would run under another layer's recompute."""
+    planned_parts = [s.start for s in stages] + [stages[-1].stop]
+    if list(parts) != planned_parts:
+        raise RuntimeError(f"DeepSpeed partitioned {list(parts)}, the plan assumed {planned_parts}")
+    planned = [BuiltLayer.planned(recipes, i) for i in stages[stage_id].layers]
+    if list(built) != planned:
+        names = {"built": ", ".join(map(str, built)), "planned": ", ".join(map(str, planned))}
+        raise RuntimeError(f"stage {stage_id} built layers [{names['built']}], its plan names [{names['planned']}]")
+
+
 class RecomputingPipelineModule(PipelineModule):
     """DeepSpeed's PipelineModule, with the stage forward run under our StagePlan.
 
@@ -60,8 +96,7 @@ class RecomputingPipelineModule(PipelineModule):
             activation_checkpoint_interval=0,
             **kwargs,
         )
-        if [int(p) for p in self.parts] != self._planned_parts:
-            raise RuntimeError(f"DeepSpeed partitioned {list(self.parts)}, the plan assumed {self._planned_parts}")
+        check_built_as_planned(self.built_layers(), [int(p) for p in self.parts], stages, recipes, self.stage_id)
         self.stage_plan = plans[self.stage_id]
         apply_plan(self.forward_funcs, self.stage_plan)
         self._training_forwards = 0
@@ -73,8 +108,8 @@ class RecomputingPipelineModule(PipelineModule):
         return self._head_loss(outputs, labels, embedding.wte.weight)
 
     def _partition_layers(self, method="uniform"):
-        """DeepSpeed's own methods stay DeepSpeed's (and are cross-checked against the plan); `balanced`
-        boundaries come from the plan (parallel/planning/layout.py), set the way DeepSpeed sets its own."""
+        """DeepSpeed's own methods stay DeepSpeed's (`check_built_as_planned` compares them with the plan);
+        `balanced` boundaries come from the plan (parallel/planning/layout.py), set the way DeepSpeed sets its own."""
         if method != "balanced":
             return super()._partition_layers(method=method)
         self.parts = list(self._planned_parts)
@@ -92,6 +127,13 @@ class RecomputingPipelineModule(PipelineModule):
             recompute = self.stage_plan.recomputes_micro_batch(self._training_forwards)
             self._training_forwards += 1
         return run_stage(self.forward_funcs, self.stage_plan, forward_input, recompute)
+
+    def built_layers(self) -> list[BuiltLayer]:
+        """What DeepSpeed built on this stage, in the terms of a LayerRecipe."""
+        return [
+            BuiltLayer(index, type(module), fn.func if isinstance(fn, partial) else None)
+            for (index, module), fn in zip(self.local_layers(), self.forward_funcs)
+        ]
 
     def local_layers(self) -> list[tuple[int, nn.Module]]:
         """(flat index, module) of each layer this stage built; the tied LM head is its embedding's module."""
