@@ -1,6 +1,7 @@
 """What each rank holds and computes during training: measured activation bytes per micro-batch (on
-one step only), micro-batches in flight under 1F1B, peak memory (the resident set, and on the same step the peak
-of live tensors against the planner's), and FLOP/s, MFU and HFU.
+one step only), micro-batches in flight, the most activation bytes held at once under the stage's schedule, peak
+memory (the resident set, and on the same step the peak of live tensors against the planner's), and FLOP/s, MFU
+and HFU.
 
 The trainer calls `before_step` / `after_step` around each step, adds `step_record` to the logged
 metrics, and merges `gather()` (a collective: every rank calls it) into summary.json and W&B.
@@ -16,7 +17,7 @@ from parallel.measurement.activation_meter import ActivationMeter, attach_to_pip
 from parallel.measurement.tensor_peak import TensorPeak, TensorPeakMeter
 from parallel.planning.flops import lookup_peak_tflops
 from parallel.planning.plan_record import RunPlan
-from parallel.planning.schedule_walk import in_flight_micro_batches
+from parallel.planning.schedule_walk import activation_peak, in_flight_micro_batches
 
 
 def peak_tflops(configured: float | None, device: str, precision: str) -> float | None:
@@ -28,23 +29,36 @@ def peak_tflops(configured: float | None, device: str, precision: str) -> float 
     return lookup_peak_tflops(torch.cuda.get_device_name(), precision)
 
 
-def live_peak(per_micro_batch: list[int], in_flight: int) -> int:
-    """The most activation bytes held at once: 1F1B holds consecutive micro-batches, in_flight of them at its
-    peak (parallel/planning/stage_plan.py's StagePlan.recomputes_micro_batch), so the largest window sum."""
-    window = min(in_flight, len(per_micro_batch))
-    return max(sum(per_micro_batch[i : i + window]) for i in range(len(per_micro_batch) - window + 1))
+def live_peak(
+    kept: list[int],
+    recomputed: list[int],
+    weights_pending: list[int],
+    schedule: str,
+    early: bool,
+    deferred: int | None,
+    stages: int,
+    stage: int,
+) -> int:
+    """The most activation bytes the stage held at once over the metered step: the schedule it ran (`schedule`,
+    `early`, `deferred`: its engine's) walked as the planner walks it (parallel/planning/schedule_walk.py), with
+    the bytes measured per micro-batch: `kept` by each forward until its backward, `recomputed` by each early
+    recompute until its backward (empty: none ran), `weights_pending` by each B until its W (empty: no zb-h1; the
+    walk takes one size, the largest). Under 1F1B that is the largest sum over `in_flight` consecutive
+    micro-batches; ZB-H1's pending W's and an early recompute hold more, at instructions of their own."""
+    n = len(kept)
+    pending = max(weights_pending, default=0)
+    return activation_peak(schedule, early, kept, pending, recomputed or [0] * n, n, stages, stage, deferred).bytes
 
 
 def tensor_peaks(first: list[dict], plan: RunPlan) -> dict:
-    """Measured (parallel/measurement/tensor_peak.py, on the metered step) against predicted peak tensor bytes per stage
-    (the first data-parallel rank of each stage)."""
+    """Measured peak tensor bytes per stage (parallel/measurement/tensor_peak.py, on the metered step; the first
+    data-parallel rank of each stage), and the named terms of the predicted peak (`predicted_peak_bytes_per_stage`)."""
     measured = [r["tensor_peak"] for r in first]
     return {
         "measured_peak_tensor_bytes_per_stage": [m and m["peak_bytes"] for m in measured],
         "measured_baseline_tensor_bytes_per_stage": [m and m["baseline_bytes"] for m in measured],
         "tensor_peak_unaccounted_bytes_per_stage": [m and m["unaccounted_bytes"] for m in measured],
         "tensor_peak_op_per_stage": [m and m["peak_op"] for m in measured],
-        "predicted_peak_tensor_bytes_per_stage": [s.predicted_peak_tensor_bytes for s in plan.stages],
         "predicted_peak_tensor_terms_per_stage": [s.peak_tensor_terms for s in plan.stages],
     }
 
@@ -70,11 +84,13 @@ class Accounting:
         self.meter.armed = self.measure_step > 0 and self.measured_step is None and step >= self.measure_step
         if self.meter.armed:
             self.tensor_meter.start()
+        # What each early recompute and each B (zb-h1) holds until its backward or W, on the metered step only.
+        self.engine.early_recompute.measure = self.engine.weight_grads.measure = self.meter.armed
 
     def after_step(self, step: int, step_time: float) -> None:
         if self.meter.armed:
             self.tensor_peak = self.tensor_meter.stop()
-            self.meter.armed = False
+            self.meter.armed = self.engine.early_recompute.measure = self.engine.weight_grads.measure = False
             self.measured_step = step
         self.step_times.append(step_time)
 
@@ -104,7 +120,7 @@ class Accounting:
                 else stage.plain_activation_bytes_per_microbatch
                 for i in range(self.engine.micro_batches)
             ],
-            "peak_activation_bytes": live_peak(recorded, in_flight) if recorded else None,
+            "peak_activation_bytes": self._live_peak(recorded) if recorded else None,
             "stage_input_bytes": max(self.meter.stage_input_bytes()) if recorded else None,
             "in_flight": in_flight,
             "peak_memory_bytes": peak_memory_bytes(self.device),
@@ -113,6 +129,19 @@ class Accounting:
             "tflops": stage.model_flops_per_step / step_time / 1e12 if step_time else None,
             "hardware_tflops": stage.hardware_flops_per_step / step_time / 1e12 if step_time else None,
         }
+
+    def _live_peak(self, kept: list[int]) -> int:
+        engine = self.engine
+        return live_peak(
+            kept,
+            engine.early_recompute.recomputed_bytes,
+            engine.weight_grads.held_bytes,
+            engine.schedule_kind,
+            engine.early,
+            engine.deferred_weights,
+            engine.num_stages,
+            engine.stage_id,
+        )
 
     def gather(self) -> dict:
         """Collective over all ranks. Returns the summary entries (meaningful on the loss rank)."""

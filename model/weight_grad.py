@@ -50,6 +50,11 @@ class WeightGradStore:
     def __init__(self, immediate: Iterable[nn.Parameter] = ()):
         self._pending: deque[list[DeferredWeightGrad]] = deque()
         self._immediate = {id(p) for p in immediate}
+        self.measure = False
+        """Count, while true, what each deferring backward leaves held until its W (`held_bytes`)."""
+        self.held_bytes: list[int] = []
+        """Per deferring backward while measuring: the bytes of its entries' inputs and output gradients, each
+        storage once (after that backward, only the store keeps them alive)."""
 
     @contextmanager
     def deferring(self) -> Iterator[None]:
@@ -63,6 +68,10 @@ class WeightGradStore:
             yield
         finally:
             _active = None
+        if self.measure:
+            held = [t for entry in self._pending[-1] for t in (entry.x, entry.grad_output)]
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
+            self.held_bytes.append(sum(storages.values()))
 
     def _defers(self, weight: nn.Parameter) -> bool:
         return id(weight) not in self._immediate
