@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from bench.step_time_bench import (
+from bench.real_runs import (
     STAGES,
     TRACE_STEP,
     Result,

@@ -22,7 +22,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from bench.step_time_bench import DEEPSPEED, REPO, SKIPPED_STEPS, free_port, launch_env
+from bench.real_runs import DEEPSPEED, REPO, SKIPPED_STEPS, free_port, launch_env
 from model import GPTConfig
 from parallel.planning.config import AutoRecompute, NoRecompute
 from parallel.planning.layout import build_layout
