@@ -12,9 +12,9 @@ tensor backward needs has been packed again ("early stop", torch's default). A n
 dropout. Dropout saves after that matmul has run (CPU: the noise it multiplies by; CUDA: its mask).
 
 Model FLOPs per token = 6 (N + h V) + 12 L h s, where N is the parameter count (the model's own, on the meta
-device) without the token and position embeddings (a lookup does no matmul) and h V is the tied LM head: its weight *is* the token
-embedding, so N leaves it out, but it runs a (h x V) matmul per token, which we count (as Megatron-LM's
-formula does). Drop `head_flops_per_token` to get the 6N + 12 L h s of Kaplan / PaLM.
+device) without the token and position embeddings (a lookup does no matmul) and h V is the tied LM head: its
+weight *is* the token embedding, so N leaves it out, but it runs a (h x V) matmul per token, which we count (as
+Megatron-LM's formula does). Drop `head_flops_per_token` to get the 6N + 12 L h s of Kaplan / PaLM.
 """
 
 from collections.abc import Sequence
