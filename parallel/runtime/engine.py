@@ -18,6 +18,7 @@ from torch._utils import _flatten_dense_tensors
 
 from parallel.planning.config import OptimConfig, ParallelConfig
 from parallel.planning.layout import PipelineLayout
+from parallel.runtime.accelerator import use_accelerator
 from parallel.runtime.dist_env import DistEnv, export_dist_env
 from parallel.runtime.ds_config import deepspeed_config
 from parallel.runtime.lr_schedule import warmup_cosine
@@ -26,6 +27,9 @@ from parallel.runtime.zero_bubble_engine import zero_bubble
 
 
 def init_process_group(env: DistEnv, device: str, timeout_s: float) -> None:
+    # Start-up chose the accelerator before loading this module; a process that loaded DeepSpeed for another
+    # device (a script that skipped start-up) stops here rather than train on the wrong one.
+    use_accelerator(device)
     export_dist_env(env)
     _skip_shm_inference_allreduce()
     # auto_mpi_discovery=False: a missing variable must fail loudly, not silently import mpi4py.
