@@ -38,7 +38,7 @@ from bench.real_runs import (
 )
 from parallel.planning.config import FullRecompute, NoRecompute
 from parallel.planning.shapes import MIB
-from parallel.planning.step_costs import lower_bound_s
+from parallel.planning.step_sim import lower_bound_s
 
 FULL_STAGE = ("+recompute=full", "recompute.interval=stage")
 SETTINGS = (

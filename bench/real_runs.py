@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from model import GPTConfig
-from parallel.planning.step_costs import StageCosts
+from parallel.planning.step_sim import StageCosts
 
 REPO = Path(__file__).resolve().parents[1]
 DEEPSPEED = Path(sys.executable).with_name("deepspeed")
@@ -144,7 +144,7 @@ def read_result(variant: Variant, round_: int, run_dir: Path, cpu_s: float, wall
 
 
 def traced_costs(summary: dict) -> list[StageCosts]:
-    """Each stage's mean traced instruction seconds in the simulator's terms (parallel/planning/step_costs.py): the
+    """Each stage's mean traced instruction seconds in the simulator's terms (step_sim.StageCosts): the
     shortest send/recv stands for a transfer, the rest of a blocking send or recv is waiting for the peer. The
     backward is BackwardPass, or BackwardInput + BackwardWeight under zb-h1, without the recompute inside it; the
     recompute is a RecomputeEarly where the stage runs one, else what ran inside the backward."""

@@ -32,7 +32,7 @@ from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute, 
 from parallel.planning.layout import build_layout
 from parallel.planning.run_plan import block_choices, plan_run
 from parallel.planning.shapes import GIB, MIB, RunShape, Shape, Target, Topology
-from parallel.planning.step_costs import simulate_stages
+from parallel.planning.step_sim import simulate_stages
 
 SEED, TARGET = 1234, Target("cpu", "fp32")
 BUDGET_MICRO_BATCHES = 8

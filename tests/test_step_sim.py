@@ -20,8 +20,16 @@ from parallel.planning.run_plan import plan_run
 from parallel.planning.schedules import SCHEDULES
 from parallel.planning.shapes import RunShape, Shape, Target, Topology
 from parallel.planning.stage_price import StagePricing, price_stage
-from parallel.planning.step_costs import StageCosts, analytic_rates, lower_bound_s, simulate_stages
-from parallel.planning.step_sim import COMPUTE, PER_STEP, instructions, simulate
+from parallel.planning.step_costs import analytic_rates
+from parallel.planning.step_sim import (
+    COMPUTE,
+    PER_STEP,
+    StageCosts,
+    instructions,
+    lower_bound_s,
+    simulate,
+    simulate_stages,
+)
 from tests.runs import TINY, launch, python_run
 
 # Synthetic seconds: stage 0 is the slow one (forward 2, backward 3), stage 1 forward 1, backward 2.

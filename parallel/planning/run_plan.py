@@ -35,7 +35,8 @@ from parallel.planning.shapes import RunShape, Shape, Target
 from parallel.planning.stage_costs import block_options
 from parallel.planning.stage_plan import plan_stage
 from parallel.planning.stage_price import StagePrice, StagePricing, price_stage, simulate_priced
-from parallel.planning.step_costs import analytic_rates, lower_bound_s, time_model
+from parallel.planning.step_costs import analytic_rates, time_model
+from parallel.planning.step_sim import lower_bound_s
 
 COMPARED_MODES = {"none": NoRecompute(), "selective": SelectiveRecompute(), "full": FullRecompute()}
 """The uniform modes whose predicted step time plan.json gives beside the chosen plan's (their defaults)."""

@@ -12,7 +12,7 @@ from parallel.planning.shapes import GIB
 from parallel.planning.stage_plan import StagePlan
 from parallel.planning.stage_planner import StagePlanner
 from parallel.planning.stage_price import price_stage, simulate_priced
-from parallel.planning.step_costs import lower_bound_s
+from parallel.planning.step_sim import lower_bound_s
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class ScheduleOption:
     step_time_s: float
     """The simulated step (parallel/planning/step_sim.py)."""
     lower_bound_s: float
-    """What no schedule of these stages beats (parallel/planning/step_costs.py's `lower_bound_s`)."""
+    """What no schedule of these stages beats (parallel/planning/step_sim.py's `lower_bound_s`)."""
     peak_bytes: tuple[int, ...]
     """Each stage's predicted peak tensor bytes under this setting (StageMemory.predicted_peak_tensor_bytes: the
     backward's working set included, which early recompute moves ahead of the backward)."""

@@ -1,7 +1,8 @@
 """One stage priced, in one place: what it holds (parallel/planning/stage_costs.py's StageMemory), the seconds of
-each of its instructions (parallel/planning/step_costs.py's StageCosts) and its FLOPs (parallel/planning/flops.py),
-under one plan and schedule. The stage planner and the balanced search, the schedule choice, the run plan and the
-simulated steps all price a stage with `price_stage`, and simulate priced stages with `simulate_priced`.
+each of its instructions (step_sim.StageCosts, from parallel/planning/step_costs.py's time model) and its FLOPs
+(parallel/planning/flops.py), under one plan and schedule. The stage planner and the balanced search, the schedule
+choice, the run plan and the simulated steps all price a stage with `price_stage`, and simulate priced stages with
+`simulate_priced`.
 """
 
 from collections.abc import Sequence
@@ -15,14 +16,8 @@ from parallel.planning.partition import StageRange
 from parallel.planning.shapes import RunShape, Shape
 from parallel.planning.stage_costs import StageMemory, stage_memory
 from parallel.planning.stage_plan import StagePlan
-from parallel.planning.step_costs import (
-    StageCosts,
-    TimeModel,
-    per_micro_batch_costs,
-    simulate_stages,
-    stage_range_costs,
-)
-from parallel.planning.step_sim import Timeline
+from parallel.planning.step_costs import TimeModel, per_micro_batch_costs, stage_range_costs
+from parallel.planning.step_sim import StageCosts, Timeline, simulate_stages
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Seconds of each pipeline instruction on each stage, for the step-time simulator (parallel/planning/step_sim.py).
+"""Seconds of each pipeline instruction on each stage (step_sim.StageCosts), for the step-time simulator
+(parallel/planning/step_sim.py).
 
 Two sources, one shape. `measured`: `recompute.profile=true` times a block's forward, backward and
 recompute parts, the embeddings and the head with its loss on the device (parallel/measurement/recompute_profile.py).
@@ -24,7 +25,7 @@ from parallel.planning.flops import (
 from parallel.planning.partition import StageRange
 from parallel.planning.shapes import FP32, RunShape, Shape
 from parallel.planning.stage_plan import StagePlan
-from parallel.planning.step_sim import Timeline, simulate
+from parallel.planning.step_sim import StageCosts
 
 # Nominal rates of a target without a measured profile. A CPU rank here: one core's fp32 matmuls; a CUDA
 # rank whose GPU is unknown is planned as an H100. Stage-to-stage links: one 400 Gb/s NIC between GPU
@@ -60,45 +61,6 @@ def analytic_rates(
         name = gpu if gpu and lookup_peak_tflops(gpu, precision) else DEFAULT_GPU
         flops = (peak_tflops or lookup_peak_tflops(name, precision)) * 1e12
     return DeviceRates(name, flops, flops / MACHINE_BALANCE[device], LINK_BYTES_PER_S[device])
-
-
-@dataclass(frozen=True)
-class StageCosts:
-    """Seconds of each instruction on one stage (per micro-batch, or per step for the last three)."""
-
-    forward: float
-    backward: float
-    """Without the recompute the plan adds."""
-    recompute: float
-    """What the plan's recompute adds to each backward pass (or runs as RecomputeEarly)."""
-    send_activation: float
-    send_grad: float
-    reduce_tied: float
-    reduce_grads: float
-    optimizer: float
-    load: float = 0.0
-    weight_grad: float = 0.0
-    """The part of `backward` that ZB-H1 defers into a BackwardWeight: the Linear layers' weight gradients."""
-
-    def by_instruction(self, early: bool = False) -> dict[str, float]:
-        """Seconds by instruction name (DeepSpeed's and parallel/planning/schedules.py's); `early`: the stage runs
-        its recompute as RecomputeEarly, not inside its backward."""
-        inside = 0.0 if early else self.recompute
-        return {
-            "LoadMicroBatch": self.load,
-            "ForwardPass": self.forward,
-            "BackwardPass": self.backward + inside,
-            "BackwardInput": self.backward - self.weight_grad + inside,
-            "BackwardWeight": self.weight_grad,
-            "RecomputeEarly": self.recompute,
-            "SendActivation": self.send_activation,
-            "RecvActivation": self.send_activation,
-            "SendGrad": self.send_grad,
-            "RecvGrad": self.send_grad,
-            "ReduceTiedGrads": self.reduce_tied,
-            "ReduceGrads": self.reduce_grads,
-            "OptimizerStep": self.optimizer,
-        }
 
 
 @dataclass(frozen=True)
@@ -252,43 +214,3 @@ def per_micro_batch_costs(costs: StageCosts, plan: StagePlan, micro_batches: int
     if plan.micro_batches is None:
         return costs
     return replace(costs, recompute=costs.recompute * plan.recomputed_count(micro_batches) / micro_batches)
-
-
-def simulate_stages(
-    costs: Sequence[StageCosts],
-    micro_batches: int,
-    schedule: str = "1f1b",
-    early: bool | Sequence[bool] = False,
-    deferred: Sequence[int | None] | None = None,
-) -> Timeline:
-    """The simulated step of stages with these costs. `early` (for all stages, or per stage): the stage runs
-    its recompute as RecomputeEarly (never the last, which never waits for a gradient: it recomputes inside
-    its backward). `deferred`: each stage plan's `deferred_weights` (zb-h1)."""
-    last = len(costs) - 1
-    early_of = [early] * len(costs) if isinstance(early, bool) else list(early)
-    early_of = [e and s < last for s, e in enumerate(early_of)]
-    seconds = [c.by_instruction(early_of[s]) for s, c in enumerate(costs)]
-    return simulate(micro_batches, len(costs), lambda ins: seconds[ins.stage][ins.name], schedule, early_of, deferred)
-
-
-def lower_bound_s(costs: Sequence[StageCosts], micro_batches: int, early: bool = True) -> float:
-    """No schedule of these stages takes less: the longest of, on each stage s, (a) micro-batch 0's forward
-    through the stages before s, then all of s's own work; (b) the same start, s's forwards and B's (W's may
-    come later), then the chain micro-batch `micro_batches - 1`'s gradient still has to travel: each earlier
-    stage's B and its transfer, then stage 0's last W and its once-per-step work. `early` (the default, the
-    bound a schedule with early recompute is held to): the recompute of every stage but the last is off the
-    gradient chain."""
-    last = len(costs) - 1
-    seconds = [c.by_instruction(early and s < last) for s, c in enumerate(costs)]
-    per_step = [sec["ReduceTiedGrads"] + sec["ReduceGrads"] + sec["OptimizerStep"] for sec in seconds]
-    forward = [sec["LoadMicroBatch"] + sec["ForwardPass"] for sec in seconds]
-    b = [sec["BackwardInput"] + (sec["RecomputeEarly"] if early and s < last else 0.0) for s, sec in enumerate(seconds)]
-    bound = 0.0
-    for s, sec in enumerate(seconds):
-        start = sum(forward[r] + seconds[r]["SendActivation"] for r in range(s))
-        work = micro_batches * (forward[s] + b[s] + sec["BackwardWeight"]) + per_step[s]
-        # Below s the last gradient meets each stage's B (its early recompute ran before the RecvGrad).
-        chain = sum(seconds[r + 1]["SendGrad"] + seconds[r]["BackwardInput"] for r in range(s))
-        tail = chain + seconds[0]["BackwardWeight"] + per_step[0]
-        bound = max(bound, start + work, start + micro_batches * (forward[s] + b[s]) + tail)
-    return bound

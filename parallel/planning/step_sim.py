@@ -12,6 +12,9 @@ does nothing.
 Micro-batches are not named in the instructions (they carry a buffer id, as DeepSpeed's do), but under 1F1B every
 stage runs each kind of per-micro-batch instruction in micro-batch order (so do ZB-H1 and early recompute),
 so the k-th of a kind belongs to micro-batch k; that is how a send finds its recv.
+
+`simulate_stages` replays stages given each one's `StageCosts` (the planner's, priced by
+parallel/planning/stage_price.py, or a traced run's), and `lower_bound_s` is what no schedule of them beats.
 """
 
 import functools
@@ -33,6 +36,45 @@ COMPUTE = (
     "OptimizerStep",
 )
 """What counts as busy (parallel/measurement/trace.py's split): the rest is communication or waiting."""
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Seconds of each instruction on one stage (per micro-batch, or per step for the last three)."""
+
+    forward: float
+    backward: float
+    """Without the recompute the plan adds."""
+    recompute: float
+    """What the plan's recompute adds to each backward pass (or runs as RecomputeEarly)."""
+    send_activation: float
+    send_grad: float
+    reduce_tied: float
+    reduce_grads: float
+    optimizer: float
+    load: float = 0.0
+    weight_grad: float = 0.0
+    """The part of `backward` that ZB-H1 defers into a BackwardWeight: the Linear layers' weight gradients."""
+
+    def by_instruction(self, early: bool = False) -> dict[str, float]:
+        """Seconds by instruction name (DeepSpeed's and parallel/planning/schedules.py's); `early`: the stage runs
+        its recompute as RecomputeEarly, not inside its backward."""
+        inside = 0.0 if early else self.recompute
+        return {
+            "LoadMicroBatch": self.load,
+            "ForwardPass": self.forward,
+            "BackwardPass": self.backward + inside,
+            "BackwardInput": self.backward - self.weight_grad + inside,
+            "BackwardWeight": self.weight_grad,
+            "RecomputeEarly": self.recompute,
+            "SendActivation": self.send_activation,
+            "RecvActivation": self.send_activation,
+            "SendGrad": self.send_grad,
+            "RecvGrad": self.send_grad,
+            "ReduceTiedGrads": self.reduce_tied,
+            "ReduceGrads": self.reduce_grads,
+            "OptimizerStep": self.optimizer,
+        }
 
 
 @dataclass(frozen=True)
@@ -185,3 +227,43 @@ def simulate(
             stuck = {s: programs[s][pc[s]].name for s in range(stages) if pc[s] < len(programs[s])}
             raise RuntimeError(f"the schedule deadlocks under rendezvous sends: stages blocked at {stuck}")
     return Timeline(stages, micro_batches, tuple(intervals))
+
+
+def simulate_stages(
+    costs: Sequence[StageCosts],
+    micro_batches: int,
+    schedule: str = "1f1b",
+    early: bool | Sequence[bool] = False,
+    deferred: Sequence[int | None] | None = None,
+) -> Timeline:
+    """The simulated step of stages with these costs. `early` (for all stages, or per stage): the stage runs
+    its recompute as RecomputeEarly (never the last, which never waits for a gradient: it recomputes inside
+    its backward). `deferred`: each stage plan's `deferred_weights` (zb-h1)."""
+    last = len(costs) - 1
+    early_of = [early] * len(costs) if isinstance(early, bool) else list(early)
+    early_of = [e and s < last for s, e in enumerate(early_of)]
+    seconds = [c.by_instruction(early_of[s]) for s, c in enumerate(costs)]
+    return simulate(micro_batches, len(costs), lambda ins: seconds[ins.stage][ins.name], schedule, early_of, deferred)
+
+
+def lower_bound_s(costs: Sequence[StageCosts], micro_batches: int, early: bool = True) -> float:
+    """No schedule of these stages takes less: the longest of, on each stage s, (a) micro-batch 0's forward
+    through the stages before s, then all of s's own work; (b) the same start, s's forwards and B's (W's may
+    come later), then the chain micro-batch `micro_batches - 1`'s gradient still has to travel: each earlier
+    stage's B and its transfer, then stage 0's last W and its once-per-step work. `early` (the default, the
+    bound a schedule with early recompute is held to): the recompute of every stage but the last is off the
+    gradient chain."""
+    last = len(costs) - 1
+    seconds = [c.by_instruction(early and s < last) for s, c in enumerate(costs)]
+    per_step = [sec["ReduceTiedGrads"] + sec["ReduceGrads"] + sec["OptimizerStep"] for sec in seconds]
+    forward = [sec["LoadMicroBatch"] + sec["ForwardPass"] for sec in seconds]
+    b = [sec["BackwardInput"] + (sec["RecomputeEarly"] if early and s < last else 0.0) for s, sec in enumerate(seconds)]
+    bound = 0.0
+    for s, sec in enumerate(seconds):
+        start = sum(forward[r] + seconds[r]["SendActivation"] for r in range(s))
+        work = micro_batches * (forward[s] + b[s] + sec["BackwardWeight"]) + per_step[s]
+        # Below s the last gradient meets each stage's B (its early recompute ran before the RecvGrad).
+        chain = sum(seconds[r + 1]["SendGrad"] + seconds[r]["BackwardInput"] for r in range(s))
+        tail = chain + seconds[0]["BackwardWeight"] + per_step[0]
+        bound = max(bound, start + work, start + micro_batches * (forward[s] + b[s]) + tail)
+    return bound
