@@ -23,7 +23,7 @@ from parallel.measurement.recompute_profile import profile_block
 from parallel.planning.auto_recompute import measured_costs
 from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.planning.layout import build_layout
-from parallel.planning.run_plan import block_choices, plan_run
+from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import GIB, MIB, RunShape, Shape, Target, Topology
 
 STAGES, MICRO_BATCHES = 2, 6
@@ -36,15 +36,9 @@ class Plan:
         self.plan = plan_run(cfg, recompute, self.layout, run)
         self.pipe = LocalPipeline(self.layout, "fp32")
 
-    def working_bytes(self, stage: int, block_bytes: int) -> int:
-        """The largest segment's recompute working set (blocks x what one block keeps without recompute)."""
-        plan = self.layout.plans[stage]
-        return max((stop - start for start, stop in plan.segments), default=0) * block_bytes
-
-    def predicted_peak(self, stage: int, block_bytes: int) -> int:
-        return self.plan.stages[stage].predicted_peak_bytes + self.working_bytes(stage, block_bytes)
-
-    def measured_peak(self, batches, block_bytes: int) -> list[int]:
+    def measured_peak(self, batches) -> list[int]:
+        """Per stage: the predicted peak with its planned activations (bytes per micro-batch x in flight) replaced by
+        the ones the stage's meter measures."""
         for stage in self.pipe.stages:
             stage.meter.reset()
         self.pipe.step(batches[:1], measure=True)
@@ -52,9 +46,9 @@ class Plan:
         peaks = []
         for i, stage in enumerate(self.pipe.stages):
             s = self.plan.stages[i]
-            fixed = s.param_bytes + s.grad_bytes + s.optimizer_bytes + s.pipe_buffer_bytes
             measured = stage.meter.bytes_per_micro_batch()[0]
-            peaks.append(fixed + s.in_flight_microbatches * measured + self.working_bytes(i, block_bytes))
+            in_flight = s.in_flight_microbatches
+            peaks.append(s.predicted_peak_bytes + in_flight * (measured - s.activation_bytes_per_microbatch))
         return peaks
 
     def zero_grad(self) -> None:
@@ -89,11 +83,10 @@ def main() -> None:
     target = Target("cpu", "fp32")
     run = RunShape(Topology(STAGES), target, micro_batches=MICRO_BATCHES, micro_batch_size=args.micro_batch_size)
     shape = Shape.of(cfg, args.micro_batch_size)
-    block_bytes = block_choices(shape, target)["none"].activation_bytes
 
     full = Plan("full(1)", cfg, FullRecompute(interval="1"), run)
     selective = Plan("selective", cfg, SelectiveRecompute(), run)
-    need_full, need_sel = full.predicted_peak(0, block_bytes), selective.predicted_peak(0, block_bytes)
+    need_full, need_sel = (p.plan.stages[0].predicted_peak_bytes for p in (full, selective))
     budget = need_full + 0.75 * (need_sel - need_full)
     auto_cfg = AutoRecompute(budget_gb=budget / GIB, reserve_gb=0.0)
     seconds = profile_block(cfg, args.micro_batch_size, "cpu", "fp32")
@@ -139,7 +132,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|")
     for plan in plans:
-        peaks = plan.measured_peak(batches, block_bytes)
+        peaks = plan.measured_peak(batches)
         tps = [tokens / t for t in times[plan.name]]
         ratios = sorted(a / b for a, b in zip(tps, full_tps))  # same repetition: same machine state
         choices = [",".join(sorted(set(st["choices"]))) for st in plan.layout.as_dict()]

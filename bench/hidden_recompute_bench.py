@@ -97,7 +97,7 @@ def figure_1(results: list[Result], rounds: int) -> None:
             last = rs[rounds - 1].summary
             print(
                 f"| {name} | {_median_tps(results, name):.0f} | {', '.join(f'{x:.3f}' for x in ratios)} "
-                f"| {statistics.median(ratios):.3f} | {_mib(last['predicted_peak_tensor_bytes_per_stage'])} "
+                f"| {statistics.median(ratios):.3f} | {_mib(last['predicted_peak_bytes_per_stage'])} "
                 f"| {_mib(last['measured_peak_tensor_bytes_per_stage'])} |"
             )
         print()

@@ -7,7 +7,7 @@ multirun over the variants none, selective (attention core), full(1) and full(st
 at a budget between full's and none's predicted peaks (the planner's own figures, from a dry run). Step 2
 (train.measure_step) is measured by parallel/measurement/tensor_peak.py: the most bytes of live tensors at once, the
 baseline (parameters, optimizer state, buffers) included. The prediction is the run plan's
-`predicted_peak_tensor_bytes` (parallel/planning/stage_costs.py's StageMemory.peak_tensor_terms). Bytes are exact, so
+`predicted_peak_bytes` (parallel/planning/stage_costs.py's StageMemory.peak_tensor_terms). Bytes are exact, so
 the machine's load does not change the figures. About 3 minutes on 2 busy cores.
 """
 
@@ -67,7 +67,7 @@ def auto_budget_gb(out: Path, shape: tuple[str, ...]) -> float:
             + ["parallel.data_parallel_size=1", f"variant={variant}", *COMMON, *shape]
         )
         plan = json.loads((run_dir / "plan.json").read_text())
-        peaks.append(plan["stages"][0]["predicted_peak_tensor_bytes"])
+        peaks.append(plan["stages"][0]["predicted_peak_bytes"])
     return (sum(peaks) / 2) / 2**30
 
 
@@ -103,7 +103,7 @@ def table(results: dict[str, dict[str, dict]]) -> tuple[list[str], bool]:
     for shape, summaries in results.items():
         for mode, s in summaries.items():
             for stage, (pred, meas) in enumerate(
-                zip(s["predicted_peak_tensor_bytes_per_stage"], s["measured_peak_tensor_bytes_per_stage"])
+                zip(s["predicted_peak_bytes_per_stage"], s["measured_peak_tensor_bytes_per_stage"])
             ):
                 ratio = meas / pred
                 ok &= abs(ratio - 1) <= TOLERANCE

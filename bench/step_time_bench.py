@@ -30,7 +30,7 @@ from parallel.measurement.recompute_profile import profile_block
 from parallel.planning.auto_recompute import measured_costs
 from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.planning.layout import build_layout
-from parallel.planning.run_plan import block_choices, plan_run
+from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import GIB, MIB, RunShape, Shape, Target, Topology
 from parallel.planning.step_sim import simulate_stages
 
@@ -42,20 +42,13 @@ def run_shape(micro_batches: int) -> RunShape:
     return RunShape(Topology(STAGES), TARGET, micro_batches=micro_batches, micro_batch_size=1)
 
 
-def working_bytes(layout, stage: int, block_bytes: int) -> int:
-    """The largest segment's recompute working set (blocks x what one block keeps without recompute)."""
-    return max((stop - start for start, stop in layout.plans[stage].segments), default=0) * block_bytes
-
-
 def budget_between_full_and_selective(cfg: GPTConfig) -> tuple[float, float, float]:
     """(budget, full(1)'s stage-0 need, selective's) in bytes, from the planner, as bench/auto_bench.py."""
     run = run_shape(BUDGET_MICRO_BATCHES)
-    block_bytes = block_choices(Shape.of(cfg, 1), TARGET)["none"].activation_bytes
     needs = []
     for recompute in (FullRecompute(interval="1"), SelectiveRecompute()):
         layout = build_layout(cfg, recompute, run, "type:Block", SEED)
-        plan = plan_run(cfg, recompute, layout, run)
-        needs.append(plan.stages[0].predicted_peak_bytes + working_bytes(layout, 0, block_bytes))
+        needs.append(plan_run(cfg, recompute, layout, run).stages[0].predicted_peak_bytes)
     need_full, need_sel = needs
     return need_full + 0.75 * (need_sel - need_full), need_full, need_sel
 
@@ -111,29 +104,19 @@ def profile_replay_s(cfg: GPTConfig, variant: Variant, summary: dict, seconds: d
     return plan_run(cfg, variant.recompute, layout, run).predicted_step_time_s
 
 
-def measured_peak_bytes(result: Result, block_bytes: int) -> list[int | None]:
-    """Per stage: the planned fixed bytes (states, pipe buffers) + the measured activation bytes x in flight
-    + the largest segment's working set (as the planner counts it, bench/auto_bench.py)."""
+def measured_peak_bytes(result: Result) -> list[int | None]:
+    """Per stage: the predicted peak with its planned activations (bytes per micro-batch x in flight) replaced by
+    the measured ones (as bench/auto_bench.py)."""
     s = result.summary
     out = []
-    for i, layout in enumerate(s["layout"]):
+    for i in range(len(s["layout"])):
         measured = s["peak_activation_bytes_per_stage"][i]
         if measured is None:
             out.append(None)
             continue
         planned = s["planned_activation_bytes_per_stage"][i] * s["in_flight_microbatches_per_stage"][i]
-        fixed = s["predicted_peak_bytes_per_stage"][i] - planned
-        out.append(fixed + measured + _segment_blocks(result.variant.recompute, layout["choices"]) * block_bytes)
+        out.append(s["predicted_peak_bytes_per_stage"][i] - planned + measured)
     return out
-
-
-def _segment_blocks(recompute, choices: list[str]) -> int:
-    """Blocks in the stage's largest full-recompute segment (auto's full segment starts at the stage
-    boundary, so its full blocks form one segment)."""
-    full = sum(c == "full" for c in choices)
-    if isinstance(recompute, FullRecompute):
-        return full if recompute.interval == "stage" else min(full, 1)
-    return full
 
 
 def _pct(predicted: float | None, measured: float) -> str:
@@ -185,7 +168,7 @@ def figure_1(results: list[Result]) -> None:
     )
 
 
-def figure_2(results: list[Result], budget: float, block_bytes: int, rounds: int) -> None:
+def figure_2(results: list[Result], budget: float, rounds: int) -> None:
     print(f"## Figure 2: plans against time at budget {budget / MIB:.2f} MiB per rank\n")
     names = [n for n in dict.fromkeys(r.variant.name for r in results if 2 in r.variant.figures)]
     time_name = next(n for n in names if n.startswith("auto time"))
@@ -193,7 +176,7 @@ def figure_2(results: list[Result], budget: float, block_bytes: int, rounds: int
     print("|---|---|---|---|---|---|")
     for name in names:
         rs = [r for r in results if r.variant.name == name]
-        peaks = measured_peak_bytes(rs[-1], block_bytes)
+        peaks = measured_peak_bytes(rs[-1])
         fits = "yes" if all(p is not None and p <= budget for p in peaks) else "no"
         text = ", ".join("-" if p is None else f"{p / MIB:.2f}" for p in peaks)
         tps = statistics.median(r.tokens_per_s for r in rs)
@@ -244,7 +227,6 @@ def main() -> None:
     torch.set_num_threads(1)
     cfg = model_config(args.smoke)
     budget, need_full, need_sel = budget_between_full_and_selective(cfg)
-    block_bytes = block_choices(Shape.of(cfg, 1), TARGET)["none"].activation_bytes
     seconds = profile_block(cfg, 1, "cpu", "fp32")
     todo = variants(budget / GIB)
     print(
@@ -267,7 +249,7 @@ def main() -> None:
         }
     print()
     figure_1(results)
-    figure_2(results, budget, block_bytes, rounds)
+    figure_2(results, budget, rounds)
     figure_3(results)
 
 

@@ -78,6 +78,15 @@ def test_three_stages_and_bigger_micro_batches_agree_too():
         ]
 
 
+def test_one_sequence_in_fp32_sdpa_keeps_the_qkv_output_its_v_views():
+    """SDPA's math backend copies q and k but, in fp32 at b = 1, keeps a view of the QKV output as v."""
+    for recompute in (NoRecompute(), SelectiveRecompute()):
+        pipe, plan = measured_and_planned(recompute, "sdpa", 0.1, "fp32", micro_batch_size=1)
+        assert [s.meter.bytes_per_micro_batch()[0] for s in pipe.stages] == [
+            s.activation_bytes_per_microbatch for s in plan.stages
+        ]
+
+
 def test_stage_interval_stores_nothing_beyond_the_stage_input_on_a_block_only_stage():
     # 8 blocks over 4 stages, split by blocks: stages 1 and 2 hold blocks only.
     pipe, plan = measured_and_planned(FullRecompute(interval="stage"), stages=4, n_layer=8)
@@ -102,8 +111,11 @@ def test_peak_activation_bytes_are_per_micro_batch_bytes_times_in_flight():
     assert [s.in_flight_microbatches for s in plan.stages] == [4, 3, 2, 1]
     for s in plan.stages:
         assert s.peak_activation_bytes == s.activation_bytes_per_microbatch * s.in_flight_microbatches
-        assert s.predicted_peak_bytes == (
-            s.param_bytes + s.grad_bytes + s.optimizer_bytes + s.peak_activation_bytes + s.pipe_buffer_bytes
+        # the peak adds DeepSpeed's transfer buffers, the causal masks and the backward's working set
+        assert (
+            s.predicted_peak_bytes
+            == sum(s.peak_tensor_terms.values())
+            > (s.param_bytes + s.grad_bytes + s.optimizer_bytes + s.peak_activation_bytes + s.pipe_buffer_bytes)
         )
 
 

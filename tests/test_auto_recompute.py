@@ -13,21 +13,27 @@ from parallel.planning.config import AutoRecompute, SelectiveRecompute
 from parallel.planning.layout import build_layout
 from parallel.planning.shapes import GIB, RunShape, Shape, Target, Topology
 from parallel.planning.stage_costs import BlockOption
+from parallel.planning.working_set import StageWorking
 
 TABLE = CostTable(
     options=(
-        BlockOption("none", (), 100, 0.0),
-        BlockOption("selective:core_attn", ("core_attn",), 40, 3.0),
-        BlockOption("selective:mlp", ("mlp",), 70, 5.0),
-    ),  # dominated by core_attn
+        BlockOption("none", (), 100, 0.0, working_bytes=30),
+        BlockOption("selective:core_attn", ("core_attn",), 40, 3.0, working_bytes=90),  # remakes what it saves
+        BlockOption("selective:mlp", ("mlp",), 70, 5.0, working_bytes=60),
+    ),  # dominated by core_attn on bytes and cost, not on the working set
     segment_input_bytes=10,
     block_bytes=100,
     full_block_cost=10.0,
+    segment_discount=1.0,
 )
+NOTHING_ELSE = StageWorking(block_offset=0)
+LAST_STAGE = StageWorking(block_offset=-20, fixed=150)  # the loss's backward, and what the head freed
+FIRST_STAGE = StageWorking(block_offset=0, embedding=400)  # the embedding's backward once the blocks are freed
 
 
-def brute_force(n: int, table: CostTable, in_flight: int, budget: float):
-    """Every assignment of choices to n blocks, with full blocks grouped into any number of segments."""
+def brute_force(n: int, table: CostTable, in_flight: int, budget: float, working: StageWorking):
+    """Every assignment of choices to n blocks, with full blocks grouped into any number of segments, the
+    working set being the largest block's (a segment's: none's with what it remakes)."""
     best = None
     names = [o.choice for o in table.options] + ["full"]
     for assignment in itertools.product(names, repeat=n):
@@ -35,41 +41,54 @@ def brute_force(n: int, table: CostTable, in_flight: int, budget: float):
         rest = [o for name in assignment if name != "full" for o in table.options if o.choice == name]
         for k in [0] if m == 0 else range(1, m + 1):
             kept = sum(o.kept_bytes for o in rest) + k * table.segment_input_bytes
-            working = math.ceil(m / k) * table.block_bytes if m else 0
+            remade = math.ceil(m / k) * table.block_bytes - table.segment_input_bytes if m else -math.inf
+            moment = max([o.working_bytes for o in rest] + [table.options[0].working_bytes + remade])
             cost = sum(o.cost for o in rest) + m * table.full_block_cost - k * table.segment_discount
-            if in_flight * kept + working <= budget and (best is None or cost < best):
+            if working.bytes(kept, in_flight, moment) <= budget and (best is None or cost < best):
                 best = cost
     return best
 
 
 @pytest.mark.parametrize("n, in_flight", [(3, 1), (4, 2), (5, 4)])
-def test_the_known_optimum_is_found_at_every_budget(n, in_flight):
-    for budget in range(0, in_flight * n * 100 + 200, 37):
-        choice = choose_stage(n, TABLE, in_flight, budget)
-        expected = brute_force(n, TABLE, in_flight, budget)
+@pytest.mark.parametrize("working", [NOTHING_ELSE, LAST_STAGE, FIRST_STAGE])
+def test_the_known_optimum_is_found_at_every_budget(n, in_flight, working):
+    for budget in range(0, in_flight * n * 100 + 600, 37):
+        choice = choose_stage(n, TABLE, in_flight, budget, working)
+        expected = brute_force(n, TABLE, in_flight, budget, working)
         assert (choice.cost if choice else None) == expected, budget
+        if choice:
+            assert working.bytes(choice.kept_bytes, in_flight, choice.working_bytes) <= budget
 
 
 def test_none_is_chosen_when_it_fits():
-    choice = choose_stage(4, TABLE, 2, 4 * 100 * 2)
+    choice = choose_stage(4, TABLE, 2, 4 * 100 * 2 + 30, NOTHING_ELSE)
     assert choice.choices == ("none",) * 4 and choice.cost == 0
 
 
 def test_budget_boundaries_just_fit_and_just_do_not():
-    least = least_stage_bytes(4, TABLE, 3)
-    assert choose_stage(4, TABLE, 3, least) is not None
-    assert choose_stage(4, TABLE, 3, least - 1) is None
-    # One block moved to core_attn: the budget for exactly that fits, one byte less does not.
-    exact = 3 * (3 * 100 + 40)
-    assert choose_stage(4, TABLE, 3, exact).choices.count("selective:core_attn") == 1
-    assert choose_stage(4, TABLE, 3, exact - 1).cost > 3.0
+    least = least_stage_bytes(4, TABLE, 3, NOTHING_ELSE)
+    assert choose_stage(4, TABLE, 3, least, NOTHING_ELSE) is not None
+    assert choose_stage(4, TABLE, 3, least - 1, NOTHING_ELSE) is None
+    # One block moved to core_attn: the budget for exactly that (with core_attn's working set) fits, a byte less not.
+    exact = 3 * (3 * 100 + 40) + 90
+    assert choose_stage(4, TABLE, 3, exact, NOTHING_ELSE).choices.count("selective:core_attn") == 1
+    assert choose_stage(4, TABLE, 3, exact - 1, NOTHING_ELSE).cost > 3.0
 
 
-def test_segments_start_at_the_stage_boundary_and_cover_the_full_blocks():
-    choice = choose_stage(5, TABLE, 4, 4 * 3 * 10 + 2 * 100 + 4 * 2 * 40)
-    full = [i for i, c in enumerate(choice.choices) if c == "full"]
-    assert full and full[0] == 0
-    assert [i for a, b in choice.segments for i in range(a, b)] == full
+def test_the_block_of_the_largest_working_set_comes_last_and_segments_cover_the_full_blocks():
+    for budget in range(200, 2000, 23):
+        choice = choose_stage(5, TABLE, 4, budget, NOTHING_ELSE)
+        if choice is None:
+            continue
+        full = [i for i, c in enumerate(choice.choices) if c == "full"]
+        assert [i for a, b in choice.segments for i in range(a, b)] == full
+        working = {o.choice: o.working_bytes for o in TABLE.options}
+        others = [working[c] for c in choice.choices if c != "full"]
+        if others and choice.working_bytes == max(others):
+            assert choice.choices[-1] != "full" and working[choice.choices[-1]] == choice.working_bytes
+        elif full:
+            longest = max(b - a for a, b in choice.segments)
+            assert full[-1] == 4 and choice.segments[-1][1] - choice.segments[-1][0] == longest
 
 
 def _tiny_run(stages: int, micro_batches: int) -> RunShape:
@@ -117,9 +136,11 @@ def test_gpt3_175b_on_16_stages_plans_in_seconds():
     gpt3 = GPTConfig(n_layer=96, n_head=96, n_embd=12288, seq_len=2048, vocab_size=50257, dropout=0.1, attention="math")
     run = RunShape(Topology(16, 64), Target("cuda", "bf16"), micro_batches=32, micro_batch_size=1, zero_stage=1)
     start = time.perf_counter()
-    budgets = _budgets(gpt3, AutoRecompute(budget_gb=80.0), run)
+    # 82 GiB: the first stage's working set alone is ~4.5 GiB (math attention's softmax backward in fp32 at s=2048)
+    budgets = _budgets(gpt3, AutoRecompute(budget_gb=82.0), run)
     assert time.perf_counter() - start < 10
-    assert all(b.predicted_peak_bytes <= 78 * GIB for b in budgets)
+    assert all(b.predicted_peak_bytes <= 80 * GIB for b in budgets)
+
     assert budgets[0].choice.cost >= budgets[-1].choice.cost
 
 

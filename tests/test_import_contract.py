@@ -46,6 +46,7 @@ PLANNING = [
         "parallel.planning.step_sim",
     },
     {"parallel.planning.memory_model", "parallel.planning.flops"},
+    {"parallel.planning.working_set"},  # the backward's working set, from memory_model's kept items
     {"parallel.planning.stage_costs"},
     {"parallel.planning.auto_recompute"},
     {"parallel.planning.step_costs"},

@@ -3,12 +3,15 @@
 Under 1F1B, stage i keeps the activations of more micro-batches in flight than stage i+1, so each stage
 gets its own plan. For a stage with n (identical) blocks the choices are, per block, `none` or one of the
 selective combinations, or membership of a full-recompute segment (segments never cross the stage
-boundary and start at its first block). The stage fits when
+boundary). The stage fits when its predicted peak (parallel/planning/stage_costs.py's, the one tensor_peak measures)
 
-    params + grads + optimizer + pipe buffers + in_flight x (other layers + kept block bytes)
-      + working set of the largest segment's recompute  <=  budget - reserve
+    params + grads + optimizer + DeepSpeed's buffers + causal masks + in_flight x (other layers + kept block bytes)
+      + the backward's working set  <=  budget - reserve
 
-and the plan minimises the summed recompute cost.
+and the plan minimises the summed recompute cost. The working set is the largest of what the stage's last block
+holds in its backward (its choice's, or a full segment's with what the segment remakes; the blocks before it have
+less around them) and what no choice changes (the loss's backward; the first stage's embedding backward, which
+comes once the micro-batch's blocks are freed): parallel/planning/working_set.py's StageWorking.
 
 Algorithm (exact for this model). Blocks of a stage are identical, so a plan is characterised by m, the
 blocks under full recompute, split into k segments, and the multiset of per-block choices of the other
@@ -16,9 +19,12 @@ n - m blocks. Memory and cost are additive over blocks, so for every (m, k) we n
 of n - m per-block choices whose kept bytes stay under what is left. A dynamic programme over the number
 of blocks builds the Pareto frontier (kept bytes, cost) of those multisets (each frontier is at most a
 few hundred points here); each (m, k) then takes the frontier's cheapest point that fits (a binary
-search). Enumerating every m <= n and k <= m and every frontier point is exhaustive over the
-characterisation, hence optimal; the cost is O(n^2 C) for the frontiers (C choices per block) plus
-O(n^2 log F) for the search: milliseconds for 12 blocks a stage, well under a second for 96.
+search). The working set is the largest among the chosen blocks', so the search runs once per class of
+choices whose working set is at most w, for each w a choice has, with w counted as the blocks' (the
+optimum is the cheapest of the classes' optima), and the plan puts its block of the largest working set
+last. Enumerating every class, every m <= n and k <= m and every frontier point is exhaustive over the
+characterisation, hence optimal; the cost is O(W n^2 C) for the frontiers (W classes, C choices per block)
+plus O(W n^2 log F) for the search.
 """
 
 import bisect
@@ -32,6 +38,7 @@ from parallel.planning.memory_model import attention_kernel, block_full_items, t
 from parallel.planning.shapes import Shape, Target
 from parallel.planning.stage_costs import BlockOption, block_options
 from parallel.planning.stage_plan import StagePlan
+from parallel.planning.working_set import StageWorking
 
 # FLOPs a device does in the time it moves one byte: elementwise recompute (softmax, dropout, GELU,
 # LayerNorm) is bandwidth-bound, so the analytic cost charges its memory traffic at this rate.
@@ -65,7 +72,8 @@ class StageChoice:
     kept_bytes: int
     """What the blocks keep per micro-batch."""
     working_bytes: int
-    """Transient: the largest segment's recomputed activations during its backward."""
+    """The most the blocks' backward holds beyond what they keep: the last block's (working_set.StageWorking), a
+    full segment's with what it remakes (0 without blocks)."""
     cost: float
     """Recompute cost of one micro-batch that runs under the choice."""
     micro_batches: int | None = None
@@ -73,6 +81,8 @@ class StageChoice:
     None: for all of them."""
     plain_kept_bytes: int = 0
     """What the blocks keep per micro-batch that runs with no recompute (when `micro_batches` is set)."""
+    plain_working_bytes: int = 0
+    """`working_bytes` of such a micro-batch (none's)."""
 
 
 def _elementwise_bytes(shape: Shape, target: Target, modules: Sequence[str]) -> int:
@@ -170,72 +180,105 @@ def _frontiers(n: int, options: tuple[BlockOption, ...]) -> list[list[tuple[int,
     return frontier
 
 
-def _candidates(n: int, table: CostTable, in_flight: int):
-    """Every plan worth considering: (full blocks m, segments k, frontier of the other n - m blocks),
-    with the bytes the full part adds to the stage's total and its cost."""
-    frontiers = _frontiers(n, tuple(_pareto(table.options)))
-    for m in range(n + 1):
-        for k in [0] if m == 0 else range(1, m + 1):
-            full_bytes = in_flight * k * table.segment_input_bytes + (math.ceil(m / k) * table.block_bytes if m else 0)
-            full_cost = m * table.full_block_cost - k * table.segment_discount
-            yield m, k, frontiers[n - m], full_bytes, full_cost
+def _classes(table: CostTable) -> list[tuple[float, tuple[BlockOption, ...]]]:
+    """(w, the Pareto choices whose working set is at most w), for each working set a choice has: a plan's blocks
+    hold the largest working set among their choices, so the optimum is the best of the classes' optima."""
+    levels = sorted({option.working_bytes for option in table.options})
+    return [(w, tuple(_pareto([o for o in table.options if o.working_bytes <= w]))) for w in levels]
 
 
-def least_stage_bytes(n: int, table: CostTable, in_flight: int) -> int:
-    """The smallest activation footprint any plan reaches: kept x in-flight + working set."""
-    return min(full + in_flight * frontier[0][0] for _, _, frontier, full, _ in _candidates(n, table, in_flight))
+def _candidates(n: int, table: CostTable):
+    """Every plan worth considering: (the choices of the other blocks, their frontier, full blocks m, segments k,
+    the blocks' largest working set, the segments' kept bytes, the full part's cost)."""
+    none_working = table.options[0].working_bytes
+    for level, (w, options) in enumerate(_classes(table)):
+        frontiers = _frontiers(n, options)
+        for m in range(n + 1):
+            if m == n and level:  # every block full: the class of the other blocks does not matter
+                continue
+            for k in [0] if m == 0 else range(1, m + 1):
+                size = math.ceil(m / k) if m else 0
+                # A segment's backward remakes what its blocks keep under none, less the input it keeps anyway.
+                segment = none_working + size * table.block_bytes - table.segment_input_bytes if m else -math.inf
+                moment = max(w if m < n else -math.inf, segment)
+                full_cost = m * table.full_block_cost - k * table.segment_discount
+                yield options, frontiers[n - m], m, k, moment, k * table.segment_input_bytes, full_cost
 
 
-def choose_stage(n: int, table: CostTable, in_flight: int, byte_budget: float) -> StageChoice | None:
-    """The cheapest plan for n blocks whose in_flight x kept bytes + working set fit byte_budget, or None.
-    Ties go to fewer bytes."""
-    best = None
-    kept_keys: dict[int, list[int]] = {}
-    for m, k, frontier, full_bytes, full_cost in _candidates(n, table, in_flight):
-        room = byte_budget - full_bytes
-        if room < 0:
-            continue
-        keys = kept_keys.setdefault(m, [kept for kept, _, _ in frontier])
-        index = bisect.bisect_right(keys, room / in_flight) - 1
-        if index < 0:
-            continue
-        kept, cost, counts = frontier[index]
-        key = (full_cost + cost, full_bytes + in_flight * kept)
-        if best is None or key < best[0]:
-            best = (key, m, k, kept, counts)
-    if best is None:
-        return None
-    (cost, _), m, k, kept, counts = best
-    # Full segments first: the stage's first block starts a segment, as a stage boundary should.
-    size = math.ceil(m / k) if m else 0
-    segments = tuple((start, min(start + size, m)) for start in range(0, m, size)) if m else ()
-    choices = ["full"] * m
-    for option, count in zip(_pareto(table.options), counts):
-        choices += [option.choice] * count
-    return StageChoice(
-        tuple(choices), segments, kept + k * table.segment_input_bytes, size * table.block_bytes if m else 0, cost
+def least_stage_bytes(n: int, table: CostTable, in_flight: int, working: StageWorking) -> int:
+    """The smallest footprint any plan reaches: what the in-flight micro-batches' blocks keep, and the backward's
+    working set (working.bytes)."""
+    return min(
+        working.bytes(full_kept + frontier[0][0], in_flight, moment)
+        for _, frontier, _, _, moment, full_kept, _ in _candidates(n, table)
     )
 
 
+def choose_stage(
+    n: int, table: CostTable, in_flight: int, byte_budget: float, working: StageWorking, floor: float = -math.inf
+) -> StageChoice | None:
+    """The cheapest plan for n blocks whose in-flight micro-batches' kept bytes and working set (working.bytes) fit
+    byte_budget, or None; `floor`: a working set the stage's blocks hold whatever the plan (the plain micro-batches'
+    of a per-micro-batch plan). Ties go to fewer bytes."""
+    best = None
+    for options, frontier, m, k, moment, full_kept, full_cost in _candidates(n, table):
+        moment = max(moment, floor)
+        limit = working.kept_limit(byte_budget, in_flight, moment) - full_kept
+        index = bisect.bisect_right(frontier, (limit, math.inf)) - 1
+        if index < 0:
+            continue
+        kept, cost, counts = frontier[index]
+        key = (full_cost + cost, in_flight * (full_kept + kept))
+        if best is None or key < best[0]:
+            best = (key, options, m, k, kept + full_kept, counts)
+    if best is None:
+        return None
+    (cost, _), options, m, k, kept, counts = best
+    return _arranged(table, options, m, k, kept, counts, cost)
+
+
+def _arranged(table: CostTable, options, m: int, k: int, kept: int, counts, cost: float) -> StageChoice:
+    """The choice's blocks in order, the one with the largest working set last: the stage's last block has the
+    least freed around its backward (StageWorking), so there its working set is the stage's, as auto counted it."""
+    size = math.ceil(m / k) if m else 0
+    # k segments as even as can be (none longer than ceil(m / k)), the longest last
+    sizes = [m // k] * (k - m % k) + [m // k + 1] * (m % k) if m else []
+    segment = table.options[0].working_bytes + size * table.block_bytes - table.segment_input_bytes if m else -math.inf
+    others = sorted(
+        (option for option, count in zip(options, counts) for _ in range(count)), key=lambda o: o.working_bytes
+    )
+    moment = max([segment] + [o.working_bytes for o in others])
+    segments_last = bool(m) and (not others or segment >= others[-1].working_bytes)
+    start = len(others) if segments_last else 0
+    bounds, segments = start, []
+    for length in sizes:
+        segments.append((bounds, bounds + length))
+        bounds += length
+    choices = [o.choice for o in others]
+    choices[start:start] = ["full"] * m
+    return StageChoice(tuple(choices), tuple(segments), kept, int(max(moment, 0)), cost)
+
+
 def choose_stage_micro_batches(
-    n: int, table: CostTable, in_flight: int, micro_batches: int, byte_budget: float
+    n: int, table: CostTable, in_flight: int, micro_batches: int, byte_budget: float, working: StageWorking
 ) -> StageChoice | None:
     """`choose_stage` with per-micro-batch recompute: for each k of the in-flight micro-batches, the
-    cheapest plan for the k recomputed ones while the other in_flight - k keep what `none` keeps, priced
-    by the recompute of a whole step (k's plan runs on StagePlan.recomputes_micro_batch's share of the
-    step's micro-batches). The least recompute time wins; ties go to more micro-batches (k = in_flight
-    is choose_stage's own plan)."""
+    cheapest plan for the k recomputed ones while the other in_flight - k keep what `none` keeps (and their
+    backward holds none's working set), priced by the recompute of a whole step (k's plan runs on
+    StagePlan.recomputes_micro_batch's share of the step's micro-batches). The least recompute time wins; ties go
+    to more micro-batches (k = in_flight is choose_stage's own plan)."""
     plain = n * table.block_bytes
     best, best_time = None, None
     for k in range(in_flight, 0, -1):
-        choice = choose_stage(n, table, k, byte_budget - (in_flight - k) * plain)
+        floor = table.options[0].working_bytes if k < in_flight and n else -math.inf
+        choice = choose_stage(n, table, k, byte_budget - (in_flight - k) * plain, working, floor)
         if choice is None:
             continue
         time = choice.cost * StagePlan(micro_batches=k, in_flight=in_flight).recomputed_count(micro_batches)
         if best_time is None or time < best_time:
             best, best_time = choice, time
             if k < in_flight:
-                best = replace(choice, micro_batches=k, plain_kept_bytes=plain)
+                best = replace(choice, micro_batches=k, plain_kept_bytes=plain, plain_working_bytes=int(max(floor, 0)))
     return best
 
 
@@ -262,15 +305,23 @@ class StageBudget:
     """What the stage may use: recompute.budget_gb - recompute.reserve_gb."""
     in_flight: int
     fixed_bytes: int
-    """Parameters, gradients, optimizer state, pipe buffers and the other layers' in-flight activations."""
+    """Parameters, gradients, optimizer state, DeepSpeed's buffers, the causal masks and the other layers'
+    in-flight activations (StageMemory.fixed_bytes)."""
+    working: StageWorking
+    """The stage's side of the backward's working set."""
     choice: StageChoice | None
     least_bytes: int
     """The smallest peak any plan reaches on this stage."""
 
     @property
     def predicted_peak_bytes(self) -> int | None:
+        """The stage's peak under 1F1B by auto's count: StageMemory.predicted_peak_bytes of the plan, counted by parts
+        (with per-micro-batch recompute a bound on it: a recomputed micro-batch may run its backward in the drain,
+        with fewer micro-batches in flight than the count assumes)."""
         if self.choice is None:
             return None
-        k = StagePlan(micro_batches=self.choice.micro_batches).recomputed_in_flight(self.in_flight)
-        kept = k * self.choice.kept_bytes + (self.in_flight - k) * self.choice.plain_kept_bytes
-        return self.fixed_bytes + kept + self.choice.working_bytes
+        c = self.choice
+        k = StagePlan(micro_batches=c.micro_batches).recomputed_in_flight(self.in_flight)
+        moment = max(c.working_bytes, c.plain_working_bytes) if k < self.in_flight else c.working_bytes
+        plain = (self.in_flight - k) * c.plain_kept_bytes
+        return self.fixed_bytes + plain + self.working.bytes(c.kept_bytes, k, moment)

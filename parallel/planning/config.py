@@ -197,9 +197,9 @@ class AutoRecompute:
     mode: str = "auto"
     """Option of the `recompute` config group (`+recompute=auto`); must stay "auto"."""
     budget_gb: float = 80.0
-    """Memory one rank may use, in GiB (2^30 bytes): parameters, gradients, optimizer state, pipeline
-    buffers and the activations of every micro-batch in flight, plus the working set of the largest
-    recomputed segment."""
+    """Memory one rank may use, in GiB (2^30 bytes), against the stage's predicted peak: parameters, gradients,
+    optimizer state, DeepSpeed's buffers and the activations of every micro-batch in flight, plus the backward's
+    working set."""
     reserve_gb: float = 2.0
     """Safety margin in GiB subtracted from the budget (allocator fragmentation, CUDA context, kernels'
     workspaces: what the planner does not model)."""

@@ -88,10 +88,15 @@ class PipelineLayout:
                 plan += f" for {b.choice.micro_batches} of them, none for the others"
             lines.append(
                 f"stage {b.stage}: {plan} | {b.in_flight} in flight | predicted peak "
-                f"{b.predicted_peak_bytes / GIB:.4f} of {usable:g} GiB "
-                f"(segment working set {b.choice.working_bytes / GIB:.4f} GiB)"
+                f"{self.peak_bytes[b.stage] / GIB:.4f} of {usable:g} GiB"
             )
         return lines
+
+    @property
+    def peak_bytes(self) -> tuple[int, ...]:
+        """Each stage's predicted peak under the layout's schedule and plans (the chosen ScheduleOption's)."""
+        early = any(p.early for p in self.plans)
+        return next(o for o in self.schedule_options if o.schedule == self.schedule and o.early == early).peak_bytes
 
     def as_dict(self) -> list[dict]:
         """The layout as plain data, for W&B's run config and summaries."""

@@ -42,17 +42,22 @@ def dropout_mask_bytes(elements: int, shape: Shape, target: Target) -> int:
     return -(-elements // 8) if shape.packed_dropout else elements * target.mask_bytes
 
 
-def _attention_core_items(shape: Shape, target: Target) -> list[Item]:
+def attention_core_items(shape: Shape, target: Target) -> list[Item]:
     """What the attention core keeps, including the (B, T, C) output the output projection reads."""
     d, bsh, scores = target.dtype_bytes, shape.bsh, shape.scores
     kernel = attention_kernel(shape, target)
     if kernel in ("math", "sdpa-math"):
-        # matmul reshapes the strided q, k, v views into contiguous copies and keeps those. The SDPA
-        # math backend upcasts 16-bit inputs and computes everything in fp32.
+        # matmul reshapes the strided q, k, v views into contiguous copies and keeps those (with b = 1 the explicit
+        # ops' reshapes are views: they keep the QKV output itself, as many bytes). The SDPA math backend upcasts
+        # 16-bit inputs and computes everything in fp32.
         c = d if kernel == "math" else FP32
         # SDPA's math backend draws its own fp32 mask; explicit ops run the model's dropout
         mask = dropout_mask_bytes(scores, shape, target) if kernel == "math" else scores * FP32
-        items = [("q, k, v copies kept by the two batched matmuls", 3 * bsh * c), ("softmax output", scores * c)]
+        items = [("q, k, v copies kept by the two batched matmuls", 3 * bsh * c)]
+        if kernel == "sdpa-math" and d == FP32 and shape.b == 1:
+            # its v is a view there: the second matmul keeps the whole QKV output
+            items = [("q and k copies", 2 * bsh * c), ("QKV output (v viewed by the second matmul)", 3 * bsh * d)]
+        items.append(("softmax output", scores * c))
         if shape.dropout:
             items += [("attention dropout mask", mask), ("attention dropout output", scores * c)]
         # (no dropout: the second matmul keeps the softmax output itself, counted once)
@@ -84,7 +89,7 @@ def block_items(shape: Shape, target: Target, modules: Sequence[str] = ()) -> li
             ("attention output, contiguous (output projection input)", bsh * d),
         ]
     else:
-        items += _attention_core_items(shape, target)
+        items += attention_core_items(shape, target)
     if shape.dropout:
         items.append(("attention residual dropout mask", mask))
     if "mlp" in mods and "layernorm" in mods:
@@ -243,6 +248,12 @@ def stage_activations(
     return out
 
 
+def causal_mask_bytes(shape: Shape, target: Target) -> int:
+    """The (s, s) additive causal mask model/attention.py's explicit ops build once per block and keep for every
+    later step (outside autograd); SDPA builds none."""
+    return shape.s * shape.s * target.dtype_bytes if attention_kernel(shape, target) == "math" else 0
+
+
 def stage_input_bytes(stage_index: int, shape: Shape, target: Target) -> int:
     """The forward's copy of the stage input: token ids on stage 0, hidden states elsewhere."""
     return shape.b * shape.s * INDEX_BYTES if stage_index == 0 else shape.bsh * target.dtype_bytes
@@ -284,3 +295,32 @@ def model_state_bytes(params: int, precision: str, zero_stage: int, data_paralle
     else:
         grads, optimizer = 2, 16 / shard
     return {"params": params * weight, "grads": int(params * grads), "optimizer": int(params * optimizer)}
+
+
+def largest_parameter(recipes: Sequence[LayerRecipe], layers: range, shape: Shape) -> int:
+    """Elements of the stage's largest parameter tensor: the (V, C) token embedding (the tied LM head's too), the
+    (s, C) positions, or a block's (4C, C) MLP weights."""
+    sizes = [0]
+    for flat in layers:
+        cls = recipes[flat].module_class
+        if cls is TokenEmbedding:  # also the LM head, which runs the same module
+            sizes.append(shape.vocab * shape.h)
+        elif cls is PositionEmbedding:
+            sizes.append(shape.s * shape.h)
+        elif cls is Block:
+            sizes.append(4 * shape.h * shape.h)
+    return max(sizes)
+
+
+def optimizer_step_bytes(largest: int, params: int, target: Target, zero_stage: int, data_parallel: int) -> int:
+    """What the optimizer step allocates on top of the states (DeepSpeed 0.19.8's optimizers, read from their code;
+    fp32 on CPU measured). On CPU, torch's AdamW steps one tensor at a time and makes its denominator from a square
+    root and a division, two fp32 tensors of its size at once: the largest parameter's (fp32), or the one flat fp32
+    partition of the stage's parameters that DeepSpeed's BF16 / FP16 optimizers step (sharded as the optimizer
+    state is). CUDA's fused Adam makes no such tensor."""
+    if target.device == "cuda":
+        return 0
+    if target.precision == "fp32":
+        return 2 * FP32 * largest
+    shard = data_parallel if (zero_stage == 1 or target.precision == "bf16") else 1
+    return 2 * FP32 * -(-params // shard)

@@ -23,8 +23,6 @@ class BudgetEstimate:
     """`recompute=auto`: one stage against the budget."""
 
     budget_bytes: int
-    predicted_peak_bytes_with_working_set: int
-    recompute_working_bytes: int
     least_possible_peak_bytes: int
     recompute_cost: float
 
@@ -48,6 +46,9 @@ class StageEstimate:
     grad_bytes: int
     optimizer_bytes: int
     predicted_peak_bytes: int
+    """The stage's peak: the most live tensor bytes at once over a step (StageMemory.predicted_peak_bytes, the sum
+    of `peak_tensor_terms`), what parallel/measurement/tensor_peak.py measures. In plan.json files written before
+    the backward's working set was counted (issue 19) it held the states, pipe buffers and peak activations only."""
     model_flops_per_step: int
     hardware_flops_per_step: int
     recompute_flops_per_step: int
@@ -61,12 +62,10 @@ class StageEstimate:
     """Kept per micro-batch that runs with no recompute (StagePlan.micro_batches leaves it out)."""
     recomputed_microbatches_per_step: int | None = None
     """Micro-batches of a step that run under the plan (StagePlan.recomputes_micro_batch)."""
-    predicted_peak_tensor_bytes: int | None = None
-    """Live tensor bytes at the stage's peak moment (StageMemory.peak_tensor_terms), compared with the
-    measurement of parallel/measurement/tensor_peak.py. Absent from plan.json files before it."""
     peak_tensor_terms: dict[str, int] | None = None
-    """Its named terms (StageMemory.peak_tensor_terms): the states, the buffers, the activations live at the peak
-    and the backward's working set running then."""
+    """The named terms of `predicted_peak_bytes` (StageMemory.peak_tensor_terms): the states, the buffers, the
+    activations live at the peak and the backward's working set running then. Absent from plan.json files before
+    them."""
 
     def to_json(self) -> dict:
         out = {
@@ -242,7 +241,8 @@ class RunPlan:
             f"dropout {t.dropout} | recompute {self.recompute} | {self.pipeline_stages} stages x "
             f"{self.data_parallel_size} data-parallel | {self.micro_batches} micro-batches of "
             f"{self.micro_batch_size} x {self.seq_len} tokens",
-            "activation bytes per micro-batch include the stage input; memory in GiB",
+            "activation bytes per micro-batch include the stage input; memory in GiB; pred. peak: the most live "
+            "tensors at once, DeepSpeed's buffers and the backward's working set included",
             f"{'stage':>5} {'layers':>9} {'blocks':>6} {'params':>14} {'act/mb':>10} {'in-flight':>9} "
             f"{'peak act':>10} {'param+grad+opt':>14} {'pipe buf':>9} {'pred. peak':>10} {'recomp TFLOP':>12}",
         ]

@@ -84,7 +84,6 @@ def plan_run(model: GPTConfig, recompute: RecomputeConfig, layout: PipelineLayou
                 grad_bytes=memory.states["grads"],
                 optimizer_bytes=memory.states["optimizer"],
                 predicted_peak_bytes=memory.predicted_peak_bytes,
-                predicted_peak_tensor_bytes=memory.predicted_peak_tensor_bytes,
                 peak_tensor_terms=memory.peak_tensor_terms,
                 model_flops_per_step=flops.model * run.micro_batches,
                 hardware_flops_per_step=flops.model * run.micro_batches + flops.recompute * recomputed,
@@ -189,10 +188,4 @@ def _step_time(layout: PipelineLayout, prices: list[StagePrice], model_flops: in
 
 
 def _budget_estimate(budget: StageBudget) -> BudgetEstimate:
-    return BudgetEstimate(
-        budget.budget_bytes,
-        budget.predicted_peak_bytes,
-        budget.choice.working_bytes,
-        budget.least_bytes,
-        budget.choice.cost,
-    )
+    return BudgetEstimate(budget.budget_bytes, budget.least_bytes, budget.choice.cost)

@@ -28,12 +28,10 @@ class ScheduleOption:
     lower_bound_s: float
     """What no schedule of these stages beats (parallel/planning/step_sim.py's `lower_bound_s`)."""
     peak_bytes: tuple[int, ...]
-    """Each stage's predicted peak tensor bytes under this setting (StageMemory.predicted_peak_tensor_bytes: the
-    backward's working set included, which early recompute moves ahead of the backward)."""
+    """Each stage's predicted peak under this setting (StageMemory.predicted_peak_bytes: the backward's working set
+    included, which early recompute moves ahead of the backward)."""
     fits: bool
-    """`recompute=auto` only (always true without it): every stage's peak within the budget, or no higher than
-    under the 1F1B schedule the plans were chosen for (the budget check of auto's own plan counts its segment's
-    working set its own way)."""
+    """`recompute=auto` only (always true without it): every stage's peak within the budget."""
     allowed: bool
     """parallel.schedule and recompute.early allow it (`auto` / null allow every value)."""
 
@@ -43,10 +41,10 @@ def choose_schedule(
 ) -> tuple[ScheduleOption, tuple[ScheduleOption, ...]]:
     """Price every schedule x early setting of the plans, and keep the allowed one with the shortest simulated
     step among those that fit (`schedule` `auto` or `early` None: the planner's choice). Early recompute is
-    priced only where some stage recomputes. The plans are auto's (or the mode's) for 1F1B: early recompute
-    adds one micro-batch's recomputed activations to a stage's peak, so under a budget it may not fit; ZB-H1
-    stays within 1F1B's peak by construction (`_deferrals`), so it fits wherever 1F1B with the same `early`
-    does. Raises ValueError when the configured setting does not fit the budget."""
+    priced only where some stage recomputes. The plans are auto's (or the mode's) for 1F1B, which fits the
+    budget: early recompute adds one micro-batch's recomputed activations to a stage's peak, and ZB-H1's B holds
+    what its W's need (`_deferrals` bounds only the W's it defers), so under a budget either may not fit. Raises
+    ValueError when no allowed setting fits the budget."""
     recomputes = any(p.segments or p.selective for p in plans)
     options = []
     for early_here in (False, True) if recomputes else (False,):
@@ -58,9 +56,11 @@ def choose_schedule(
     if not candidates:
         usable = planner.usable / GIB
         raise ValueError(
-            f"recompute.early={str(early).lower()} does not fit recompute.budget_gb: early recompute holds one "
-            f"micro-batch's recomputed activations on top of the plan, and a stage's peak then exceeds its "
-            f"{usable:g} GiB; use recompute.early=null (the planner chooses) or false, or a larger recompute.budget_gb"
+            f"parallel.schedule={schedule} with recompute.early={str(early).lower()} does not fit "
+            f"recompute.budget_gb: early recompute holds one micro-batch's recomputed activations on top of the "
+            f"plan, zb-h1's backward holds what its deferred weight gradients need, and a stage's peak then exceeds "
+            f"its {usable:g} GiB; use parallel.schedule=auto and recompute.early=null (the planner chooses), or a "
+            f"larger recompute.budget_gb"
         )
     return min(candidates, key=lambda o: o.step_time_s), tuple(options)
 
@@ -77,13 +77,8 @@ def _price_schedule(
         plans = _deferrals(planner, stages, plans)
     pricing = planner.pricing
     prices = [price_stage(pricing, st, p, kind) for st, p in zip(stages, plans)]
-    reference = [
-        price_stage(pricing, st, replace(p, early=False, deferred_weights=None)) for st, p in zip(stages, plans)
-    ]
-    peaks = tuple(price.memory.predicted_peak_tensor_bytes for price in prices)
-    fits = not isinstance(planner.recompute, AutoRecompute) or all(
-        peak <= max(planner.usable, r.memory.predicted_peak_tensor_bytes) for peak, r in zip(peaks, reference)
-    )
+    peaks = tuple(price.memory.predicted_peak_bytes for price in prices)
+    fits = not isinstance(planner.recompute, AutoRecompute) or all(peak <= planner.usable for peak in peaks)
     return ScheduleOption(
         kind,
         early,
@@ -98,7 +93,7 @@ def _price_schedule(
 
 def _deferrals(planner: StagePlanner, stages: list[StageRange], plans: list[StagePlan]) -> list[StagePlan]:
     """ZB-H1's bound, per stage: the most deferred W's (up to the stage index, ZB-H1's own count) that keep
-    the stage's predicted peak tensor bytes (each backward's working set inside it) within the fullest stage's
+    the stage's predicted peak (each backward's working set inside it) within the fullest stage's
     1F1B peak of the same plans. That is ZB-H1's promise
     ("1F1B's activation memory"): a later stage holds fewer micro-batches under 1F1B than stage 0, and the room
     left takes deferred W's. A W-pending micro-batch holds each Linear's input and output gradient
@@ -106,7 +101,7 @@ def _deferrals(planner: StagePlanner, stages: list[StageRange], plans: list[Stag
     fit: the stage then defers none, and its B and W are 1F1B's backward cut in two."""
 
     def peak(stage: StageRange, plan: StagePlan, kind: str) -> int:
-        return price_stage(planner.pricing, stage, plan, kind).memory.predicted_peak_tensor_bytes
+        return price_stage(planner.pricing, stage, plan, kind).memory.predicted_peak_bytes
 
     bound = max(peak(st, p, "1f1b") for st, p in zip(stages, plans))
     out = []

@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 from model import LayerRecipe
 from parallel.planning.memory_model import (
     LayerActivation,
-    block_full_items,
     block_items,
+    causal_mask_bytes,
+    largest_parameter,
     model_state_bytes,
+    optimizer_step_bytes,
     pipe_buffer_bytes,
     selective_combinations,
     stage_activations,
@@ -24,8 +26,9 @@ from parallel.planning.memory_model import (
 )
 from parallel.planning.partition import StageRange
 from parallel.planning.schedule_walk import ActivationPeak, activation_peak, in_flight_micro_batches, pipe_buffers
-from parallel.planning.shapes import FP32, RunShape, Shape, Target
+from parallel.planning.shapes import RunShape, Shape, Target
 from parallel.planning.stage_plan import StagePlan
+from parallel.planning.working_set import backward_working_sets, block_backward_bytes, early_recompute_copies
 
 
 @dataclass(frozen=True)
@@ -39,16 +42,22 @@ class BlockOption:
     """Bytes one block keeps per micro-batch."""
     cost: float
     """Recompute cost of one block per micro-batch (FLOPs, FLOP-equivalents or seconds: the caller's unit)."""
+    working_bytes: int = 0
+    """The most its backward holds beyond what it keeps (working_set.block_backward_bytes' largest moment)."""
 
 
 def block_options(shape: Shape, target: Target, cost: Callable[[tuple[str, ...]], float]) -> list[BlockOption]:
-    """`none`, then every selective combination, with the bytes each keeps and `cost(modules)`."""
-    options = [BlockOption("none", (), total(block_items(shape, target)), 0.0)]
-    options += [
-        BlockOption("selective:" + "+".join(combo), combo, total(block_items(shape, target, combo)), float(cost(combo)))
-        for combo in selective_combinations()
+    """`none`, then every selective combination, with the bytes each keeps, `cost(modules)` and its working set."""
+    return [
+        BlockOption(
+            "selective:" + "+".join(combo) if combo else "none",
+            combo,
+            total(block_items(shape, target, combo)),
+            float(cost(combo)) if combo else 0.0,
+            max(block_backward_bytes(shape, target, combo).values()),
+        )
+        for combo in [(), *selective_combinations()]
     ]
-    return options
 
 
 @dataclass(frozen=True)
@@ -77,13 +86,18 @@ class StageMemory:
     W-pending and early-recomputed micro-batches included; None under plain 1F1B."""
     transfer_buffers: dict[str, int] = field(default_factory=dict)
     """DeepSpeed's buffers alive all step besides the pipe buffers (`transfer_buffers`)."""
+    causal_masks: int = 0
+    """The causal masks the stage's blocks keep from step to step (memory_model.causal_mask_bytes)."""
+    optimizer_step: int = 0
+    """What the optimizer step allocates on top of the states, after every backward (memory_model's
+    optimizer_step_bytes)."""
     working_sets: dict[str, int] = field(default_factory=dict)
-    """Transient bytes of the backward on top of what the stage keeps (`backward_working_sets`)."""
+    """Transient bytes of the backward on top of what the stage keeps (parallel/planning/working_set.py)."""
     tensor_peak: ActivationPeak | None = None
     """The walk of the stage's schedule with each backward's working set inside it: the activations and the
     working set live together at the stage's peak moment."""
     tensor_peak_working_set: str = ""
-    """The name of the working set at that moment (`backward_working_sets`' keys; empty when none)."""
+    """The name of the working set at that moment (parallel/planning/working_set.py's names; empty when none)."""
 
     @property
     def activation_bytes(self) -> int:
@@ -105,29 +119,39 @@ class StageMemory:
 
     @property
     def fixed_bytes(self) -> int:
-        """Everything but the blocks' activations: what no recompute choice changes."""
+        """Everything but the blocks' activations and the backward's working set: what no recompute choice changes."""
         others = sum(layer.bytes for layer in self.layers if not layer.is_block)
-        return sum(self.states.values()) + self.pipe_buffer_bytes + self.in_flight * others
+        buffers = self.pipe_buffer_bytes + sum(self.transfer_buffers.values()) + self.causal_masks
+        return sum(self.states.values()) + buffers + self.in_flight * others
 
     @property
     def predicted_peak_bytes(self) -> int:
-        return sum(self.states.values()) + self.peak_activation_bytes + self.pipe_buffer_bytes
+        """The stage's peak: the most live tensor bytes at once over a step, the sum of `peak_tensor_terms`."""
+        return sum(self.peak_tensor_terms.values())
 
     @property
     def peak_tensor_terms(self) -> dict[str, int]:
         """Live tensor bytes at the stage's peak, by name (parallel/measurement/tensor_peak.py measures the same):
-        the states, the pipe buffers and DeepSpeed's transfer buffers, the activations live at the peak, and the
-        largest of the backward's working sets, which run one at a time."""
+        the states, the pipe buffers and DeepSpeed's transfer buffers, the causal masks, the activations live at
+        the peak, and the largest of the backward's working sets, which run one at a time."""
         terms = {**self.states, "pipe buffers": self.pipe_buffer_bytes, **self.transfer_buffers}
+        if self.causal_masks:
+            terms["causal masks"] = self.causal_masks
         peak = self.tensor_peak
+        if self.optimizer_step > peak.bytes:  # no activations are left by then (the pipe buffers: an upper bound)
+            terms.update({"activations": 0, "working set: optimizer step": self.optimizer_step})
+            return terms
         terms["activations"] = peak.bytes - peak.working_set
         if self.tensor_peak_working_set:
             terms[f"working set: {self.tensor_peak_working_set}"] = peak.working_set
         return terms
 
     @property
-    def predicted_peak_tensor_bytes(self) -> int:
-        return sum(self.peak_tensor_terms.values())
+    def optimizer_floor(self) -> int:
+        """The optimizer step's moment beyond `fixed_bytes` (which holds the other layers' in-flight activations the
+        step no longer has): working_set.StageWorking's floor."""
+        others = sum(layer.bytes for layer in self.layers if not layer.is_block)
+        return self.optimizer_step - self.in_flight * others
 
 
 def stage_memory(
@@ -150,15 +174,16 @@ def stage_memory(
     plain_layers = tuple(stage_activations(recipes, stage.layers, StagePlan(), shape, run.target, is_last))
     kept, plain = sum(a.bytes for a in layers), sum(a.bytes for a in plain_layers)
     under_plan = [plan.recomputes_micro_batch(k) for k in range(run.micro_batches)]
-    sets = backward_working_sets(layers, plan, shape, run.target)
-    # A micro-batch recomputed early has its segments remade before its backward: the walk holds those bytes as
-    # `recomputed`, so its backward's working set is what is left.
-    early_sets = {k: v for k, v in sets.items() if k != "segment recompute"}
-    plain_sets = backward_working_sets(plain_layers, StagePlan(), shape, run.target)
-    own_sets = early_sets if plan.early and not is_last else sets
+    split = schedule == "zb-h1"  # B defers the weight gradients and keeps what W needs
+    sets = backward_working_sets(layers, plan, shape, run.target, split)
+    plain_sets = backward_working_sets(plain_layers, StagePlan(), shape, run.target, split)
+    # A micro-batch recomputed early holds what `none` keeps when its backward starts (the walk adds the remade bytes
+    # as `recomputed`), so its backward's working set is none's.
+    own_sets = plain_sets if plan.early and not is_last else sets
     working = [max((own_sets if p else plain_sets).items(), key=lambda i: i[1], default=("", 0)) for p in under_plan]
 
     weights_pending = stage_weight_grad_bytes(recipes, stage.layers, shape, run.target)
+    early_copies = early_recompute_copies(plan, shape, run.target)
 
     def walk(transient: bool) -> ActivationPeak:
         return activation_peak(
@@ -166,7 +191,7 @@ def stage_memory(
             plan.early,
             [kept if p else plain for p in under_plan],
             weights_pending,
-            [plain - kept if p else 0 for p in under_plan],
+            [plain - kept + early_copies if p else 0 for p in under_plan],
             run.micro_batches,
             num_stages,
             stage.stage,
@@ -188,6 +213,14 @@ def stage_memory(
         plain_layers=plain_layers,
         schedule_peak=schedule_peak,
         transfer_buffers=transfer_buffers(stage.stage, num_stages, buffers, shape, run.target),
+        causal_masks=sum(layer.is_block for layer in layers) * causal_mask_bytes(shape, run.target),
+        optimizer_step=optimizer_step_bytes(
+            largest_parameter(recipes, stage.layers, shape),
+            params,
+            run.target,
+            run.zero_stage,
+            run.topology.data_parallel_size,
+        ),
         working_sets=sets,
         tensor_peak=tensor_peak,
         tensor_peak_working_set="" if tensor_peak.backward_of is None else working[tensor_peak.backward_of][0],
@@ -214,42 +247,3 @@ def transfer_buffers(stage_index: int, num_stages: int, buffers: int, shape: Sha
     elif num_stages > 1:
         out["kept input grads"] = (buffers - 1) * stage_input_bytes(stage_index, shape, target)
     return out
-
-
-def backward_working_sets(layers: Sequence[LayerActivation], plan: StagePlan, shape: Shape, target: Target) -> dict:
-    """Transient bytes one backward pass allocates on top of what the stage keeps, where each is largest (d: the
-    activation and parameter dtype's bytes, N = b s tokens, C = h):
-
-    - `block backward`: a block's backward starts with its second MLP matmul, and that node holds the most: the
-      gradient of its (N, 4C) input and the fresh gradients of its (4C, C) weight and C bias before AccumulateGrad
-      adds them into `.grad`, d (4 N C + 4 C^2 + C), and when the stage's last block (whose backward comes first,
-      with the most still kept) recomputes `mlp_act`, the GELU output that node remakes, 4 N C d more; everything
-      before it in the backward is freed as it goes (not modelled: the attention core's own recompute under
-      selective `core_attn`, or the MLP's under `mlp`);
-    - `segment recompute` (full recompute): backward remakes the largest segment's forward at once, so it holds
-      what its blocks keep without recompute, less the segment input it keeps anyway, and a block backward on top;
-    - `loss backward` (the last stage): the unfused loss holds the gradients of its fp32 log-probabilities and of
-      the fp32 logits together, 2 N V 4 bytes; the fused loss (model/fused_loss.py) holds the hidden states'
-      gradient (N C d), the tied weight's in fp32 (V C 4) and a chunk's fp32 logits (k V 4, k =
-      min(model.loss_chunk_tokens, N)), plus their copy in d when d is not fp32; with more than one chunk, two
-      chunks' worth, since the loop makes the next chunk's logits while the previous chunk's are still bound.
-    """
-    d, tokens, h = target.dtype_bytes, shape.b * shape.s, shape.h
-    blocks = [local for local, layer in enumerate(layers) if layer.is_block]
-    sets = {}
-    if blocks:
-        remakes_gelu = "mlp_act" in plan.selective.get(blocks[-1], ())  # the stage's backward starts at its last
-        sets["block backward"] = d * (4 * tokens * h + 4 * h * h + h + (4 * tokens * h if remakes_gelu else 0))
-    segment = max((sum(layer.is_block for layer in layers[a:b]) for a, b in plan.segments), default=0)
-    if segment:
-        remade = segment * total(block_items(shape, target)) - total(block_full_items(shape, target, True))
-        sets["segment recompute"] = remade + sets["block backward"]
-    if layers and layers[-1].name == "loss":
-        if shape.loss_chunk_tokens:
-            chunk = min(shape.loss_chunk_tokens, tokens) * shape.vocab
-            chunks = 2 if tokens > shape.loss_chunk_tokens else 1  # the previous chunk's, still bound
-            per_chunk = chunk * (FP32 + (d if d != FP32 else 0))
-            sets["loss backward"] = tokens * h * d + shape.vocab * h * FP32 + chunks * per_chunk
-        else:
-            sets["loss backward"] = 2 * tokens * shape.vocab * FP32
-    return sets

@@ -16,6 +16,7 @@ from parallel.planning.partition import StageRange
 from parallel.planning.shapes import GIB
 from parallel.planning.stage_plan import StagePlan, plan_stage
 from parallel.planning.stage_price import StagePrice, StagePricing, price_stage
+from parallel.planning.working_set import stage_working
 
 
 class StagePlanner:
@@ -38,18 +39,14 @@ class StagePlanner:
         if not auto:  # which micro-batches recompute depends on how many the stage holds
             return plan_stage(is_block, self.recompute, memory.in_flight), None
         room = self.usable - memory.fixed_bytes
+        working = stage_working(memory.plain_layers, self.pricing.shape, run.target, memory.optimizer_floor)
+        n, in_flight = len(positions), memory.in_flight
         if self.recompute.per_micro_batch:
-            choice = choose_stage_micro_batches(len(positions), self.table, memory.in_flight, run.micro_batches, room)
+            choice = choose_stage_micro_batches(n, self.table, in_flight, run.micro_batches, room, working)
         else:
-            choice = choose_stage(len(positions), self.table, memory.in_flight, room)
-        budget = StageBudget(
-            stage.stage,
-            int(self.usable),
-            memory.in_flight,
-            memory.fixed_bytes,
-            choice,
-            memory.fixed_bytes + least_stage_bytes(len(positions), self.table, memory.in_flight),
-        )
+            choice = choose_stage(n, self.table, in_flight, room, working)
+        least = memory.fixed_bytes + least_stage_bytes(n, self.table, in_flight, working)
+        budget = StageBudget(stage.stage, int(self.usable), in_flight, memory.fixed_bytes, working, choice, least)
         return (to_stage_plan(choice, positions, self.table, memory.in_flight) if choice else StagePlan()), budget
 
     def price(self, stage: StageRange) -> StagePrice | None:

@@ -5,16 +5,18 @@ Per-stage figures are lists, one entry per stage, None where unknown; bytes thro
 """
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
 
-from model import GPTConfig
-from parallel.planning.layout import build_layout
+from model import Block, GPTConfig
+from parallel.planning.config import AutoRecompute
+from parallel.planning.layout import PipelineLayout, build_layout
 from parallel.planning.plan_record import RunPlan
 from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import RunShape, Target, Topology
+from parallel.planning.stage_plan import StagePlan
 from schema.run import GROUP_SCHEMAS
 from sweep.job import FAILED
 
@@ -188,9 +190,37 @@ def plan_from_config(job: Job) -> RunPlan | None:
         )
         # For auto, the analytic plan (no costs): a job planned with recompute.profile=true may have chosen otherwise.
         layout = build_layout(model, recompute, run, cfg["parallel"]["partition_method"], cfg["seed"])
+        recorded = _recorded_plans(job, layout) if isinstance(recompute, AutoRecompute) else None
+        if recorded is not None and recorded != layout.plans:
+            layout = replace(layout, plans=recorded, budgets=None, schedule="1f1b")
         return plan_run(model, recompute, layout, run)
     except Exception:  # noqa: BLE001 - an old or partial job: the report shows n/a for the plan
         return None
+
+
+def _recorded_plans(job: Job, layout: PipelineLayout) -> list[StagePlan] | None:
+    """The plans a trained auto job ran, from its summary.json's layout (today's planner may choose otherwise at the
+    same budget), under 1F1B (the summary records no schedule); None where they cannot be rebuilt on the planner's
+    stages: another partition, full recompute without its recorded segments, or per-micro-batch plans."""
+    record = (job.summary or {}).get("layout")
+    if not record or len(record) != len(layout.stages) or job.recompute.get("per_micro_batch"):
+        return None
+    plans = []
+    for entry, stage in zip(record, layout.stages):
+        blocks = [local for local, flat in enumerate(stage.layers) if layout.recipes[flat].module_class is Block]
+        choices = entry.get("choices", [])
+        if list(entry.get("layers", [])) != [stage.start, stage.stop] or len(choices) != len(blocks):
+            return None
+        if "full" in choices and "segments" not in entry:
+            return None
+        selective = {
+            local: tuple(choice.split(":", 1)[1].split("+"))
+            for local, choice in zip(blocks, choices)
+            if choice.startswith("selective:")
+        }
+        segments = tuple((a - stage.start, b - stage.start) for a, b in entry.get("segments", []))
+        plans.append(StagePlan(segments=segments, selective=selective))
+    return plans
 
 
 def _job_order(path: Path) -> tuple[str, int]:

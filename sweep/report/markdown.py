@@ -75,7 +75,8 @@ def render_markdown(sweep_dir: Path, jobs: list[Job], figure: bool = True) -> st
         "*error*: largest |measured/predicted - 1| over stages. *peak act*: act/mb x micro-batches in flight "
         "under 1F1B; *saving*: 1 - peak act / peak act of `none` at the same shape; *overhead*: step time / "
         f"step time of `none` - 1. *peak mem*: measured ({', '.join(kinds) or 'n/a'}; on CPU the resident set "
-        "includes the interpreter and libraries) and the planner's prediction (states + activations + buffers). "
+        "includes the interpreter and libraries) and the planner's prediction (states + activations + buffers + "
+        "the backward's working set). "
         "*val loss*: the last held-out loss (n/a: trained without train.eval_every). *step time*: median after "
         "warm-up, in ms; *pred.*: the step-time simulator's; *bubble*: idle share of the traced step per stage "
         "(train.trace_step; timelines below).",
@@ -174,7 +175,8 @@ def _tensor_peak_lines(done: list[Job]) -> list[str]:
     for job in done:
         s = job.summary or {}
         measured = s.get("measured_peak_tensor_bytes_per_stage")
-        predicted = s.get("predicted_peak_tensor_bytes_per_stage")
+        # Summaries written before the planner had one peak gave the one the allocator measures this key.
+        predicted = s.get("predicted_peak_tensor_bytes_per_stage", s.get("predicted_peak_bytes_per_stage"))
         if not measured or not predicted or None in measured or None in predicted:
             continue
         errors += [abs(m / p - 1.0) for m, p in zip(measured, predicted)]
