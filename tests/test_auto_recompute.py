@@ -117,14 +117,41 @@ def test_when_none_fits_auto_chooses_no_recompute():
     assert all(set(b.choice.choices) == {"none"} for b in budgets)
 
 
-def test_nothing_fits_names_the_smallest_budget_and_what_helps():
+def _refusal(run: RunShape) -> tuple[float, dict[str, float]]:
+    """The smallest budget a too-small one's refusal names, and each setting it says helps, with its figure."""
     with pytest.raises(ValueError) as error:
-        _budgets(TINY, AutoRecompute(budget_gb=0.001, reserve_gb=0.0), _tiny_run(2, 6))
+        _budgets(TINY, AutoRecompute(budget_gb=0.001, reserve_gb=0.0), run)
     message = str(error.value)
     assert "recompute.budget_gb=0.001 does not fit stage 0" in message
     smallest = float(message.split("the smallest budget that fits every stage is recompute.budget_gb=")[1].split()[0])
-    _budgets(TINY, AutoRecompute(budget_gb=smallest, reserve_gb=0.0), _tiny_run(2, 6))
-    assert "parallel.pipeline_stages" in message and "train.micro_batch_size" in message
+    helps = message.split("the smallest budget the planner finds with it): ")[1].split(", ")
+    return smallest, {setting: float(gb) for setting, gb in (h.split(" fits at ") for h in helps)}
+
+
+def test_nothing_fits_names_the_smallest_budget_and_each_setting_that_lowers_it_priced_by_the_planner():
+    run = _tiny_run(2, 6)
+    smallest, helps = _refusal(run)
+    _budgets(TINY, AutoRecompute(budget_gb=smallest, reserve_gb=0.0), run)
+    # bf16 is left out: on CPU the planner counts more for its optimizer step (one flat fp32 copy of the stage's
+    # parameters, stepped at once) than its activations save at this size
+    assert list(helps) == [
+        "parallel.pipeline_stages=4",
+        "train.micro_batch_size=1",
+        "parallel.zero_stage=1 with parallel.data_parallel_size=2",
+    ]
+    assert all(gb < smallest for gb in helps.values())
+    more_stages = RunShape(Topology(4), run.target, run.micro_batches, run.micro_batch_size)
+    _budgets(TINY, AutoRecompute(budget_gb=helps["parallel.pipeline_stages=4"], reserve_gb=0.0), more_stages)
+    with pytest.raises(ValueError):
+        less = helps["parallel.pipeline_stages=4"] - 0.0001
+        _budgets(TINY, AutoRecompute(budget_gb=less, reserve_gb=0.0), more_stages)
+
+
+def test_the_refusal_leaves_out_what_is_already_set():
+    bf16 = RunShape(Topology(2), Target("cpu", "bf16"), micro_batches=6, micro_batch_size=1)
+    _, helps = _refusal(bf16)
+    # bf16's optimizer already shards over data-parallel ranks: more of them help, ZeRO-1 would change nothing
+    assert list(helps) == ["parallel.pipeline_stages=4", "parallel.data_parallel_size=2"]
 
 
 def test_uniform_modes_keep_their_own_layout():

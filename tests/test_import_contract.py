@@ -52,7 +52,7 @@ PLANNING = [
     {"parallel.planning.step_costs"},
     {"parallel.planning.stage_price"},  # the one function that prices a stage: memory, seconds, FLOPs
     {"parallel.planning.stage_planner"},
-    {"parallel.planning.balanced_search", "parallel.planning.schedule_choice"},
+    {"parallel.planning.balanced_search", "parallel.planning.schedule_choice", "parallel.planning.budget_refusal"},
     {"parallel.planning.layout", "parallel.planning.plan_record"},
     {"parallel.planning.run_plan"},
 ]

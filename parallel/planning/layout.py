@@ -6,12 +6,12 @@ the same layout, built by `build_layout` alone.
 (parallel/planning/balanced_search.py); the schedule is chosen last (parallel/planning/schedule_choice.py).
 """
 
-import math
 from dataclasses import dataclass
 
 from model import Block, GPTConfig, LayerRecipe, gpt_layers
 from parallel.planning.auto_recompute import CostTable, StageBudget, analytic_costs
 from parallel.planning.balanced_search import balanced_counts
+from parallel.planning.budget_refusal import BudgetTooSmall, alternatives, smallest_budget_gb
 from parallel.planning.config import AutoRecompute, RecomputeConfig
 from parallel.planning.partition import StageRange, partition_layers, stages_of_block_counts
 from parallel.planning.schedule_choice import ScheduleOption, choose_schedule
@@ -125,11 +125,13 @@ def build_layout(
     costs: CostTable | None = None,
     rates: DeviceRates | None = None,
     schedule: str = "1f1b",
+    price_alternatives: bool = True,
 ) -> PipelineLayout:
     """The layout training and the dry run use. `recompute=auto` plans each stage against the budget (with
-    `costs`, else the analytic ones) and raises ValueError when a stage cannot fit. `rates`: what the
-    analytic step-time model charges at (default: parallel/planning/step_costs.py's nominal rates for the target).
-    `schedule` (parallel.schedule) and `recompute.early`: see schedule_choice.choose_schedule."""
+    `costs`, else the analytic ones) and raises BudgetTooSmall (a ValueError) when a stage cannot fit, with the
+    settings that would help priced unless `price_alternatives` is false. `rates`: what the analytic step-time model
+    charges at (default: parallel/planning/step_costs.py's nominal rates for the target). `schedule`
+    (parallel.schedule) and `recompute.early`: see schedule_choice.choose_schedule."""
     recipes = gpt_layers(model, seed)
     shape = Shape.of(model, run.micro_batch_size)
     table = costs or analytic_costs(shape, run.target)
@@ -148,21 +150,25 @@ def build_layout(
     budgets = None
     if isinstance(recompute, AutoRecompute):
         budgets = [budget for _, budget in planned]
-        _check_fits(recompute, budgets)
+        if any(b.choice is None for b in budgets):
+            priced = _priced_alternatives(model, recompute, run, partition_method, seed) if price_alternatives else []
+            raise BudgetTooSmall(recompute, budgets, priced)
     chosen, options = choose_schedule(planner, stages, plans, schedule, getattr(recompute, "early", False))
     return PipelineLayout(recipes, stages, list(chosen.plans), budgets, timing, chosen.schedule, options)
 
 
-def _check_fits(auto: AutoRecompute, budgets: list[StageBudget]) -> None:
-    failing = [b for b in budgets if b.choice is None]
-    if not failing:
-        return
-    # Rounded up to 0.01 GiB, so the budget quoted really fits.
-    smallest = math.ceil(100 * (max(b.least_bytes for b in budgets) / GIB + auto.reserve_gb)) / 100
-    stages = ", ".join(str(b.stage) for b in failing)
-    raise ValueError(
-        f"recompute.budget_gb={auto.budget_gb} does not fit stage {stages}, not even with full recompute of every "
-        f"block: the smallest budget that fits every stage is recompute.budget_gb={smallest:.2f} (with "
-        f"recompute.reserve_gb={auto.reserve_gb}). Also helps: more stages (parallel.pipeline_stages), a smaller "
-        f"train.micro_batch_size, train.precision=bf16, or parallel.zero_stage=1 with data parallelism"
-    )
+def _priced_alternatives(
+    model: GPTConfig, auto: AutoRecompute, run: RunShape, partition_method: str, seed: int
+) -> list[tuple[str, float]]:
+    """Each of budget_refusal.alternatives with the smallest budget the planner finds under it (analytic costs)."""
+    priced = []
+    for setting, other_run in alternatives(model, run):
+        try:
+            layout = build_layout(model, auto, other_run, partition_method, seed, price_alternatives=False)
+        except BudgetTooSmall as refused:
+            priced.append((setting, refused.smallest_gb))
+            continue
+        except ValueError:  # the setting itself is refused (recompute.early=true that does not fit): not a help
+            continue
+        priced.append((setting, smallest_budget_gb(auto, layout.budgets)))
+    return priced
