@@ -115,7 +115,7 @@ def test_balanced_auto_run_is_bit_exact_against_none(tmp_path):
     # The unfused loss: with the fused one (its backward makes the logits again) none's balanced partition gives
     # stage 0 a block more than auto's, and the two runs are compared on one partition here.
     common = [*TINY, *HEAVY_HEAD, "model.dropout=0.1", "train.steps=3", "model.loss_chunk_tokens=0"]
-    auto = ["+recompute=auto", "recompute.budget_gb=0.03", "recompute.reserve_gb=0"]
+    auto = ["+recompute=auto", "recompute.budget_gb=0.042", "recompute.reserve_gb=0"]
     launch(tmp_path / "auto", *common, *auto)
     launch(tmp_path / "none", *common)
     runs = {name: summary(tmp_path / name) for name in ("auto", "none")}
@@ -130,4 +130,4 @@ def test_balanced_auto_run_is_bit_exact_against_none(tmp_path):
     assert digests["auto"] == digests["none"] and len(set(digests["none"])) == 1
     for s in runs.values():
         assert s["predicted_step_time_s"] > 0 and s["step_time_s"] > 0
-    assert all(peak <= 0.03 * GIB for peak in runs["auto"]["predicted_peak_bytes_per_stage"])
+    assert all(peak <= 0.042 * GIB for peak in runs["auto"]["predicted_peak_bytes_per_stage"])
