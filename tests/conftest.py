@@ -1,8 +1,14 @@
-"""Shared pytest set-up: the `slurm_cluster` fixture (a real two-node Slurm on this machine) and one
-intra-op thread for in-process tests."""
+"""Shared pytest set-up: the `slurm_cluster` fixture (a real two-node Slurm on this machine), one intra-op thread for
+in-process tests, the shared launches of tests/shared_runs.py, and the quick tier's guard."""
+
+import os
 
 import pytest
 import torch
+import torch.distributed as dist
+
+from tests.runs import QUICK_TIER, refuse_in_quick_tier
+from tests.shared_runs import SharedRuns, shared_runs_of
 
 pytest_plugins = ["tests.slurm_cluster"]
 
@@ -15,3 +21,39 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def no_process_group_in_the_quick_tier():
+    """`make test-quick` leaves out the `multiproc` tests; one without the marker that starts an in-process group
+    fails here (tests/runs.py does the same for launches)."""
+    if not os.environ.get(QUICK_TIER):
+        yield
+        return
+    start = dist.init_process_group
+
+    def refused(*args, **kwargs):
+        refuse_in_quick_tier("torch.distributed.init_process_group")
+        return start(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dist, "init_process_group", refused)
+        yield
+
+
+@pytest.fixture(scope="session")
+def shared_runs(request, tmp_path_factory) -> SharedRuns:
+    """The CASES and ENGINE_RUNS of every module in this session, each kind launched once per world size."""
+    return shared_runs_of(request.session, tmp_path_factory.mktemp("shared"))
+
+
+@pytest.fixture(scope="module")
+def case_runs(request, shared_runs) -> dict:
+    """This module's CASES: name -> run directory."""
+    return shared_runs.case_runs(request.module.__name__)
+
+
+@pytest.fixture(scope="module")
+def engine_runs(request, shared_runs) -> dict:
+    """This module's ENGINE_RUNS: name -> every rank's result."""
+    return shared_runs.engine_runs(request.module.__name__)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.runs import REPO, cpu_env, deepspeed_command
+from tests.runs import REPO, cpu_env, deepspeed_command, refuse_in_quick_tier
 
 
 @dataclass
@@ -72,6 +72,7 @@ class LiveRun:
 
 def start(run_dir: Path, *overrides: str, nproc: int = 2, env_extra: dict | None = None) -> LiveRun:
     """`deepspeed --num_gpus N train.py ...` in its own process group, output to <run_dir>.log."""
+    refuse_in_quick_tier("a deepspeed launch")
     log = run_dir.with_name(run_dir.name + f".{int(time.time() * 1000)}.log")
     env = cpu_env(run_dir.parent, **(env_extra or {}))
     cmd = deepspeed_command(nproc, f"hydra.run.dir={run_dir}", *overrides)

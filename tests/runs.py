@@ -1,4 +1,7 @@
-"""Launch real stagecheck runs from tests: the deepspeed launcher or plain python, on CPU."""
+"""Launch real stagecheck runs from tests: the deepspeed launcher or plain python, on CPU.
+
+`make test-quick` (QUICK_TIER set) leaves out the tests marked `multiproc`: every launch, and every `python
+train.py` that trains, starts a process group. A test that starts one without the marker fails here, naming it."""
 
 import json
 import os
@@ -10,6 +13,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DEEPSPEED = Path(sys.executable).with_name("deepspeed")
 TINY = ["model=tiny", "data=synthetic", "train.device=cpu"]
+QUICK_TIER = "STAGECHECK_QUICK_TIER"
+"""Set by `make test-quick`: nothing may start a process group."""
+
+
+def refuse_in_quick_tier(what: str) -> None:
+    if os.environ.get(QUICK_TIER):
+        raise AssertionError(
+            f"{what} starts a process group, and {QUICK_TIER} is set (make test-quick): mark the test "
+            "@pytest.mark.multiproc so that the quick tier leaves it out"
+        )
 
 
 def free_port() -> int:
@@ -38,15 +51,16 @@ def cpu_env(tmp: Path, **extra: str) -> dict:
     return env
 
 
-def deepspeed_command(nproc: int, *args: str) -> list[str]:
+def deepspeed_command(nproc: int, *args: str, script: str = "train.py") -> list[str]:
     """The deepspeed launcher on `nproc` local ranks, on a port of its own (launches in parallel never meet)."""
-    return [str(DEEPSPEED), "--num_gpus", str(nproc), "--master_port", str(free_port()), "train.py", *args]
+    return [str(DEEPSPEED), "--num_gpus", str(nproc), "--master_port", str(free_port()), script, *args]
 
 
 def launch(
     run_dir: Path, *overrides: str, nproc: int = 2, timeout: float = 600, check: bool = True, env: dict | None = None
 ) -> subprocess.CompletedProcess:
     """`deepspeed --num_gpus N train.py hydra.run.dir=RUN_DIR ...` as a user types it."""
+    refuse_in_quick_tier("a deepspeed launch")
     return _run(deepspeed_command(nproc, f"hydra.run.dir={run_dir}", *overrides), run_dir, timeout, check, env)
 
 
@@ -54,6 +68,7 @@ def launch_multirun(
     sweep_dir: Path, *overrides: str, nproc: int = 2, timeout: float = 600, check: bool = True, env: dict | None = None
 ) -> subprocess.CompletedProcess:
     """`deepspeed --num_gpus N train.py -m hydra.sweep.dir=SWEEP_DIR ...`: a Hydra sweep inside one launch."""
+    refuse_in_quick_tier("a deepspeed launch")
     return _run(
         deepspeed_command(nproc, "-m", f"hydra.sweep.dir={sweep_dir}", *overrides), sweep_dir, timeout, check, env
     )
@@ -67,9 +82,31 @@ def python_run(
     env: dict | None = None,
     tmp: Path | None = None,
 ) -> subprocess.CompletedProcess:
-    """`python train.py ...`: a 1-rank run, or a dry run / start-up failure."""
+    """`python train.py ...`: a 1-rank run, or a dry run / start-up failure (`check=False`). Only the latter two
+    start no process group."""
+    dry_run = "dry_run=true" in overrides
+    if check and not dry_run:
+        refuse_in_quick_tier("python train.py without dry_run=true (a 1-rank training run)")
+    before = _metrics_written(run_dir)
     cmd = [sys.executable, "train.py", *([f"hydra.run.dir={run_dir}"] if run_dir else []), *overrides]
-    return _run(cmd, run_dir or tmp, timeout, check, env)
+    result = _run(cmd, run_dir or tmp, timeout, check, env)
+    if _metrics_written(run_dir) != before:  # it trained a step
+        refuse_in_quick_tier("python train.py that trained")
+    return result
+
+
+def _metrics_written(run_dir: Path | None) -> int | None:
+    """When the run's metrics.jsonl was last written (ns), None if it has none."""
+    path = run_dir / "metrics.jsonl" if run_dir is not None else None
+    return path.stat().st_mtime_ns if path is not None and path.exists() else None
+
+
+def launch_script(
+    script: Path, *args: str, env: dict, nproc: int = 2, timeout: float = 600, check: bool = True
+) -> subprocess.CompletedProcess:
+    """`deepspeed --num_gpus N SCRIPT ARGS...`: a test fixture script on `nproc` local ranks."""
+    refuse_in_quick_tier(f"a deepspeed launch of {script.name}")
+    return _run(deepspeed_command(nproc, *args, script=str(script)), None, timeout, check, env)
 
 
 def _run(cmd: list[str], scratch: Path, timeout: float, check: bool, env: dict | None) -> subprocess.CompletedProcess:

@@ -4,7 +4,6 @@ k, and real 2-stage runs that stay bit-exact against none while the metered byte
 the planned ones."""
 
 import json
-import subprocess
 
 import pytest
 import torch
@@ -22,13 +21,28 @@ from parallel.planning.stage_plan import StagePlan, plan_stage
 from parallel.planning.step_sim import instructions, simulate
 from parallel.planning.working_set import StageWorking
 from parallel.runtime.recompute import apply_plan, run_stage
-from tests.runs import DEEPSPEED, REPO, cpu_env, free_port, python_run
+from tests.runs import python_run
+from tests.shared_runs import EngineRun
 
 TINY = GPTConfig(n_layer=4, n_head=2, n_embd=32, seq_len=32, vocab_size=64, dropout=0.1, attention="math")
 TWO_STAGES = RunShape(Topology(2, 1), Target("cpu", "fp32"), micro_batches=3, micro_batch_size=2)
 MIDDLE_STAGE = StageWorking(block_offset=0)  # blocks only: the working set is the last block's
 AUTO_BUDGET_GB = 1_200_000 / GIB
 """A budget at which auto on TWO_STAGES recomputes for 1 of stage 0's 2 in-flight micro-batches."""
+SELECTIVE = ["core_attn", "mlp_act", "layernorm"]
+ENGINE_RUNS = {  # tests/fixtures/micro_batch_exact.py, one engine per configuration, in the shared 2-rank launch
+    "exact": EngineRun(
+        "micro_batch_exact",
+        {
+            "configs": {
+                "none": {"mode": "none"},
+                **{f"full-{k}": {"mode": "full", "micro_batches": k} for k in (1, 2)},
+                **{f"selective-{k}": {"mode": "selective", "modules": SELECTIVE, "micro_batches": k} for k in (1, 2)},
+                "auto": {"mode": "auto", "budget_gb": AUTO_BUDGET_GB, "reserve_gb": 0.0, "per_micro_batch": True},
+            }
+        },
+    )
+}
 
 
 def _live_sets(micro_batches: int, stages: int, stage: int):
@@ -172,21 +186,8 @@ def test_auto_per_micro_batch_plans_between_todays_plans_and_shows_them():
 
 
 @pytest.mark.multiproc
-def test_two_stage_runs_are_bit_exact_with_none_and_meter_the_planned_bytes_per_micro_batch(tmp_path):
-    sel = ["core_attn", "mlp_act", "layernorm"]
-    configs = {
-        "none": {"mode": "none"},
-        **{f"full-{k}": {"mode": "full", "micro_batches": k} for k in (1, 2)},
-        **{f"selective-{k}": {"mode": "selective", "modules": sel, "micro_batches": k} for k in (1, 2)},
-        "auto": {"mode": "auto", "budget_gb": AUTO_BUDGET_GB, "reserve_gb": 0.0, "per_micro_batch": True},
-    }
-    command = [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_port())]
-    command += ["tests/fixtures/micro_batch_exact.py", str(tmp_path), json.dumps(configs)]
-    env = cpu_env(tmp_path, PYTHONPATH=str(REPO))
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    for rank in (0, 1):
-        runs = json.loads((tmp_path / f"rank{rank}.json").read_text())
+def test_two_stage_runs_are_bit_exact_with_none_and_meter_the_planned_bytes_per_micro_batch(engine_runs):
+    for rank, runs in enumerate(engine_runs["exact"]):
         assert runs["auto"]["micro_batches"] == (1 if rank == 0 else None)
         for name, run in runs.items():
             assert run["losses"] == runs["none"]["losses"], name

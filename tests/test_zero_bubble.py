@@ -1,12 +1,12 @@
 """ZB-H1's split backward and early recompute are exact: the deferred weight gradient is nn.Linear's bit for bit;
 on the unpipelined GPT every recompute mode, early and deferred, gives the gradients of no recompute; real
 pipelines of 2 and 4 stages give 1F1B-without-recompute's losses, gradient norms and trained weights under every
-schedule x early x recompute combination (one launch per stage count: tests/fixtures/zero_bubble_runs.py), also
-with 2-way data parallelism and ZeRO-1; a zb-h1 run resumes bit-exactly and traces B, W and RecomputeEarly; and
-what an early recompute holds until backward is what the memory model predicts."""
+schedule x early x recompute combination (tests/fixtures/zero_bubble_runs.py, in the session's shared engine
+launches of 2 and 4 ranks), also with 2-way data parallelism and ZeRO-1; a zb-h1 run resumes bit-exactly and
+traces B, W and RecomputeEarly; and what an early recompute holds until backward is what the memory model
+predicts."""
 
 import json
-import subprocess
 
 import pytest
 import torch
@@ -20,9 +20,15 @@ from parallel.planning.shapes import Shape, Target
 from parallel.planning.stage_plan import StagePlan, plan_stage
 from parallel.runtime.early_recompute import EarlyRecompute
 from parallel.runtime.recompute import apply_plan, run_stage
-from tests.runs import DEEPSPEED, REPO, TINY, cpu_env, free_port, launch, metrics
+from tests.runs import TINY, metrics
+from tests.shared_runs import EngineRun, case
 
-FIXTURE = REPO / "tests" / "fixtures" / "zero_bubble_runs.py"
+ENGINE_RUNS = {
+    "stages-2": EngineRun("zero_bubble_runs", {"stages": 2, "zero_stage": 0, "combos": "all"}, nproc=2),
+    "stages-4": EngineRun("zero_bubble_runs", {"stages": 4, "zero_stage": 0, "combos": "all"}, nproc=4),
+    # 2 stages x 2 data-parallel ranks, ZeRO-1
+    "zero1": EngineRun("zero_bubble_runs", {"stages": 2, "zero_stage": 1, "combos": "zero"}, nproc=4),
+}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -118,20 +124,9 @@ def test_early_recompute_holds_what_the_memory_model_says(modules):
     assert early_recompute.recomputed_bytes == [sum(a.bytes for a in plain) - sum(a.bytes for a in kept)]
 
 
-def _fixture_runs(tmp_path, nproc: int, stages: int, zero_stage: int, combos: str) -> dict:
-    """Every combination's results, per rank, from one launch of tests/fixtures/zero_bubble_runs.py."""
-    out = tmp_path / "runs.json"
-    command = [str(DEEPSPEED), "--num_gpus", str(nproc), "--master_port", str(free_port()), str(FIXTURE)]
-    result = subprocess.run(
-        [*command, str(out), str(stages), str(zero_stage), combos],
-        cwd=REPO,
-        env=cpu_env(tmp_path, PYTHONPATH=str(REPO)),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    return json.loads(out.read_text())
+def _by_combination(ranks: list[dict]) -> dict[str, list[dict]]:
+    """Every rank's results of one engine run, per combination: name -> [rank 0's, rank 1's, ...]."""
+    return {name: [rank[name] for rank in ranks] for name in ranks[0]}
 
 
 def _same_training(runs: list[dict], reference: list[dict]) -> bool:
@@ -143,8 +138,8 @@ def _same_training(runs: list[dict], reference: list[dict]) -> bool:
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("stages", [2, 4])
-def test_every_schedule_early_and_recompute_trains_bit_identically(tmp_path, stages):
-    runs = _fixture_runs(tmp_path, stages, stages, 0, "all")
+def test_every_schedule_early_and_recompute_trains_bit_identically(engine_runs, stages):
+    runs = _by_combination(engine_runs[f"stages-{stages}"])
     bf16 = {name: runs.pop(name) for name in ("1f1b/none/bf16", "zb-h1/full/early/bf16") if name in runs}
     assert len(runs) == 2 * (4 + 3) and len(bf16) == (2 if stages == 2 else 0)  # fp32: schedule x (4 + 3 early)
     reference = runs["1f1b/none"]
@@ -166,8 +161,8 @@ def test_every_schedule_early_and_recompute_trains_bit_identically(tmp_path, sta
 
 
 @pytest.mark.multiproc
-def test_zb_h1_with_data_parallel_zero1_trains_like_1f1b(tmp_path):
-    runs = _fixture_runs(tmp_path, 4, 2, 1, "zero")  # 2 stages x 2 data-parallel ranks, ZeRO-1
+def test_zb_h1_with_data_parallel_zero1_trains_like_1f1b(engine_runs):
+    runs = _by_combination(engine_runs["zero1"])
     assert sorted(r["stage"] for r in runs["1f1b/none"]) == [0, 0, 1, 1]
     for name in ("zb-h1/none", "zb-h1/full/early"):
         assert _same_training(runs[name], runs["1f1b/none"]), name
@@ -180,16 +175,21 @@ ZB_EARLY_FULL = [
     "train.micro_batches=4",
     "train.save_every=2",
     "train.trace_step=3",
+    "logger=none",
     "parallel.schedule=zb-h1",
     "+recompute=full",
     "recompute.early=true",
 ]
+CASES = {
+    "straight": case(*ZB_EARLY_FULL),
+    # a later job of the same launch: it resumes from the straight run's step-2 checkpoint
+    "resumed": case(*ZB_EARLY_FULL, "train.resume={runs}/zero_bubble-straight/checkpoints/step_00000002"),
+}
 
 
 @pytest.mark.multiproc
-def test_zb_h1_early_run_traces_b_w_and_early_recompute_and_resumes_bit_exactly(tmp_path):
-    straight = tmp_path / "straight"
-    launch(straight, *ZB_EARLY_FULL)
+def test_zb_h1_early_run_traces_b_w_and_early_recompute_and_resumes_bit_exactly(case_runs, shared_runs):
+    straight, resumed = case_runs["straight"], case_runs["resumed"]
     events = json.loads((straight / "trace.json").read_text())["traceEvents"]
     spans = [e for e in events if e.get("ph") == "X"]
     for stage in (0, 1):
@@ -200,7 +200,5 @@ def test_zb_h1_early_run_traces_b_w_and_early_recompute_and_resumes_bit_exactly(
     order = [e["name"] for e in first if e["name"] in ("RecomputeEarly", "RecvGrad")]
     assert order == ["RecomputeEarly", "RecvGrad"] * 4  # each micro-batch's recompute right before its wait
 
-    resumed = tmp_path / "resumed"
-    result = launch(resumed, *ZB_EARLY_FULL, f"train.resume={straight / 'checkpoints' / 'step_00000002'}")
-    assert "after step 2" in result.stdout
+    assert f"resuming from {straight / 'checkpoints' / 'step_00000002'} after step 2" in shared_runs.case_output()
     assert [r["loss"] for r in metrics(resumed)] == [r["loss"] for r in metrics(straight)][2:]
