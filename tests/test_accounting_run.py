@@ -3,50 +3,41 @@ hold the measured activation bytes per stage (equal to the planner's), the 1F1B 
 stage and achieved FLOP/s. Full recompute with interval=stage: each stage keeps, for its blocks, only the
 stage input the pipeline already holds."""
 
-from pathlib import Path
-
 import pytest
 
 from tests import wandb_file
-from tests.runs import TINY, cpu_env, launch, metrics, summary
+from tests.runs import TINY, metrics, summary
+from tests.shared_runs import case
 
 pytestmark = pytest.mark.multiproc
 KEYS = ("activation_bytes_per_stage", "peak_activation_bytes_per_stage", "peak_memory_bytes_per_stage")
-SHARED_MEMORY = Path("/dev/shm")
-
-
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    """The run, with what it added to /dev/shm and its own (empty at start) torch extensions directory."""
-    scratch = tmp_path_factory.mktemp("accounting")
-    run_dir, extensions = scratch / "run", scratch / "torch_extensions"
-    shared_before = set(SHARED_MEMORY.iterdir())
-    launch(
-        run_dir,
+CASES = {
+    "full-stage": case(
         *TINY,
         "train.steps=3",
         "train.micro_batches=4",
         "train.micro_batch_size=2",
+        "train.trace_step=0",
         "model.dropout=0.1",
         "model.attention=math",
         "+recompute=full",
         "recompute.interval=stage",
-        env=cpu_env(scratch, TORCH_EXTENSIONS_DIR=str(extensions)),
     )
-    return run_dir, set(SHARED_MEMORY.iterdir()) - shared_before, extensions
+}
 
 
 @pytest.fixture(scope="module")
-def run_dir(launched):
-    return launched[0]
+def run_dir(case_runs):
+    return case_runs["full-stage"]
 
 
-def test_the_run_builds_no_op_and_leaves_no_shared_memory(launched):
+def test_the_run_builds_no_op_and_leaves_no_shared_memory(run_dir, shared_runs):
     """DeepSpeed's CPU shm all-reduce (inference only) would JIT-build an op and leak 66 MB of /dev/shm per
-    rank per launch, enough to fill a test machine's memory over a test session."""
-    _, shared_added, extensions = launched
-    assert not shared_added
-    assert not extensions.exists() or not any(extensions.iterdir())
+    rank per launch, enough to fill a test machine's memory over a test session. Checked on the whole launch that
+    trained this run (every case of the session), with its own torch extensions directory, empty at start."""
+    launch = shared_runs.launch("cases", 2)
+    assert not launch.shared_memory_added
+    assert not launch.extensions.exists() or not any(launch.extensions.iterdir())
 
 
 def test_measured_activation_bytes_equal_the_plan(run_dir):

@@ -14,6 +14,9 @@ from parallel.planning.layout import build_layout
 from parallel.planning.shapes import GIB, RunShape, Shape, Target, Topology
 from parallel.planning.stage_costs import BlockOption
 from parallel.planning.working_set import StageWorking
+from tests.runs import TINY as RUN_TINY
+from tests.runs import summary
+from tests.shared_runs import case
 
 TABLE = CostTable(
     options=(
@@ -179,24 +182,28 @@ def test_analytic_costs_rank_choices_sensibly():
     assert 0 < by_name["selective:core_attn"].cost < table.full_block_cost
 
 
-@pytest.mark.multiproc
-def test_auto_run_applies_a_per_stage_plan_exact_against_none(tmp_path):
-    from tests.runs import TINY, launch, summary
-
-    common = [*TINY, "model.attention=math", "model.dropout=0.1", "train.micro_batches=6", "train.steps=2"]
-    # Between what uniform full and uniform selective need on stage 0 (dry runs of this shape).
-    auto_args = ["+recompute=auto", "recompute.budget_gb=0.0135", "recompute.reserve_gb=0"]
-    launch(tmp_path / "auto", *common, *auto_args)
+AUTO_RUN = [*RUN_TINY, "model.attention=math", "model.dropout=0.1", "train.micro_batches=6", "train.steps=2"]
+AUTO_RUN += ["train.trace_step=0", "logger=none"]
+# Between what uniform full and uniform selective need on stage 0 (dry runs of this shape).
+AUTO_ARGS = ["+recompute=auto", "recompute.budget_gb=0.0135", "recompute.reserve_gb=0"]
+CASES = {
+    "auto": case(*AUTO_RUN, *AUTO_ARGS),
     # recompute.profile: rank 0 times the choices on this device, every rank re-plans with those costs
-    profiled_run = launch(tmp_path / "profiled", *common, *auto_args, "recompute.profile=true")
-    launch(tmp_path / "none", *common)
-    none = summary(tmp_path / "none")
-    assert "stagecheck: recompute profile (s per block forward part): " in profiled_run.stdout
+    "profiled": case(*AUTO_RUN, *AUTO_ARGS, "recompute.profile=true"),
+    "none": case(*AUTO_RUN),
+}
+
+
+@pytest.mark.multiproc
+def test_auto_run_applies_a_per_stage_plan_exact_against_none(case_runs, shared_runs):
+    none = summary(case_runs["none"])
+    output = shared_runs.case_output()
+    assert "stagecheck: recompute profile (s per block forward part): " in output
     # ... and the parts the step-time model reads (parallel/planning/step_costs.py)
-    assert all(f"{key} " in profiled_run.stdout for key in ("block_backward", "head_forward", "embedding_backward"))
-    assert "stagecheck: plan with the profiled costs:" in profiled_run.stdout
+    assert all(f"{key} " in output for key in ("block_backward", "head_forward", "embedding_backward"))
+    assert "stagecheck: plan with the profiled costs:" in output
     for name in ("auto", "profiled"):
-        auto = summary(tmp_path / name)
+        auto = summary(case_runs[name])
         choices = [stage["choices"] for stage in auto["layout"]]
         assert choices[0] != choices[1] and any(c != "none" for c in choices[0])
         assert auto["losses"] == none["losses"]

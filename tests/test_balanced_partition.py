@@ -13,6 +13,8 @@ from parallel.planning.layout import build_layout
 from parallel.planning.partition import balanced_block_counts, stages_of_block_counts
 from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import GIB, RunShape, Target, Topology
+from tests.runs import TINY, metrics, summary
+from tests.shared_runs import case
 
 GPT2 = GPTConfig(n_layer=12, n_head=12, n_embd=768, seq_len=1024, vocab_size=50257, dropout=0.0)
 # A head (vocab 4096 over h=128) that costs about two and a half blocks: balanced gives the last stage less.
@@ -108,22 +110,24 @@ def test_gpt3_175b_balanced_auto_plans_in_seconds():
         assert all(b.predicted_peak_bytes <= b.budget_bytes for b in layout.budgets)
 
 
-@pytest.mark.multiproc
-def test_balanced_auto_run_is_bit_exact_against_none(tmp_path):
-    from tests.runs import TINY, launch, metrics, summary
+# The unfused loss: with the fused one (its backward makes the logits again) none's balanced partition gives
+# stage 0 a block more than auto's, and the two runs are compared on one partition here.
+BALANCED_RUN = [*TINY, *HEAVY_HEAD, "model.dropout=0.1", "train.steps=3", "model.loss_chunk_tokens=0"]
+BALANCED_RUN += ["train.trace_step=0", "logger=none"]
+CASES = {
+    "auto": case(*BALANCED_RUN, "+recompute=auto", "recompute.budget_gb=0.042", "recompute.reserve_gb=0"),
+    "none": case(*BALANCED_RUN),
+}
 
-    # The unfused loss: with the fused one (its backward makes the logits again) none's balanced partition gives
-    # stage 0 a block more than auto's, and the two runs are compared on one partition here.
-    common = [*TINY, *HEAVY_HEAD, "model.dropout=0.1", "train.steps=3", "model.loss_chunk_tokens=0"]
-    auto = ["+recompute=auto", "recompute.budget_gb=0.042", "recompute.reserve_gb=0"]
-    launch(tmp_path / "auto", *common, *auto)
-    launch(tmp_path / "none", *common)
-    runs = {name: summary(tmp_path / name) for name in ("auto", "none")}
+
+@pytest.mark.multiproc
+def test_balanced_auto_run_is_bit_exact_against_none(case_runs):
+    runs = {name: summary(case_runs[name]) for name in ("auto", "none")}
     # balanced's own boundaries (DeepSpeed's parameter split would be 3 | 3), set through PipelineModule.
     for s in runs.values():
         assert [stage["layers"] for stage in s["layout"]] == [[0, 6], [6, 10]]
     assert any(c != "none" for stage in runs["auto"]["layout"] for c in stage["choices"])
-    assert runs["auto"]["losses"] == runs["none"]["losses"] == [r["loss"] for r in metrics(tmp_path / "none")]
+    assert runs["auto"]["losses"] == runs["none"]["losses"] == [r["loss"] for r in metrics(case_runs["none"])]
     assert len(runs["none"]["losses"]) == 3
     # The gradients too: after three optimizer steps the tied embedding is bit-identical on both of its stages.
     digests = {name: s["tied_weight_sha256_per_rank"] for name, s in runs.items()}

@@ -15,26 +15,22 @@ from harness.faults import EXIT_PREEMPTED, TEST_SAVE_DELAY_ENV
 from tests import wandb_file
 from tests.live_runs import start
 from tests.runs import TINY, launch, metrics, python_run, summary
+from tests.shared_runs import case
 
 pytestmark = pytest.mark.multiproc
 STEPS = 8
 COMMON = [*TINY, f"train.steps={STEPS}", "train.save_every=2", "train.micro_batches=2", "model.dropout=0.1"]
+COMMON += ["train.trace_step=0"]
 MODES = {"none": [], "selective": ["+recompute=selective"]}
 
 
+CASES = {mode: case(*COMMON, *overrides) for mode, overrides in MODES.items()}
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """Uninterrupted runs, one per mode, started together: the losses every resumed run must reproduce
-    bit for bit (their values do not depend on timing)."""
-    root = tmp_path_factory.mktemp("reference")
-    live = {mode: start(root / mode, *COMMON, *overrides) for mode, overrides in MODES.items()}
-    try:
-        for run in live.values():
-            assert run.finish(timeout=300) == 0, run.output()[-4000:]
-    finally:
-        for run in live.values():
-            run.kill()
-    return {mode: root / mode for mode in MODES}
+def reference(case_runs):
+    """Uninterrupted runs, one per mode: the losses every resumed run must reproduce bit for bit."""
+    return case_runs
 
 
 def _losses(run_dir):

@@ -12,33 +12,38 @@ from sweep.report.loading import Job
 from sweep.report.table import rows
 from tests import wandb_file
 from tests.runs import TINY, launch, metrics, python_run, summary
+from tests.shared_runs import case
 
 pytestmark = pytest.mark.multiproc
 # Eval at step 3 (train.eval_every) and at the last step, 4, which is not a multiple of it.
-RUN = [*TINY, "model.seq_len=32", "model.dropout=0.1", "train.steps=4", "train.micro_batches=2"]
+RUN = [*TINY, "model.seq_len=32", "model.dropout=0.1", "train.steps=4", "train.micro_batches=2", "train.trace_step=0"]
 EVAL = ["train.eval_every=3", "train.eval_batches=2"]
 # The deepspeed launcher's own lines ("Process N exits successfully") come after the ranks have exited.
 LAUNCHER_LINE = re.compile(r"^\[\S+ \S+\] \[\w+\] \[launch\.py:")
 
 
+ZERO1 = [*RUN, *EVAL, "parallel.pipeline_stages=2", "parallel.zero_stage=1", "logger=none"]
+CASES = {
+    "no_eval": case(*RUN, "logger=none"),
+    # 2 stages x 2 data-parallel with ZeRO-1, run twice with the same seed (two jobs of the 4-rank launch)
+    "zero1-a": case(*ZERO1, nproc=4),
+    "zero1-b": case(*ZERO1, nproc=4),
+}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, case_runs):
+    """The eval run is a launch of its own: its output must end on its summary line."""
     root = tmp_path_factory.mktemp("eval")
     return {
         "eval": launch(root / "eval", *RUN, *EVAL, timeout=300),
-        "no_eval": launch(root / "no_eval", *RUN, "logger=none", timeout=300),
-        "dirs": {"eval": root / "eval", "no_eval": root / "no_eval"},
+        "dirs": {"eval": root / "eval", "no_eval": case_runs["no_eval"]},
     }
 
 
 @pytest.fixture(scope="module")
-def zero1_runs(tmp_path_factory):
-    """2 stages x 2 data-parallel with ZeRO-1, launched twice with the same seed."""
-    root = tmp_path_factory.mktemp("eval4")
-    overrides = [*RUN, *EVAL, "parallel.pipeline_stages=2", "parallel.zero_stage=1", "logger=none"]
-    for name in ("a", "b"):
-        launch(root / name, *overrides, nproc=4, timeout=400)
-    return root / "a", root / "b"
+def zero1_runs(case_runs):
+    return case_runs["zero1-a"], case_runs["zero1-b"]
 
 
 def test_eval_leaves_training_bit_identical(runs):
@@ -73,7 +78,7 @@ def test_wandb_logs_the_val_loss(runs):
     assert wandb_file.summary(wandb_path)["val_loss"] == summary(run_dir)["val_loss"]
 
 
-def test_the_run_ends_on_its_summary_line(runs):
+def test_the_run_ends_on_its_summary_line(runs, shared_runs):
     run_dir = runs["dirs"]["eval"]
     lines = [line for line in runs["eval"].stdout.splitlines() if line.strip() and not LAUNCHER_LINE.match(line)]
     last = lines[-1]
@@ -86,7 +91,8 @@ def test_the_run_ends_on_its_summary_line(runs):
     (offline_run,) = (run_dir / "wandb").glob("offline-run-*")
     assert last.endswith(f"| wandb sync {offline_run}")
     assert sum(line.startswith("stagecheck: done") for line in lines) == 1
-    assert "| val " not in [line for line in runs["no_eval"].stdout.splitlines() if "stagecheck: done" in line][0]
+    no_eval = [line for line in shared_runs.case_output().splitlines() if "stagecheck: done" in line]
+    assert "| val " not in next(line for line in no_eval if line.endswith(f"| run dir {runs['dirs']['no_eval']}"))
 
 
 def test_val_loss_is_the_same_for_the_same_seed_on_2_stages_x_2_data_parallel_zero1(zero1_runs):

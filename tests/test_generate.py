@@ -20,7 +20,8 @@ from harness.hf_export import export_hf
 from model import GPT, GPTConfig
 from model.sampling import SamplingConfig, generate
 from schema.scripts import ExportConfig, GenerateConfig
-from tests.runs import REPO, cpu_env, launch
+from tests.runs import REPO, cpu_env
+from tests.shared_runs import case
 
 TINY = {"n_layer": 2, "n_head": 2, "n_embd": 32, "seq_len": 32, "vocab_size": 64}
 
@@ -90,34 +91,35 @@ SEQ_LEN = 64
 STEPS = 2
 
 
-def train_tiny(scratch: Path, pipeline_stages: int) -> Path:
+def tiny_run(pipeline_stages: int):
     """A 2-rank run of a 2-block model on a small text corpus; its checkpoint is the one of the last step."""
-    corpus = scratch / "corpus.txt"
-    corpus.write_text(CORPUS)
-    run_dir = scratch / "run"
-    launch(
-        run_dir,
+    return case(
         "model=tiny",
         "model.n_layer=2",
         f"model.seq_len={SEQ_LEN}",
         "model.vocab_size=320",  # room for the BPE a test saves into a copy of the run
         "data=text",
-        f"data.path={corpus}",
-        f"data.cache_dir={scratch / 'cache'}",
+        "data.path={scratch}/corpus.txt",
+        "data.cache_dir={scratch}/cache",
         "logger=none",
         "train.device=cpu",
         f"train.steps={STEPS}",
         "train.micro_batches=2",
         "train.micro_batch_size=2",
+        "train.trace_step=0",
         f"parallel.pipeline_stages={pipeline_stages}",
+        files={"corpus.txt": CORPUS},
     )
-    return run_dir
+
+
+# 2 pipeline stages; 1 stage x 2 data-parallel ranks
+CASES = {"pipelined": tiny_run(pipeline_stages=2), "data-parallel": tiny_run(pipeline_stages=1)}
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
+def trained(case_runs) -> Path:
     """2 pipeline stages."""
-    return train_tiny(tmp_path_factory.mktemp("generate"), pipeline_stages=2)
+    return case_runs["pipelined"]
 
 
 def script(name: str, cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
@@ -153,9 +155,9 @@ def test_a_pipelined_checkpoint_consolidates_layer_for_layer(trained):
 
 
 @pytest.mark.multiproc
-def test_a_data_parallel_checkpoint_consolidates_layer_for_layer(tmp_path):
+def test_a_data_parallel_checkpoint_consolidates_layer_for_layer(case_runs):
     """1 stage x 2 data-parallel ranks: the replicas' files are written once, by data-parallel rank 0."""
-    meta = check_layers_trained_from_their_init(train_tiny(tmp_path, pipeline_stages=1))
+    meta = check_layers_trained_from_their_init(case_runs["data-parallel"])
     assert (meta["pipeline_stages"], meta["data_parallel_size"]) == (1, 2)
 
 

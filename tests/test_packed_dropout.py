@@ -17,7 +17,8 @@ from parallel.planning.layout import build_layout
 from parallel.planning.memory_model import block_items, selective_combinations, total
 from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import RunShape, Shape, Target, Topology
-from tests.runs import TINY, python_run
+from tests.runs import TINY, summary
+from tests.shared_runs import case
 from tests.test_recompute_exact import loss_and_grads as exact_loss_and_grads
 
 
@@ -93,8 +94,11 @@ def test_packed_masks_cost_one_bit_an_element():
     assert unpacked - packed == 2 * (180 * 4 - 23) + (900 * 4 - 113)
 
 
-def test_packed_dropout_with_dropout_0_is_reported_as_a_no_op(tmp_path):
-    result = python_run(
-        tmp_path / "run", *TINY, "model.dropout=0", "model.packed_dropout=true", "train.steps=1", timeout=300
-    )
-    assert "model.packed_dropout=true is a no-op: model.dropout is 0" in result.stdout
+NO_OP = ["model.dropout=0", "model.packed_dropout=true", "train.steps=1", "train.trace_step=0", "logger=none"]
+CASES = {"no-op": case(*TINY, *NO_OP)}
+
+
+@pytest.mark.multiproc
+def test_packed_dropout_with_dropout_0_is_reported_as_a_no_op(case_runs, shared_runs):
+    assert summary(case_runs["no-op"])["losses"]  # it trained, and at start-up it said:
+    assert "model.packed_dropout=true is a no-op: model.dropout is 0" in shared_runs.case_output()

@@ -31,7 +31,8 @@ from parallel.planning.step_sim import (
     simulate,
     simulate_stages,
 )
-from tests.runs import TINY, launch, python_run
+from tests.runs import TINY, python_run
+from tests.shared_runs import case
 
 # Synthetic seconds: stage 0 is the slow one (forward 2, backward 3), stage 1 forward 1, backward 2.
 COSTS = {
@@ -143,19 +144,26 @@ def test_a_slower_stage_lengthens_the_step_and_idles_the_others():
     assert slowed.idle_s(2) < min(slowed.idle_s(s) for s in (0, 1, 3))
 
 
-@pytest.mark.multiproc
-def test_replaying_a_traced_runs_own_costs_predicts_its_traced_step_within_5_percent(tmp_path):
+CASES = {"traced": case(*TINY, "train.steps=3", "train.micro_batches=4", "train.trace_step=3", "logger=none")}
 
-    run_dir = tmp_path / "run"
-    launch(run_dir, *TINY, "train.steps=3", "train.micro_batches=4", "train.trace_step=3", "logger=none")
-    trace = json.loads((run_dir / "trace.json").read_text())
+
+@pytest.mark.multiproc
+def test_replaying_a_traced_runs_own_costs_predicts_its_traced_step(case_runs):
+    trace = json.loads((case_runs["traced"] / "trace.json").read_text())
     events = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["name"] != "Recompute"]
     # The measured seconds of each instruction of the traced step (a blocking send or recv includes its wait:
     # the simulator takes the shorter side of each rendezvous).
     measured = {(e["pid"], e["name"], e["args"].get("micro_batch")): e["dur"] / 1e6 for e in events}
     assert len(measured) == len(events)  # one rank per stage: every instruction once
     timeline = simulate(trace["otherData"]["micro_batches"], 2, lambda i: measured[(i.stage, i.name, i.micro_batch)])
-    assert timeline.step_time_s == pytest.approx(trace["otherData"]["step_time_s"], rel=0.05)
+    step_s = trace["otherData"]["step_time_s"]
+    # Within 5%, but for what load adds where the replay cannot see it: on a busy machine a rank also loses time
+    # between its instructions (descheduled, or the Python in between) and after its last one; the critical path
+    # holds at most all of that time, on every rank, plus the skew of the ranks' clocks.
+    uncovered_s = sum(step_s - sum(s for (stage, *_), s in measured.items() if stage == rank) for rank in (0, 1))
+    slack_s = uncovered_s + trace["otherData"]["clock_skew_s"]
+    print(f"replayed {timeline.step_time_s:.4f} s of {step_s:.4f} s measured; uncovered {uncovered_s:.4f} s")
+    assert 0.95 * step_s - slack_s <= timeline.step_time_s <= 1.05 * step_s
 
 
 TINY_CFG = GPTConfig(n_layer=4, n_head=4, n_embd=128, seq_len=128, vocab_size=256, dropout=0.1, attention="math")

@@ -11,7 +11,8 @@ from parallel.planning.config import FullRecompute, NoRecompute
 from parallel.planning.layout import build_layout
 from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import RunShape, Target, Topology
-from tests.runs import TINY, launch, summary
+from tests.runs import TINY, summary
+from tests.shared_runs import case
 
 MB = 1_000_000
 
@@ -130,19 +131,22 @@ def test_a_large_vocabulary_makes_the_loss_backward_the_last_stages_working_set(
     assert fused["working set: loss backward"] == n * h * 4 + v * h * 4 + 2 * 64 * v * 4
 
 
-@pytest.mark.multiproc
-def test_a_two_rank_run_records_measured_and_predicted_peaks_within_10_percent(tmp_path):
-    run_dir = tmp_path / "run"
-    launch(
-        run_dir,
+CASES = {
+    "selective": case(
         *TINY,
         "train.steps=2",
         "train.trace_step=0",
         "train.micro_batches=4",
         "train.micro_batch_size=2",
+        "logger=none",
         "+recompute=selective",
     )
-    s = summary(run_dir)
+}
+
+
+@pytest.mark.multiproc
+def test_a_two_rank_run_records_measured_and_predicted_peaks_within_10_percent(case_runs):
+    s = summary(case_runs["selective"])
     measured, predicted = s["measured_peak_tensor_bytes_per_stage"], s["predicted_peak_bytes_per_stage"]
     assert len(measured) == len(predicted) == 2
     for m, p, terms in zip(measured, predicted, s["predicted_peak_tensor_terms_per_stage"]):

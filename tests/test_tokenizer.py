@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tokenizers
+import yaml
 from tokenizers import models, pre_tokenizers
 
 from data import (
@@ -29,7 +30,8 @@ from data import (
     save_tokenizer,
     text_cache_path,
 )
-from tests.runs import REPO, python_run
+from tests.runs import REPO
+from tests.shared_runs import case
 
 # Enough repeated words for a few hundred merges, small enough to train in milliseconds.
 CORPUS = "".join(
@@ -275,11 +277,8 @@ def test_runs_without_a_tokenizer_say_why(tmp_path: Path):
         load_tokenizer(tmp_path / "old")
 
 
-def test_a_bpe_run_saves_its_tokenizer_in_the_run_directory(tmp_path: Path):
-    corpus = _write_corpus(tmp_path, CORPUS * 3)
-    run_dir = tmp_path / "run"
-    python_run(
-        run_dir,
+CASES = {
+    "bpe": case(
         "model=tiny",
         "model.vocab_size=320",
         "model.seq_len=32",
@@ -287,15 +286,23 @@ def test_a_bpe_run_saves_its_tokenizer_in_the_run_directory(tmp_path: Path):
         "train.steps=2",
         "train.micro_batches=1",
         "train.micro_batch_size=2",
+        "train.trace_step=0",
         "logger=none",
         "data=text",
-        f"data.path={corpus}",
-        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.path={scratch}/corpus.txt",
+        "data.cache_dir={scratch}/cache",
         "data.tokenizer=bpe",
         "data.bpe_vocab_size=320",
-        timeout=240,
+        files={"corpus.txt": CORPUS * 3},
     )
+}
+
+
+@pytest.mark.multiproc
+def test_a_bpe_run_saves_its_tokenizer_in_the_run_directory(case_runs):
+    run_dir = case_runs["bpe"]
+    scratch = Path(yaml.safe_load((run_dir / "config.yaml").read_text())["data"]["cache_dir"]).parent
     tokenizer = load_tokenizer(run_dir)
     assert tokenizer.kind == "bpe" and 256 < tokenizer.vocab_size <= 320
-    trained = _bpe_json(tmp_path)[0]
+    trained = _bpe_json(scratch)[0]
     assert json.loads((run_dir / "tokenizer.json").read_text()) == json.loads(trained.read_text())

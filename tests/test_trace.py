@@ -15,7 +15,8 @@ from deepspeed.runtime.pipe.schedule import TrainSchedule
 from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.runtime.recompute import observe_recompute
 from sweep.report import write_report
-from tests.runs import TINY, free_port, launch, python_run, summary
+from tests.runs import TINY, free_port, python_run, summary
+from tests.shared_runs import case
 from tests.test_recompute_exact import loss_and_grads
 
 SHAPE = ["model.seq_len=32", "train.micro_batch_size=2", "train.save_every=0"]
@@ -23,14 +24,10 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 US = 0.01  # trace.json rounds ts and dur to 1e-3 us each
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("trace")
+CASES = {
     # Selective core_attn + mlp_act: a checkpoint's recompute and an output-discarding one in every block.
     # Step 3 runs after the traced step 2: an instruction map left wrapped would add its instructions.
-    selective = root / "selective"
-    launch(
-        selective,
+    "selective": case(
         *TINY,
         *SHAPE,
         "train.steps=3",
@@ -38,10 +35,16 @@ def runs(tmp_path_factory):
         "train.micro_batches=4",
         "+recompute=selective",
         "recompute.modules=[core_attn,mlp_act]",
-    )
-    none = root / "none"  # train.steps < 3: the default traces the last step
-    launch(none, *TINY, *SHAPE, "train.steps=2", "train.micro_batches=3")
-    return {"selective": (selective, 4), "none": (none, 3)}
+    ),
+    # No train.trace_step: with train.steps < 3 the default traces the last step.
+    "none": case(*TINY, *SHAPE, "train.steps=2", "train.micro_batches=3", "logger=none"),
+    "off": case(*TINY, *SHAPE, "train.steps=1", "train.trace_step=0", "train.micro_batches=2", "logger=none"),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(case_runs):
+    return {"selective": (case_runs["selective"], 4), "none": (case_runs["none"], 3)}
 
 
 def _events(run_dir):
@@ -174,9 +177,9 @@ def test_sweep_report_shows_bubbles_and_embeds_the_timelines(runs, tmp_path):
         assert f"[trace.json]({num}/trace.json)" in markdown
 
 
-def test_trace_step_zero_writes_nothing(tmp_path):
-    run_dir = tmp_path / "run"
-    python_run(run_dir, *TINY, *SHAPE, "train.steps=1", "train.trace_step=0", "train.micro_batches=2")
+@pytest.mark.multiproc
+def test_trace_step_zero_writes_nothing(case_runs):
+    run_dir = case_runs["off"]
     assert not (run_dir / "trace.json").exists() and not (run_dir / "timeline.png").exists()
     assert "traced_step" not in summary(run_dir)
 

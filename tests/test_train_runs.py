@@ -9,24 +9,33 @@ from data import SyntheticDataConfig, open_token_source
 from model import GPT, GPTConfig, lm_loss
 from parallel.runtime.threads import usable_cores
 from tests import wandb_file
-from tests.runs import TINY, cpu_env, launch, metrics, summary
+from tests.runs import TINY, metrics, summary
+from tests.shared_runs import case
 
 pytestmark = pytest.mark.multiproc
-MODES = {"none": [], "full": ["+recompute=full"], "selective": ["+recompute=selective"]}
-STEPS = ["train.steps=3", "train.micro_batches=4", "train.micro_batch_size=2"]
+MODES = {"none": ["logger=none"], "full": ["+recompute=full"], "selective": ["+recompute=selective", "logger=none"]}
+STEPS = ["train.steps=3", "train.micro_batches=4", "train.micro_batch_size=2", "train.trace_step=0"]
+CASES = {
+    **{mode: case(*TINY, *STEPS, "model.dropout=0.1", *overrides) for mode, overrides in MODES.items()},
+    "pipe": case(
+        *TINY,
+        "train.steps=1",
+        "train.micro_batches=3",
+        "train.micro_batch_size=2",
+        "train.trace_step=0",
+        "logger=none",
+        "model.dropout=0.0",
+        "parallel.partition_method=type:Block",
+    ),
+}
 
 
 @pytest.fixture(scope="module")
-def mode_runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("modes")
-    env = {k: v for k, v in cpu_env(root).items() if k != "OMP_NUM_THREADS"}  # as the deepspeed launcher leaves it
+def mode_runs(case_runs, shared_runs):
     share = max(1, usable_cores() // 2)  # each of the 2 ranks on this node (parallel/runtime/threads.py)
-    runs = {}
-    for mode, overrides in MODES.items():
-        result = launch(root / mode, *TINY, *STEPS, "model.dropout=0.1", *overrides, env=env)
-        assert f"stagecheck: {usable_cores()} cores / 2 ranks on this node: {share} intra-op thread" in result.stdout
-        runs[mode] = root / mode
-    return runs
+    line = f"stagecheck: {usable_cores()} cores / 2 ranks on this node: {share} intra-op thread"
+    assert line in shared_runs.case_output()  # the shared launch leaves OMP_NUM_THREADS unset, as the launcher does
+    return {mode: case_runs[mode] for mode in MODES}
 
 
 def test_every_mode_trains_with_bit_identical_losses(mode_runs):
@@ -71,17 +80,8 @@ def test_offline_wandb_run_holds_the_logged_values(mode_runs):
     assert wandb_file.run_info(wandb_path)["job_type"] == "full"
 
 
-def test_two_stage_pipeline_matches_the_unpipelined_model(tmp_path):
-    run_dir = tmp_path / "pipe"
-    launch(
-        run_dir,
-        *TINY,
-        "train.steps=1",
-        "train.micro_batches=3",
-        "train.micro_batch_size=2",
-        "model.dropout=0.0",
-        "parallel.partition_method=type:Block",
-    )
+def test_two_stage_pipeline_matches_the_unpipelined_model(case_runs):
+    run_dir = case_runs["pipe"]
     assert [stage["layers"] for stage in summary(run_dir)["layout"]] == [[0, 4], [4, 8]]
 
     cfg = GPTConfig(n_layer=4, n_head=4, n_embd=128, seq_len=128, vocab_size=256, dropout=0.0)
