@@ -5,7 +5,8 @@ INSTALLED := $(VENV)/.installed
 # CPU runs: DeepSpeed's CPU accelerator (gloo), W&B offline.
 CPU_ENV := DS_ACCELERATOR=cpu WANDB_MODE=offline
 
-.PHONY: venv demo test lint format docs
+.PHONY: venv demo test test-quick lint format docs
+# .venv with requirements.txt installed (again when requirements.txt changes).
 venv: $(INSTALLED)
 
 $(INSTALLED): requirements.txt
@@ -24,8 +25,15 @@ demo: venv
 	$(CPU_ENV) $(PY) generate.py checkpoint=$(DEMO_DIR) 'prompt="def "' max_new_tokens=120 temperature=0.8 \
 		top_k=40 seed=0
 
+# Every test: real deepspeed launches on gloo, Hydra, W&B offline, the local Slurm cluster; then the 25 slowest, so
+# the next regression shows. Multi-process runs share one launch per kind and world size (tests/shared_runs.py).
 test: venv
-	$(CPU_ENV) $(PY) -m pytest -q tests
+	$(CPU_ENV) $(PY) -m pytest -q tests --durations=25
+
+# The inner loop: every test that starts no process group (no `multiproc` or `slurm` marker). A test that starts
+# one without its marker fails under STAGECHECK_QUICK_TIER (tests/runs.py, tests/conftest.py).
+test-quick: venv
+	$(CPU_ENV) STAGECHECK_QUICK_TIER=1 $(PY) -m pytest -q tests -m "not multiproc and not slurm" --durations=10
 
 # ruff's lint and format checks (pyproject.toml); `make format` rewrites the files.
 lint: venv

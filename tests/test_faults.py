@@ -18,7 +18,7 @@ from schema.training import TrainConfig
 from tests.live_runs import start
 from tests.runs import REPO, TINY, launch, metrics, python_run
 
-COMMON = [*TINY, "train.steps=6", "train.save_every=2", "train.micro_batches=2"]
+COMMON = [*TINY, "train.steps=6", "train.save_every=2", "train.micro_batches=2", "train.trace_step=0", "logger=none"]
 
 
 @pytest.mark.multiproc
@@ -57,7 +57,7 @@ def test_injected_nans_are_skipped_then_stop_the_run_keeping_the_last_checkpoint
 @pytest.mark.multiproc
 def test_a_rank_killed_mid_step_ends_the_run_within_60_s_and_is_named(tmp_path):
     run_dir = tmp_path / "killed"
-    live = start(run_dir, *TINY, "train.steps=500", "train.save_every=0")
+    live = start(run_dir, *TINY, "train.steps=500", "train.save_every=0", "train.trace_step=0", "logger=none")
     try:
         live.wait_until(lambda: live.steps_logged() >= 2, "step 2")
         victim = live.rank_pid(1)
@@ -151,6 +151,7 @@ def test_resume_values(value, expected):
     assert TrainConfig(resume=value).resume == expected
 
 
+@pytest.mark.multiproc  # a process group of one, in this process
 def test_the_fp32_guard_skips_an_update_with_non_finite_gradients():
     from types import SimpleNamespace
 

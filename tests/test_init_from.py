@@ -121,12 +121,13 @@ def test_weights_of_another_shape_are_refused(hf):
         check_tensors(checkpoint, model)
 
 
+@pytest.mark.multiproc
 def test_two_stage_run_starts_from_hf_weights_and_a_resume_does_not_reload(tmp_path, hf):
     model, safetensors_dir, _ = hf
     run_dir = tmp_path / "run"
     # model=tiny's 4 blocks are replaced silently; an override equal to config.json's value is accepted.
     overrides = [*TINY, f"model.init_from={safetensors_dir}", "model.n_layer=2", "model.dropout=0"]
-    overrides += ["train.micro_batches=2", "logger=none"]
+    overrides += ["train.micro_batches=2", "train.trace_step=0", "logger=none"]
     first = launch(run_dir, *overrides, "train.steps=1")
     assert f"stagecheck: initial weights from {safetensors_dir}/model.safetensors" in first.stdout
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
@@ -150,6 +151,7 @@ def test_two_stage_run_starts_from_hf_weights_and_a_resume_does_not_reload(tmp_p
     assert "initial weights from" not in resumed.stdout  # the checkpoint's weights win
 
 
+@pytest.mark.multiproc
 def test_bf16_master_weights_are_the_fp32_hf_weights(tmp_path, hf):
     """DeepSpeed's BF16_Optimizer copies its fp32 masters from the module after casting it to bf16, which would
     round HF's weights to 8 bits of mantissa for good: the masters must hold the fp32 values themselves. A step
@@ -157,7 +159,7 @@ def test_bf16_master_weights_are_the_fp32_hf_weights(tmp_path, hf):
     model, safetensors_dir, _ = hf
     run_dir = tmp_path / "run"
     overrides = [*TINY, f"model.init_from={safetensors_dir}", "train.precision=bf16", "train.lr=1e-30"]
-    python_run(run_dir, *overrides, "train.steps=1", "logger=none")
+    python_run(run_dir, *overrides, "train.steps=1", "train.trace_step=0", "logger=none")
     (optim_file,) = (run_dir / "checkpoints").glob("step_*/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
     optim = torch.load(optim_file, weights_only=False)["optimizer_state_dict"]
     hf_state = model.state_dict()

@@ -53,7 +53,8 @@ def test_rank_variables_come_from_torch_then_slurm():
     assert read_dist_env({}).world_size == 1
 
 
+@pytest.mark.multiproc
 def test_python_train_py_alone_is_a_one_rank_run(tmp_path):
-    python_run(tmp_path / "run", *TINY, "train.steps=2", "train.micro_batches=2")
+    python_run(tmp_path / "run", *TINY, "train.steps=2", "train.micro_batches=2", "train.trace_step=0", "logger=none")
     s = summary(tmp_path / "run")
     assert (s["world_size"], s["pipeline_stages"], len(s["losses"])) == (1, 1, 2)

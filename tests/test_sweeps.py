@@ -129,7 +129,7 @@ def test_schema_check_rejects_what_wandb_rejects():
 @pytest.mark.multiproc
 def test_multirun_runs_three_modes_in_the_same_ranks_and_reports(tmp_path):
     sweep = tmp_path / "sweep"
-    result = launch_multirun(sweep, *TINY, "train.steps=2", "+recompute=none,full,selective")
+    result = launch_multirun(sweep, *TINY, "train.steps=2", "train.trace_step=0", "+recompute=none,full,selective")
     jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
     assert jobs == ["0", "1", "2"]
     summaries = {n: summary(sweep / n) for n in jobs}
@@ -165,6 +165,7 @@ def test_failing_jobs_are_marked_and_the_sweep_goes_on(tmp_path):
         sweep,
         *TINY,
         "train.steps=2",
+        "train.trace_step=0",
         "logger=none",
         "parallel.pipeline_stages=3,2",
         "train.inject_nan_at_steps=[1],[]",
@@ -190,9 +191,10 @@ def test_a_failure_inside_training_ends_the_sweep_and_a_relaunch_finishes_it(tmp
     from tests.runs import cpu_env
 
     sweep = tmp_path / "sweep"
+    quiet = ["train.trace_step=0", "logger=none"]
     env = cpu_env(tmp_path, STAGECHECK_TEST_FAIL="1:1")  # rank 1 raises at step 1 of the first job
     result = launch_multirun(
-        sweep, *TINY, "train.steps=2", "logger=none", "+recompute=none,full", check=False, env=env, timeout=300
+        sweep, *TINY, "train.steps=2", *quiet, "+recompute=none,full", check=False, env=env, timeout=300
     )
     assert result.returncode != 0
     assert "rank 1 failed: RuntimeError: injected failure" in (sweep / "0" / "FAILED").read_text()
@@ -201,7 +203,7 @@ def test_a_failure_inside_training_ends_the_sweep_and_a_relaunch_finishes_it(tmp
     # Relaunched into the same sweep directory, the sweep finishes: the failed job runs again (its partial
     # outputs need train.overwrite; its earlier FAILED is kept) and job 1 runs.
     again = launch_multirun(
-        sweep, *TINY, "train.steps=2", "logger=none", "+recompute=none,full", "train.overwrite=true", timeout=300
+        sweep, *TINY, "train.steps=2", *quiet, "+recompute=none,full", "train.overwrite=true", timeout=300
     )
     assert "injected failure" in (sweep / "0" / "FAILED.1").read_text()
     assert not (sweep / "0" / "FAILED").exists()
@@ -209,13 +211,13 @@ def test_a_failure_inside_training_ends_the_sweep_and_a_relaunch_finishes_it(tmp
     assert "job(s) failed" not in again.stderr
     # A third launch finds both jobs finished and skips them; the report covers both.
     done = {job: (sweep / job / "summary.json").stat().st_mtime_ns for job in ("0", "1")}
-    third = launch_multirun(sweep, *TINY, "train.steps=2", "logger=none", "+recompute=none,full", timeout=300)
+    third = launch_multirun(sweep, *TINY, "train.steps=2", *quiet, "+recompute=none,full", timeout=300)
     for job in ("0", "1"):
         assert f"stagecheck: sweep job {job} already finished in {sweep / job}: skipped" in third.stdout
         assert (sweep / job / "summary.json").stat().st_mtime_ns == done[job]
     assert "| 0 | none |" in (sweep / "report.md").read_text() and "| 1 | full" in (sweep / "report.md").read_text()
     # Another config is not taken for a finished job: as in any run directory, train.resume=auto continues
     # the job from its last checkpoint (here: one more step).
-    longer = launch_multirun(sweep, *TINY, "train.steps=3", "logger=none", "+recompute=none", timeout=300)
+    longer = launch_multirun(sweep, *TINY, "train.steps=3", *quiet, "+recompute=none", timeout=300)
     assert "already finished" not in longer.stdout and "resuming from" in longer.stdout + longer.stderr
     assert len(summary(sweep / "0")["losses"]) == 3
