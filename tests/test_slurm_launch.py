@@ -31,9 +31,11 @@ JOB_TIMEOUT_S = 420  # a requeue waits up to 120 s (cred_expire) before the job 
 FAIL_WITHIN_S = 90
 """A failing rank must end the job this soon after submission (start-up here takes ~15-30 s on 2 loaded cores)."""
 STAMP = "${stagecheck_stamp:}"
-# One rank per node; the test nodes have no GPUs (the scripts' defaults ask for 8 per node).
-TWO_NODES = ["--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0", "--time=10"]
+# One rank per node, on one core: the two test nodes share this machine's cores, and a rank runs as many intra-op
+# threads as SLURM_CPUS_PER_TASK gives it (parallel/runtime/threads.py). No GPUs (the scripts ask for 8 per node).
+TWO_NODES = ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--gpus-per-node=0", "--time=10"]
 SCRIPTS = ["slurm.sbatch", "slurm_deepspeed.sbatch"]
+PREEMPTED_STEPS = 8
 
 
 @dataclass
@@ -50,8 +52,16 @@ def _env(cluster, tmp_path: Path, **extra: str) -> dict:
     return cpu_env(tmp_path, SLURM_CONF=cluster.env["SLURM_CONF"], **extra)
 
 
-def _sbatch_wait(cluster, tmp_path: Path, script: str, *overrides: str, env: dict, while_running=None) -> Job:
-    """`sbatch --wait` as a user types it, from the repository root; the job is cancelled if the test gives up."""
+@dataclass
+class Submitted:
+    proc: subprocess.Popen
+    job_id: str
+    log: Path
+    started: float
+
+
+def _submit(cluster, tmp_path: Path, script: str, *overrides: str, env: dict) -> Submitted:
+    """`sbatch --wait` as a user types it, from the repository root, started in the background."""
     log = tmp_path / "job.out"
     cmd = [
         "sbatch",
@@ -67,45 +77,111 @@ def _sbatch_wait(cluster, tmp_path: Path, script: str, *overrides: str, env: dic
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     job_id = proc.stdout.readline().strip().split(";")[0]  # sbatch prints the id at submission
+    submitted = Submitted(proc, job_id, log, start)
+    if not job_id.isdigit():
+        _cancel(cluster, submitted)
+        raise AssertionError(f"sbatch did not submit: {job_id!r} {proc.stderr.read()}")
+    return submitted
+
+
+def _cancel(cluster, submitted: Submitted) -> None:
+    if submitted.job_id.isdigit():
+        cluster.run(["scancel", submitted.job_id], timeout=30)
+    submitted.proc.kill()
+
+
+def _sbatch_wait_all(cluster, jobs: dict, while_running=None) -> dict[str, Job]:
+    """Submit every job of `jobs` (key -> (tmp_path, script, overrides, env)) at once, so that their start-ups and
+    waits overlap; `while_running(key, job_id)` runs for each once all are submitted. Each job's Job by key; every
+    job is cancelled if the test gives up."""
+    submitted: dict[str, Submitted] = {}
     try:
-        assert job_id.isdigit(), f"sbatch did not submit: {job_id!r} {proc.stderr.read()}"
+        for key, (tmp_path, script, overrides, env) in jobs.items():
+            submitted[key] = _submit(cluster, tmp_path, script, *overrides, env=env)
         if while_running is not None:
-            while_running(job_id)
-        _, err = proc.communicate(timeout=JOB_TIMEOUT_S)
+            for key, job in submitted.items():
+                while_running(key, job.job_id)
+        finished = {}
+        for key, job in submitted.items():
+            _, err = job.proc.communicate(timeout=JOB_TIMEOUT_S)
+            log = job.log.read_text() if job.log.exists() else ""
+            finished[key] = Job(job.job_id, job.proc.returncode, err, log, time.monotonic() - job.started)
+        return finished
     except BaseException:
-        cluster.run(["scancel", job_id], timeout=30)
-        proc.kill()
+        for job in submitted.values():
+            _cancel(cluster, job)
         raise
-    return Job(job_id, proc.returncode, err, log.read_text() if log.exists() else "", time.monotonic() - start)
 
 
 def _why(job: Job, cluster) -> str:
     return f"sbatch exit {job.returncode}: {job.stderr}\n----- job log -----\n{job.log[-6000:]}\n{cluster.log_tail()}"
 
 
+@pytest.fixture(scope="module")
+def preempted_jobs(slurm_cluster, tmp_path_factory) -> dict[str, tuple[Job, Path]]:
+    """Each script's 2-stage job of PREEMPTED_STEPS steps, submitted together (their waits for the requeue
+    overlap), preempted after its first step: it checkpoints, exits 75, is requeued and finishes. Per script:
+    the job and its run directory."""
+    dirs = {script: tmp_path_factory.mktemp("preempted") for script in SCRIPTS}
+
+    def preempt_after_first_step(script: str, job_id: str) -> None:
+        metrics = dirs[script] / "runs" / f"slurm-{job_id}" / "metrics.jsonl"
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        while not (metrics.exists() and metrics.read_text().strip()):
+            assert time.monotonic() < deadline, "the job never logged a step"
+            time.sleep(0.5)
+        # What SLURM does at `--signal=B:USR1@120`: USR1 to the batch shell only, which forwards it. The requeued
+        # job then waits out SLURM's credential lifetime (AuthInfo=cred_expire: 30 s in launch/local_slurm.sh's
+        # cluster, 120 s by default) before it starts again; releasing it earlier would fail it.
+        slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job_id], timeout=30, check=True)
+
+    jobs = {
+        script: (dirs[script], script, [f"train.steps={PREEMPTED_STEPS}"], _env(slurm_cluster, dirs[script]))
+        for script in SCRIPTS
+    }
+    finished = _sbatch_wait_all(slurm_cluster, jobs, while_running=preempt_after_first_step)
+    return {script: (job, dirs[script] / "runs" / f"slurm-{job.job_id}") for script, job in finished.items()}
+
+
 @pytest.mark.slurm
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_two_stage_pipeline_runs_one_stage_per_node(slurm_cluster, tmp_path, script):
-    job = _sbatch_wait(slurm_cluster, tmp_path, script, "train.steps=2", env=_env(slurm_cluster, tmp_path))
+def test_two_stage_pipeline_runs_one_stage_per_node(slurm_cluster, preempted_jobs, script):
+    """The preempted job's run (the same directory for both attempts, one stage per node) finished as a local
+    run does."""
+    job, run_dir = preempted_jobs[script]  # the job id names the run (harness/run_dir.py)
     assert job.returncode == 0, _why(job, slurm_cluster)
-
-    run_dir = tmp_path / "runs" / f"slurm-{job.job_id}"  # the job id names the run (harness/run_dir.py)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["world_size"], summary["pipeline_stages"], summary["data_parallel_size"]) == (2, 2, 1)
     assert summary["node_per_rank"] == ["n1", "n2"], summary["node_per_rank"]
-    assert len(summary["losses"]) == 2
+    assert len(summary["losses"]) == PREEMPTED_STEPS
     # The same outputs as a local run.
     assert (run_dir / "config.yaml").is_file()
-    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == PREEMPTED_STEPS
     assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert "rendezvous n1:" in job.log
 
 
+@pytest.fixture(scope="module")
+def failing_jobs(slurm_cluster, tmp_path_factory) -> dict[str, tuple[Job, Path]]:
+    """Each script's job whose rank 1 (on n2) raises at step 2, submitted together."""
+    dirs = {script: tmp_path_factory.mktemp("failing") for script in SCRIPTS}
+    jobs = {
+        script: (
+            dirs[script],
+            script,
+            ["train.steps=20"],
+            _env(slurm_cluster, dirs[script], STAGECHECK_TEST_FAIL="1:2"),
+        )
+        for script in SCRIPTS
+    }
+    finished = _sbatch_wait_all(slurm_cluster, jobs)
+    return {script: (job, dirs[script]) for script, job in finished.items()}
+
+
 @pytest.mark.slurm
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_failing_rank_fails_the_job_without_hanging(slurm_cluster, tmp_path, script):
-    env = _env(slurm_cluster, tmp_path, STAGECHECK_TEST_FAIL="1:2")  # rank 1 (on n2) raises at step 2
-    job = _sbatch_wait(slurm_cluster, tmp_path, script, "train.steps=20", env=env)
+def test_failing_rank_fails_the_job_without_hanging(slurm_cluster, failing_jobs, script):
+    job, tmp_path = failing_jobs[script]
     assert job.returncode == 1, _why(job, slurm_cluster)
     assert job.elapsed_s < FAIL_WITHIN_S, f"the failed job took {job.elapsed_s:.0f} s\n{_why(job, slurm_cluster)}"
     assert "stagecheck: rank 1 failed: RuntimeError: injected failure at step 2" in job.log, _why(job, slurm_cluster)
@@ -116,52 +192,30 @@ def test_failing_rank_fails_the_job_without_hanging(slurm_cluster, tmp_path, scr
 
 @pytest.mark.slurm
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_preempted_job_checkpoints_requeues_and_finishes(slurm_cluster, tmp_path, script):
-    steps = 8
-    run_dir = tmp_path / "runs"
-
-    def preempt_after_first_step(job_id: str) -> None:
-        metrics = run_dir / f"slurm-{job_id}" / "metrics.jsonl"
-        deadline = time.monotonic() + JOB_TIMEOUT_S
-        while not (metrics.exists() and metrics.read_text().strip()):
-            assert time.monotonic() < deadline, "the job never logged a step"
-            time.sleep(0.5)
-        # What SLURM does at `--signal=B:USR1@120`: USR1 to the batch shell only, which forwards it. The requeued
-        # job then waits out SLURM's credential lifetime (AuthInfo=cred_expire: 30 s in launch/local_slurm.sh's
-        # cluster, 120 s by default) before it starts again; releasing it earlier would fail it.
-        slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job_id], timeout=30, check=True)
-
-    job = _sbatch_wait(
-        slurm_cluster,
-        tmp_path,
-        script,
-        f"train.steps={steps}",
-        env=_env(slurm_cluster, tmp_path),
-        while_running=preempt_after_first_step,
-    )
+def test_preempted_job_checkpoints_requeues_and_finishes(slurm_cluster, preempted_jobs, script):
+    job, run = preempted_jobs[script]  # the same directory for both attempts
     assert job.returncode == 0, _why(job, slurm_cluster)
     assert "exiting 75" in job.log and "requeueing job" in job.log, _why(job, slurm_cluster)
     assert f"job {job.job_id} (restart 1)" in job.log, _why(job, slurm_cluster)
     assert "stagecheck: resuming from" in job.log, _why(job, slurm_cluster)
 
-    run = run_dir / f"slurm-{job.job_id}"  # the same directory for both attempts
     steps_logged = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps_logged == list(range(1, steps + 1))  # every step once: resumed after the checkpoint
-    assert len(json.loads((run / "summary.json").read_text())["losses"]) == steps
-    assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{steps:08d}"
+    assert steps_logged == list(range(1, PREEMPTED_STEPS + 1))  # every step once: resumed after the checkpoint
+    assert len(json.loads((run / "summary.json").read_text())["losses"]) == PREEMPTED_STEPS
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{PREEMPTED_STEPS:08d}"
 
 
-def _submitit_sweep(
-    cluster, tmp_path: Path, *overrides: str, env: dict, launcher: str = "slurm", sweep_dir: str = ""
-) -> subprocess.CompletedProcess:
-    cmd = [
+def _submitit_command(cluster, tmp_path: Path, *overrides: str, launcher: str = "slurm", sweep_dir: str = "") -> list:
+    return [
         sys.executable,
         "train.py",
         "-m",
         f"hydra/launcher={launcher}",
-        # The test cluster: 2 nodes, one task per node, no GPUs (conf/hydra/launcher/slurm.yaml asks for 8).
+        # The test cluster: 2 nodes, one task per node on one core (as TWO_NODES), no GPUs (conf/hydra/launcher/
+        # slurm.yaml asks for 8).
         "hydra.launcher.nodes=2",
         "hydra.launcher.tasks_per_node=1",
+        "hydra.launcher.cpus_per_task=1",
         "hydra.launcher.gpus_per_node=null",
         f"hydra.launcher.partition={cluster.partition}",
         "hydra.launcher.timeout_min=10",
@@ -170,16 +224,68 @@ def _submitit_sweep(
         "train.steps=2",
         *overrides,
     ]
+
+
+def _submitit_sweep(cluster, tmp_path: Path, *overrides: str, env: dict, sweep_dir: str) -> subprocess.CompletedProcess:
+    cmd = _submitit_command(cluster, tmp_path, *overrides, sweep_dir=sweep_dir)
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S * 2)
+
+
+@dataclass
+class Sweep:
+    tmp_path: Path
+    env: dict
+    result: subprocess.CompletedProcess
+    elapsed_s: float
+    """From the submitting command's start to its exit."""
+
+
+SWEEPS = {
+    "slurm": (["+recompute=none,full,selective"], {}, "slurm"),
+    "submitit_slurm": (["+recompute=none,full,selective"], {}, "submitit_slurm"),
+    "failing_rank": (["+recompute=none"], {"STAGECHECK_TEST_FAIL": "1:1"}, "slurm"),
+    # pipeline_stages=3 does not divide the world size 2: every rank of job 1 rejects it at start-up
+    # (harness/startup.py) and marks the job FAILED; job 0 trains.
+    "rejected_job": (["parallel.pipeline_stages=2,3"], {}, "slurm"),
+}
+
+
+@pytest.fixture(scope="module")
+def submitit_sweeps(slurm_cluster, tmp_path_factory) -> dict[str, Sweep]:
+    """The sweeps of SWEEPS, each `python train.py -m hydra/launcher=...` as a user types it, all submitted at
+    once: their jobs queue and run side by side on the test cluster, and their waits overlap."""
+    running = {}
+    try:
+        for key, (overrides, extra_env, launcher) in SWEEPS.items():
+            tmp_path = tmp_path_factory.mktemp(key)
+            env = _env(slurm_cluster, tmp_path, **extra_env)
+            cmd = _submitit_command(slurm_cluster, tmp_path, *overrides, launcher=launcher)
+            with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
+                proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err, text=True)
+            running[key] = (tmp_path, env, proc, time.monotonic())
+        finished = {}
+        deadline = time.monotonic() + JOB_TIMEOUT_S * 2
+        while len(finished) < len(running):
+            assert time.monotonic() < deadline, f"sweeps still running: {sorted(set(running) - set(finished))}"
+            for key, (tmp_path, env, proc, started) in running.items():
+                if key not in finished and proc.poll() is not None:
+                    output = [(tmp_path / name).read_text() for name in ("stdout", "stderr")]
+                    result = subprocess.CompletedProcess(proc.args, proc.returncode, *output)
+                    finished[key] = Sweep(tmp_path, env, result, time.monotonic() - started)
+            time.sleep(0.2)
+        return finished
+    finally:
+        for _, _, proc, _ in running.values():
+            proc.kill()
 
 
 # `slurm`: stagecheck's launcher; `submitit_slurm`: hydra-submitit-launcher's own, unchanged, the command as
 # issue 5 words it (it polls sacct, which fails here without accounting: harmless while every job succeeds).
 @pytest.mark.slurm
 @pytest.mark.parametrize("launcher", ["slurm", "submitit_slurm"])
-def test_submitit_sweep_runs_three_multi_rank_jobs(slurm_cluster, tmp_path, launcher):
-    env = _env(slurm_cluster, tmp_path)
-    result = _submitit_sweep(slurm_cluster, tmp_path, "+recompute=none,full,selective", env=env, launcher=launcher)
+def test_submitit_sweep_runs_three_multi_rank_jobs(slurm_cluster, submitit_sweeps, launcher):
+    sweep_run = submitit_sweeps[launcher]
+    result, tmp_path = sweep_run.result, sweep_run.tmp_path
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     if launcher == "slurm":
         assert "sacct" not in result.stderr  # never asked (it fails without an accounting database)
@@ -201,7 +307,7 @@ def test_submitit_sweep_runs_three_multi_rank_jobs(slurm_cluster, tmp_path, laun
         done = {num: (sweep / str(num) / "summary.json").stat().st_mtime_ns for num in range(3)}
         (sweep / "report.md").unlink()
         again = _submitit_sweep(
-            slurm_cluster, tmp_path, "+recompute=none,full,selective", env=env, sweep_dir=str(sweep)
+            slurm_cluster, tmp_path, "+recompute=none,full,selective", env=sweep_run.env, sweep_dir=str(sweep)
         )
         assert again.returncode == 0, f"{again.stdout[-3000:]}\n{again.stderr[-6000:]}"
         assert {num: (sweep / str(num) / "summary.json").stat().st_mtime_ns for num in range(3)} == done
@@ -209,11 +315,8 @@ def test_submitit_sweep_runs_three_multi_rank_jobs(slurm_cluster, tmp_path, laun
 
 
 @pytest.mark.slurm
-def test_submitit_sweep_with_a_failing_rank_fails_instead_of_waiting(slurm_cluster, tmp_path):
-    env = _env(slurm_cluster, tmp_path, STAGECHECK_TEST_FAIL="1:1")
-    start = time.monotonic()
-    result = _submitit_sweep(slurm_cluster, tmp_path, "+recompute=none", env=env)
-    elapsed = time.monotonic() - start
+def test_submitit_sweep_with_a_failing_rank_fails_instead_of_waiting(submitit_sweeps):
+    result, elapsed = submitit_sweeps["failing_rank"].result, submitit_sweeps["failing_rank"].elapsed_s
     assert result.returncode == 1, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     assert "sweep job 0 (SLURM job" in result.stderr, result.stderr[-6000:]
     assert "ended without a result" in result.stderr, result.stderr[-6000:]
@@ -222,10 +325,9 @@ def test_submitit_sweep_with_a_failing_rank_fails_instead_of_waiting(slurm_clust
 
 
 @pytest.mark.slurm
-def test_submitit_sweep_reports_a_job_rejected_at_start_up_after_the_others_finish(slurm_cluster, tmp_path):
-    # pipeline_stages=3 does not divide the world size 2: every rank of job 1 rejects it at start-up
-    # (harness/startup.py) and marks the job FAILED; job 0 trains. The sweep must not exit 0.
-    result = _submitit_sweep(slurm_cluster, tmp_path, "parallel.pipeline_stages=2,3", env=_env(slurm_cluster, tmp_path))
+def test_submitit_sweep_reports_a_job_rejected_at_start_up_after_the_others_finish(submitit_sweeps):
+    # The sweep must not exit 0.
+    result, tmp_path = submitit_sweeps["rejected_job"].result, submitit_sweeps["rejected_job"].tmp_path
     assert result.returncode == 1, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     assert "sweep job 1 (SLURM job" in result.stderr, result.stderr[-6000:]
     assert "parallel.pipeline_stages=3 does not divide the world size 2" in result.stderr, result.stderr[-6000:]
