@@ -3,11 +3,15 @@
 `make test-quick` (QUICK_TIER set) leaves out the tests marked `multiproc`: every launch, and every `python
 train.py` that trains, starts a process group. A test that starts one without the marker fails here, naming it."""
 
+import atexit
 import json
 import os
+import select
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,16 +87,69 @@ def python_run(
     tmp: Path | None = None,
 ) -> subprocess.CompletedProcess:
     """`python train.py ...`: a 1-rank run, or a dry run / start-up failure (`check=False`). Only the latter two
-    start no process group."""
+    start no process group. A run expected to fail (`check=False`) runs in a child of the start-up server."""
     dry_run = "dry_run=true" in overrides
     if check and not dry_run:
         refuse_in_quick_tier("python train.py without dry_run=true (a 1-rank training run)")
     before = _metrics_written(run_dir)
     cmd = [sys.executable, "train.py", *([f"hydra.run.dir={run_dir}"] if run_dir else []), *overrides]
-    result = _run(cmd, run_dir or tmp, timeout, check, env)
+    if check:
+        result = _run(cmd, run_dir or tmp, timeout, check, env)
+    else:
+        scratch = run_dir or tmp
+        result = _START_UP.run(cmd, env or cpu_env(scratch.parent if scratch is not None else REPO), timeout)
     if _metrics_written(run_dir) != before:  # it trained a step
         refuse_in_quick_tier("python train.py that trained")
     return result
+
+
+class StartUpServer:
+    """tests/start_up_server.py, started on first use: `python train.py` runs, each in a forked child."""
+
+    def __init__(self):
+        self.proc: subprocess.Popen | None = None
+
+    def run(self, cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+        if self.proc is None or self.proc.poll() is not None:
+            server = [sys.executable, "-u", str(REPO / "tests" / "start_up_server.py")]
+            self.proc = subprocess.Popen(
+                server,
+                cwd=REPO,
+                env={**os.environ, "PYTHONPATH": str(REPO)},
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        with tempfile.TemporaryDirectory() as out:
+            stdout, stderr = Path(out) / "stdout", Path(out) / "stderr"
+            request = {"argv": cmd[1:], "env": env, "cwd": str(REPO), "stdout": str(stdout), "stderr": str(stderr)}
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            pid = self._answer(60)["pid"]
+            try:
+                code = self._answer(timeout)["code"]
+            except subprocess.TimeoutExpired:
+                os.kill(pid, signal.SIGKILL)
+                self._answer(60)
+                raise
+            return subprocess.CompletedProcess(cmd, code, stdout.read_text(), stderr.read_text())
+
+    def _answer(self, timeout: float) -> dict:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            raise subprocess.TimeoutExpired("tests/start_up_server.py", timeout)
+        line = self.proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"tests/start_up_server.py exited {self.proc.wait()}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+
+
+_START_UP = StartUpServer()
+atexit.register(_START_UP.close)
 
 
 def _metrics_written(run_dir: Path | None) -> int | None:
