@@ -207,7 +207,7 @@ def test_auto_run_applies_a_per_stage_plan_exact_against_none(case_runs, shared_
         choices = [stage["choices"] for stage in auto["layout"]]
         assert choices[0] != choices[1] and any(c != "none" for c in choices[0])
         assert auto["losses"] == none["losses"]
-        for measured, planned in zip(auto["activation_bytes_per_stage"], auto["planned_activation_bytes_per_stage"]):
-            assert measured == pytest.approx(planned, rel=0.05)
+        # exact: the meter counts the bytes each saved tensor holds, the plan the same tensors (it was within 5%)
+        assert auto["activation_bytes_per_stage"] == auto["planned_activation_bytes_per_stage"]
         assert all(peak <= 0.0135 * GIB for peak in auto["predicted_peak_bytes_per_stage"])
         assert auto["predicted_step_time_s"] > 0  # the simulated step of the plan, beside the measured one
