@@ -16,8 +16,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -118,10 +119,10 @@ def _why(job: Job, cluster) -> str:
 
 
 @pytest.fixture(scope="module")
-def preempted_jobs(slurm_cluster, tmp_path_factory) -> dict[str, tuple[Job, Path]]:
+def preempted_jobs(slurm_cluster, tmp_path_factory, submitit_sweeps) -> dict[str, tuple[Job, Path]]:
     """Each script's 2-stage job of PREEMPTED_STEPS steps, submitted together (their waits for the requeue
-    overlap), preempted after its first step: it checkpoints, exits 75, is requeued and finishes. Per script:
-    the job and its run directory."""
+    overlap, and the submitit sweeps run meanwhile), preempted after its first step: it checkpoints, exits 75, is
+    requeued and finishes. Per script: the job and its run directory."""
     dirs = {script: tmp_path_factory.mktemp("preempted") for script in SCRIPTS}
 
     def preempt_after_first_step(script: str, job_id: str) -> None:
@@ -235,9 +236,23 @@ def _submitit_sweep(cluster, tmp_path: Path, *overrides: str, env: dict, sweep_d
 class Sweep:
     tmp_path: Path
     env: dict
-    result: subprocess.CompletedProcess
-    elapsed_s: float
-    """From the submitting command's start to its exit."""
+    proc: subprocess.Popen
+    started: float
+    ended: list[float] = field(default_factory=list)
+    """When the submitting command exited (set by its waiter thread)."""
+
+    def result(self) -> subprocess.CompletedProcess:
+        self.proc.wait(timeout=JOB_TIMEOUT_S * 2)
+        output = [(self.tmp_path / name).read_text() for name in ("stdout", "stderr")]
+        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, *output)
+
+    @property
+    def elapsed_s(self) -> float:
+        """From the submitting command's start to its exit."""
+        self.proc.wait(timeout=JOB_TIMEOUT_S * 2)
+        while not self.ended:
+            time.sleep(0.05)
+        return self.ended[0] - self.started
 
 
 SWEEPS = {
@@ -253,7 +268,8 @@ SWEEPS = {
 @pytest.fixture(scope="module")
 def submitit_sweeps(slurm_cluster, tmp_path_factory) -> dict[str, Sweep]:
     """The sweeps of SWEEPS, each `python train.py -m hydra/launcher=...` as a user types it, all submitted at
-    once: their jobs queue and run side by side on the test cluster, and their waits overlap."""
+    once and left running: their jobs queue and run side by side on the test cluster (with the preempted jobs,
+    whose fixture asks for this one first), so that their waits overlap. A test reads its sweep's result."""
     running = {}
     try:
         for key, (overrides, extra_env, launcher) in SWEEPS.items():
@@ -262,21 +278,14 @@ def submitit_sweeps(slurm_cluster, tmp_path_factory) -> dict[str, Sweep]:
             cmd = _submitit_command(slurm_cluster, tmp_path, *overrides, launcher=launcher)
             with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
                 proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err, text=True)
-            running[key] = (tmp_path, env, proc, time.monotonic())
-        finished = {}
-        deadline = time.monotonic() + JOB_TIMEOUT_S * 2
-        while len(finished) < len(running):
-            assert time.monotonic() < deadline, f"sweeps still running: {sorted(set(running) - set(finished))}"
-            for key, (tmp_path, env, proc, started) in running.items():
-                if key not in finished and proc.poll() is not None:
-                    output = [(tmp_path / name).read_text() for name in ("stdout", "stderr")]
-                    result = subprocess.CompletedProcess(proc.args, proc.returncode, *output)
-                    finished[key] = Sweep(tmp_path, env, result, time.monotonic() - started)
-            time.sleep(0.2)
-        return finished
+            sweep = running[key] = Sweep(tmp_path, env, proc, time.monotonic())
+            threading.Thread(
+                target=lambda s=sweep: (s.proc.wait(), s.ended.append(time.monotonic())), daemon=True
+            ).start()
+        yield running
     finally:
-        for _, _, proc, _ in running.values():
-            proc.kill()
+        for sweep in running.values():
+            sweep.proc.kill()
 
 
 # `slurm`: stagecheck's launcher; `submitit_slurm`: hydra-submitit-launcher's own, unchanged, the command as
@@ -285,7 +294,7 @@ def submitit_sweeps(slurm_cluster, tmp_path_factory) -> dict[str, Sweep]:
 @pytest.mark.parametrize("launcher", ["slurm", "submitit_slurm"])
 def test_submitit_sweep_runs_three_multi_rank_jobs(slurm_cluster, submitit_sweeps, launcher):
     sweep_run = submitit_sweeps[launcher]
-    result, tmp_path = sweep_run.result, sweep_run.tmp_path
+    result, tmp_path = sweep_run.result(), sweep_run.tmp_path
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     if launcher == "slurm":
         assert "sacct" not in result.stderr  # never asked (it fails without an accounting database)
@@ -316,7 +325,7 @@ def test_submitit_sweep_runs_three_multi_rank_jobs(slurm_cluster, submitit_sweep
 
 @pytest.mark.slurm
 def test_submitit_sweep_with_a_failing_rank_fails_instead_of_waiting(submitit_sweeps):
-    result, elapsed = submitit_sweeps["failing_rank"].result, submitit_sweeps["failing_rank"].elapsed_s
+    result, elapsed = submitit_sweeps["failing_rank"].result(), submitit_sweeps["failing_rank"].elapsed_s
     assert result.returncode == 1, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     assert "sweep job 0 (SLURM job" in result.stderr, result.stderr[-6000:]
     assert "ended without a result" in result.stderr, result.stderr[-6000:]
@@ -327,7 +336,7 @@ def test_submitit_sweep_with_a_failing_rank_fails_instead_of_waiting(submitit_sw
 @pytest.mark.slurm
 def test_submitit_sweep_reports_a_job_rejected_at_start_up_after_the_others_finish(submitit_sweeps):
     # The sweep must not exit 0.
-    result, tmp_path = submitit_sweeps["rejected_job"].result, submitit_sweeps["rejected_job"].tmp_path
+    result, tmp_path = submitit_sweeps["rejected_job"].result(), submitit_sweeps["rejected_job"].tmp_path
     assert result.returncode == 1, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     assert "sweep job 1 (SLURM job" in result.stderr, result.stderr[-6000:]
     assert "parallel.pipeline_stages=3 does not divide the world size 2" in result.stderr, result.stderr[-6000:]
