@@ -35,11 +35,12 @@ test: venv
 test-quick: venv
 	$(CPU_ENV) STAGECHECK_QUICK_TIER=1 $(PY) -m pytest -q tests -m "not multiproc and not slurm" --durations=10
 
-# ruff's lint and format checks (pyproject.toml); `make format` rewrites the files.
+# ruff's lint and format checks (pyproject.toml).
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# What lint checks, fixed in place: ruff's fixable findings, then its formatting.
 format: venv
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
