@@ -180,13 +180,14 @@ class SharedRuns:
             lambda env: launch_script(
                 ENGINE_DRIVER, str(scratch), json.dumps(spec), nproc=nproc, env=env, timeout=1800, check=False
             ),
+            PYTHONPATH=str(REPO),  # the fixtures import the repository's packages from tests/fixtures/
         )
 
     @staticmethod
-    def _run(scratch: Path, start) -> Launch:
+    def _run(scratch: Path, start, **extra_env: str) -> Launch:
         extensions = scratch / "torch_extensions"
         shared_before = set(SHARED_MEMORY.iterdir())
-        env = cpu_env(scratch, TORCH_EXTENSIONS_DIR=str(extensions), PYTHONPATH=str(REPO))
+        env = cpu_env(scratch, TORCH_EXTENSIONS_DIR=str(extensions), **extra_env)
         env.pop("OMP_NUM_THREADS", None)  # as the deepspeed launcher leaves it: each rank takes its share
         result = start(env)
         return Launch(result, set(SHARED_MEMORY.iterdir()) - shared_before, extensions)
