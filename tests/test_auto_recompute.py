@@ -165,10 +165,10 @@ def test_uniform_modes_keep_their_own_layout():
 def test_gpt3_175b_on_16_stages_plans_in_seconds():
     gpt3 = GPTConfig(n_layer=96, n_head=96, n_embd=12288, seq_len=2048, vocab_size=50257, dropout=0.1, attention="math")
     run = RunShape(Topology(16, 64), Target("cuda", "bf16"), micro_batches=32, micro_batch_size=1, zero_stage=1)
-    start = time.perf_counter()
+    start = time.process_time()  # CPU seconds: load stretches the wall time, not the planner's work
     # 82 GiB: the first stage's working set alone is ~4.5 GiB (math attention's softmax backward in fp32 at s=2048)
     budgets = _budgets(gpt3, AutoRecompute(budget_gb=82.0), run)
-    assert time.perf_counter() - start < 10
+    assert time.process_time() - start < 10
     assert all(b.predicted_peak_bytes <= 80 * GIB for b in budgets)
 
     assert budgets[0].choice.cost >= budgets[-1].choice.cost
