@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,22 +109,21 @@ class StartUpServer:
 
     def __init__(self):
         self.proc: subprocess.Popen | None = None
+        self.pending = b""
+        """What the server wrote that no answer has taken yet (its pid and exit-code lines can come together)."""
 
     def run(self, cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
         if self.proc is None or self.proc.poll() is not None:
             server = [sys.executable, "-u", str(REPO / "tests" / "start_up_server.py")]
+            env_of_server = {**os.environ, "PYTHONPATH": str(REPO)}
             self.proc = subprocess.Popen(
-                server,
-                cwd=REPO,
-                env={**os.environ, "PYTHONPATH": str(REPO)},
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
+                server, cwd=REPO, env=env_of_server, stdin=subprocess.PIPE, stdout=subprocess.PIPE
             )
+            self.pending = b""
         with tempfile.TemporaryDirectory() as out:
             stdout, stderr = Path(out) / "stdout", Path(out) / "stderr"
             request = {"argv": cmd[1:], "env": env, "cwd": str(REPO), "stdout": str(stdout), "stderr": str(stderr)}
-            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
             self.proc.stdin.flush()
             pid = self._answer(60)["pid"]
             try:
@@ -135,12 +135,17 @@ class StartUpServer:
             return subprocess.CompletedProcess(cmd, code, stdout.read_text(), stderr.read_text())
 
     def _answer(self, timeout: float) -> dict:
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
-            raise subprocess.TimeoutExpired("tests/start_up_server.py", timeout)
-        line = self.proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"tests/start_up_server.py exited {self.proc.wait()}")
+        """The server's next line, read straight from its pipe (no buffer that select cannot see)."""
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.pending:
+            if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                raise subprocess.TimeoutExpired("tests/start_up_server.py", timeout)
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                raise AssertionError(f"tests/start_up_server.py exited {self.proc.wait()}")
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
         return json.loads(line)
 
     def close(self) -> None:
