@@ -33,11 +33,12 @@ def check_data_files(config: DataConfig, seq_len: int) -> None:
     if isinstance(config, TextDataConfig):
         _check_text(config, seq_len)
     elif isinstance(config, MemmapDataConfig):
-        for path, option in ((config.path, "data.path"), (config.val_path, "data.val_path")):
+        files = config.files()
+        for path, option in ((files.path, "data.path"), (files.val_path, "data.val_path")):
             if path is not None:
-                tokens = np.memmap(path, dtype=np.uint16, mode="r")  # (N,)
+                tokens = np.memmap(path, dtype=files.dtype, mode="r")  # (N,)
                 _check_length(int(tokens.shape[0]), seq_len, option, path)
-                _check_id_sample(tokens, config.vocab_size, option, path)
+                _check_id_sample(tokens, files.vocab_size, option, path)
 
 
 def _check_text(config: TextDataConfig, seq_len: int) -> None:
