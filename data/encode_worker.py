@@ -98,7 +98,7 @@ class ChunkEncoder:
             except UnicodeDecodeError as error:
                 raise ValueError(f"{where}: the line is not UTF-8 ({error.reason} at byte {error.start})") from None
             except json.JSONDecodeError as error:
-                raise ValueError(f"{where}: malformed JSON ({error.msg} at column {error.colno})") from None
+                raise ValueError(f"{where}: malformed JSON at column {error.colno} ({error.msg})") from None
             if not isinstance(record, dict):
                 raise ValueError(f"{where}: the line holds a JSON {type(record).__name__}, not an object")
             if field not in record:

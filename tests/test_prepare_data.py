@@ -243,7 +243,7 @@ def test_bad_input_names_the_file_and_line(tmp_path: Path):
     jsonl = write_jsonl(tmp_path / "c.jsonl", DOCUMENTS)
     with open(jsonl, "a") as handle:
         handle.write('{"text": "cut off\n{"other": "x"}\n')
-    refused(tmp_path, jsonl, rf"{jsonl}:41: malformed JSON \(Unterminated string", workers=2)
+    refused(tmp_path, jsonl, rf"{jsonl}:41: malformed JSON at column 10 \(Unterminated string", workers=2)
     write_jsonl(jsonl, ["a", "b"], field="body")
     refused(tmp_path, jsonl, rf"{jsonl}:1: the record has no field 'text' \(fields: id, body\): set text_field")
     run_prepare(jsonl, tmp_path / "body", text_field="body", val_count=0)
@@ -342,7 +342,7 @@ def test_a_run_on_prepared_data_trains_evaluates_and_samples_with_its_tokenizer(
     tokenizer = load_tokenizer(run_dir)
     assert (tokenizer.kind, tokenizer.vocab_size, tokenizer.eos_id) == ("bytes", 257, EOS)
     sample = subprocess.run(
-        [sys.executable, str(REPO / "generate.py"), f"checkpoint={run_dir}", "prompt=def", "max_new_tokens=40"],
+        [sys.executable, str(REPO / "generate.py"), f"checkpoint={run_dir}", "prompt=def", "max_new_tokens=20"],
         cwd=run_dir,
         env=cpu_env(run_dir),
         capture_output=True,
