@@ -146,6 +146,7 @@ _ENCODER: ChunkEncoder | None = None
 def init_worker(spec: EncoderSpec) -> None:
     global _ENCODER
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the pool ends its workers with SIGTERM: no clean-up to run
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent ends the pool
     _ENCODER = ChunkEncoder(spec)
 
 

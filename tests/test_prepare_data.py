@@ -16,7 +16,7 @@ import pytest
 import tokenizers
 from tokenizers import models, pre_tokenizers
 
-from data import MemmapDataConfig, check_data_files, check_vocab, open_token_source, open_tokenizer
+from data import MemmapDataConfig, TextDataConfig, check_data_files, check_vocab, open_token_source, open_tokenizer
 from data.prepare import plan_prepare, prepare
 from data.prepare_config import PrepareDataConfig
 from data.token_files import META_FILE
@@ -173,6 +173,23 @@ def test_a_vocabulary_past_uint16_writes_uint32_and_data_memmap_reads_it(tmp_pat
     assert load_tokenizer(tmp_path / "run").encode("w65536 w2") == [65_536, 2]
 
 
+def test_data_text_uses_the_same_workers_uint32_and_eos_after_every_file(tmp_path: Path):
+    big = big_vocab_tokenizer(tmp_path)
+    folder = write_text_folder(tmp_path / "texts", ["w1 w65536", "", "w69997\nw2"])
+    caches = []
+    for workers in (1, 2):
+        config = TextDataConfig(
+            path=str(folder), cache_dir=str(tmp_path / f"cache{workers}"), tokenizer="bpe", tokenizer_file=str(big)
+        )
+        config.workers = workers
+        source = open_token_source(config, 70_000)
+        caches.append(Path(source.path).read_bytes())
+    assert caches[0] == caches[1]
+    assert source.tokens.dtype == np.uint32 and source.tokens.tolist() == [1, 65_536, 69_999, 69_997, 2, 69_999]
+    with pytest.raises(ValueError, match="has 6 bpe tokens"):  # the cache's length is read in uint32 tokens
+        check_data_files(config, seq_len=2)
+
+
 def test_memmap_refuses_metadata_that_disagrees(tmp_path: Path):
     out = tmp_path / "out"
     run_prepare(make_input(tmp_path, "jsonl"), out)
@@ -288,7 +305,7 @@ def test_the_command_ends_bad_input_with_one_line_and_exit_code_2(tmp_path: Path
 
 
 def test_an_interrupted_prepare_leaves_nothing_a_run_would_accept(tmp_path: Path):
-    source = write_jsonl(tmp_path / "big.jsonl", [f"document {i} " * 40 for i in range(60_000)])  # about 30 MB
+    source = write_jsonl(tmp_path / "big.jsonl", [f"document {i} " * 40 for i in range(8_000)])  # about 5 MB
     out = tmp_path / "out"
     process = command(f"input={source}", f"out={out}", "workers=1", cwd=tmp_path)
     deadline = time.monotonic() + 120
