@@ -90,8 +90,11 @@ def plan_prepare(config: PrepareDataConfig) -> PreparePlan:
 
 def prepare(config: PrepareDataConfig) -> str:
     """Prepare the corpus of ``config`` (or find it prepared); returns the summary to print."""
-    plan = plan_prepare(config)
+    config.validate()
     out = os.path.abspath(config.out)
+    if not os.path.exists(os.path.join(out, META_FILE)):
+        _check_out_is_free(out)  # before the corpus is read: only a finished prepare might be reused
+    plan = plan_prepare(config)
     if _finished(out, plan.key):
         return f"{out} already holds this corpus prepared with these options: reusing it\n{_describe(out)}"
     _check_out_is_free(out)

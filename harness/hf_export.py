@@ -58,6 +58,8 @@ def write_hf_dir(model: GPT, tokenizer: Tokenizer | None, out: Path) -> None:
         if tokenizer is not None and tokenizer.kind == "bpe":
             save_tokenizer(tokenizer, tmp)  # tokenizer.json
             tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.config.seq_len}
+            if tokenizer.eos_id is not None:  # the token that ended every document in training
+                tokenizer_config["eos_token"] = tokenizer.hf.id_to_token(tokenizer.eos_id)
             (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
         for child in tmp.iterdir():
             fsync_path(child)

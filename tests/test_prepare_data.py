@@ -83,6 +83,19 @@ def split_documents(tokens: np.ndarray, eos: int) -> list[list[int]]:
     return [tokens[start + 1 if i else 0 : end].tolist() for i, (start, end) in enumerate(zip([-1, *ends], ends))]
 
 
+def byte_level_bpe(documents: list[str], vocab_size: int) -> tokenizers.Tokenizer:
+    """GPT-2's recipe, small: byte-level pre-tokens, merges learnt from ``documents``, <|endoftext|> its last id."""
+    bpe = tokenizers.Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    bpe.train_from_iterator(
+        documents, tokenizers.trainers.BpeTrainer(vocab_size=vocab_size - 1, initial_alphabet=alphabet)
+    )
+    bpe.add_special_tokens(["<|endoftext|>"])
+    return bpe
+
+
 def big_vocab_tokenizer(tmp_path: Path, size: int = 70_000) -> Path:
     """A word-level tokenizer of ``size`` ids, past what uint16 holds: w0 ... w{size-3}, [UNK], <|endoftext|>."""
     vocab = {f"w{i}": i for i in range(size - 2)} | {"[UNK]": size - 2, "<|endoftext|>": size - 1}
@@ -228,13 +241,8 @@ def test_a_rerun_reuses_the_output_and_other_files_are_never_overwritten(tmp_pat
 def test_a_bpe_tokenizer_json_with_its_tokenizer_config(tmp_path: Path):
     model_dir = tmp_path / "model"
     model_dir.mkdir()
-    bpe = tokenizers.Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<s>", "</s>"]
-    )
-    bpe.train_from_iterator([d for d in DOCUMENTS if d], trainer)
+    bpe = byte_level_bpe([d for d in DOCUMENTS if d], 300)
+    bpe.add_special_tokens(["</s>"])  # the model's own end of sequence, which its tokenizer_config.json names
     bpe.save(str(model_dir / "tokenizer.json"))
     (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "</s>"}}))
     run_prepare(make_input(tmp_path, "parquet"), tmp_path / "out", tokenizer=str(model_dir), val_count=0)
@@ -325,16 +333,19 @@ def test_an_interrupted_prepare_leaves_nothing_a_run_would_accept(tmp_path: Path
 # --- a 2-rank run on prepared data (a job of the shared launch) ----------------------------------------------------
 
 RUN_DOCUMENTS = [f"def function_{i}(value):\n    return value * {i}\n" for i in range(400)]
+RUN_VOCAB = 300
 
 
 def prepare_run_corpus(scratch: Path) -> None:
-    run_prepare(write_jsonl(scratch / "corpus.jsonl", RUN_DOCUMENTS), scratch / "prepared", val_count=20, workers=2)
+    byte_level_bpe(RUN_DOCUMENTS, RUN_VOCAB).save(str(scratch / "tokenizer.json"))
+    corpus = write_jsonl(scratch / "corpus.jsonl", RUN_DOCUMENTS)
+    run_prepare(corpus, scratch / "prepared", tokenizer=str(scratch / "tokenizer.json"), val_count=20, workers=2)
 
 
 CASES = {
     "prepared": case(
         "model=tiny",
-        "model.vocab_size=257",
+        f"model.vocab_size={RUN_VOCAB}",
         "model.seq_len=32",
         "data=memmap",
         "data.path={scratch}/prepared",
@@ -352,19 +363,21 @@ CASES = {
 
 
 @pytest.mark.multiproc
-def test_a_run_on_prepared_data_trains_evaluates_and_samples_with_its_tokenizer(case_runs):
+def test_a_run_on_prepared_data_trains_evaluates_and_samples_with_its_tokenizer(case_runs, tmp_path: Path):
+    from transformers import AutoTokenizer
+
+    from harness.generation import sample_text
+    from harness.hf_export import export_hf
+    from schema.scripts import ExportConfig, GenerateConfig
+
     run_dir = case_runs["prepared"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4 and summary.get("val_loss") is not None, summary
+    prepared = run_dir.parent.parent / "files" / run_dir.name / "prepared"
+    assert (run_dir / "tokenizer.json").read_bytes() == (prepared / "tokenizer.json").read_bytes()
     tokenizer = load_tokenizer(run_dir)
-    assert (tokenizer.kind, tokenizer.vocab_size, tokenizer.eos_id) == ("bytes", 257, EOS)
-    sample = subprocess.run(
-        [sys.executable, str(REPO / "generate.py"), f"checkpoint={run_dir}", "prompt=def", "max_new_tokens=20"],
-        cwd=run_dir,
-        env=cpu_env(run_dir),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert sample.returncode == 0, sample.stderr
-    assert sample.stdout.startswith("def")
+    assert (tokenizer.kind, tokenizer.vocab_size, tokenizer.eos_id) == ("bpe", RUN_VOCAB, RUN_VOCAB - 1)
+    sample = sample_text(GenerateConfig(checkpoint=str(run_dir), prompt="def", max_new_tokens=20, device="cpu"))
+    assert sample.startswith("def") and len(tokenizer.encode(sample)) > len(tokenizer.encode("def"))
+    exported = AutoTokenizer.from_pretrained(export_hf(ExportConfig(checkpoint=str(run_dir), out=str(tmp_path / "hf"))))
+    assert exported.eos_token == "<|endoftext|>" and exported.eos_token_id == RUN_VOCAB - 1
