@@ -14,6 +14,7 @@ a run.
 """
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -40,11 +41,12 @@ def write_corpus(path: Path, megabytes: int, seed: int = 0) -> None:
     rng = random.Random(seed)
     letters = "abcdefghijklmnopqrstuvwxyz"
     words = ["".join(rng.choices(letters, k=rng.randint(1, 10))) for _ in range(50_000)]
-    weights = [1 / (rank + 1) for rank in range(len(words))]  # Zipf-like, as in natural text
+    # Zipf-like, as in natural text; cumulative once, or every draw would sum 50,000 weights again.
+    cumulative = list(itertools.accumulate(1 / (rank + 1) for rank in range(len(words))))
     punctuation = [", ", ". ", " ", " ", " ", " ", "\n"]
     documents = []
     for i in range(20_000):
-        picked = rng.choices(words, weights, k=rng.randint(50, 2_000))
+        picked = rng.choices(words, cum_weights=cumulative, k=rng.randint(50, 2_000))
         text = "".join(w + rng.choice(punctuation) for w in picked)
         documents.append(json.dumps({"id": i, "text": text.capitalize()}) + "\n")
     target, written = megabytes * 1_000_000, 0

@@ -58,8 +58,9 @@ class TextDataConfig:
     """A tokenizer.json of the Hugging Face tokenizers library (e.g. GPT-2's own) used for data.tokenizer=bpe
     instead of training one; model.vocab_size must cover its vocabulary. None: train one."""
     workers: int | None = None
-    """Processes that tokenize the corpus when its token cache is built (>= 1; the cache is the same for any
-    number). None: one per core the building rank may use."""
+    """Processes that tokenize the corpus with a BPE when its token cache is built (>= 1; the cache is the same for
+    any number; bytes need none: their encoding is a copy, done by the building rank). None: one per core the
+    building rank may use."""
 
     def validate(self) -> None:
         _check_name(self.name, "text")

@@ -40,6 +40,8 @@ def open_text_source(config: TextDataConfig) -> ArrayTokenSource:
             text_mode="bytes" if tokenizer.hf is None else "replace",
         )
         workers = config.workers or default_workers()
+        if tokenizer.hf is None:
+            workers = 0  # bytes: the encoding is a copy, done in this process (tokenize_chunks)
         with open(tmp, "wb") as out:
             counts = tokenize_chunks(
                 file_chunks(files), spec, workers, out, None, total_documents=len(files.paths), label="token cache"
@@ -52,7 +54,7 @@ def open_text_source(config: TextDataConfig) -> ArrayTokenSource:
                 f"data.path to a text file or a folder of text files, or leave it null for the embedded corpus"
             )
         log.info(
-            "built text cache %s: %d tokens (%s, %s) from %d files (%s) in %.1f s with %d workers",
+            "built text cache %s: %d tokens (%s, %s) from %d files (%s) in %.1f s with %d worker processes",
             path,
             counts.train_tokens,
             tokenizer,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from data.documents import Chunk
-from data.encode_worker import Encoded, EncoderSpec, encode_in_worker, init_worker
+from data.encode_worker import ChunkEncoder, Encoded, EncoderSpec, encode_in_worker, init_worker
 
 # Chunks submitted ahead of the one being written, per worker: enough to keep every worker busy.
 IN_FLIGHT_PER_WORKER = 4
@@ -56,11 +56,24 @@ def tokenize_chunks(
     total_documents: int | None = None,
     label: str = "tokenizing",
 ) -> TokenCounts:
-    """Encode ``chunks`` in ``workers`` processes; training tokens go to ``train_out``, validation tokens (the
+    """Encode ``chunks`` in ``workers`` processes (0: in this one, for the bytes tokenizer, whose encoding is a copy
+    that a worker would only add a round trip to); training tokens go to ``train_out``, validation tokens (the
     documents ``val_documents(chunk)`` names) to ``val_out``. ValueError from a worker (bad input) ends it."""
     counts = TokenCounts(workers=workers)
     start = time.perf_counter()
     progress = _progress(total_documents, label)
+    if workers == 0:
+        encoder = ChunkEncoder(spec)
+        for chunk in chunks:
+            _write(encoder.encode(chunk, val_documents(chunk)), counts, train_out, val_out, progress, start)
+    else:
+        _encode_in_pool(chunks, spec, workers, val_documents, counts, train_out, val_out, progress, start)
+    progress.close()
+    counts.seconds = time.perf_counter() - start
+    return counts
+
+
+def _encode_in_pool(chunks, spec, workers, val_documents, counts, train_out, val_out, progress, start) -> None:
     with _pool(spec, workers) as pool:
         pending: deque = deque()
         for chunk in chunks:
@@ -69,9 +82,6 @@ def tokenize_chunks(
                 _write(pending.popleft().get(), counts, train_out, val_out, progress, start)
         while pending:
             _write(pending.popleft().get(), counts, train_out, val_out, progress, start)
-    progress.close()
-    counts.seconds = time.perf_counter() - start
-    return counts
 
 
 def _write(encoded: Encoded, counts: TokenCounts, train_out, val_out, progress, start: float) -> None:

@@ -374,7 +374,7 @@ def test_a_run_on_prepared_data_trains_evaluates_and_samples_with_its_tokenizer(
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4 and summary.get("val_loss") is not None, summary
     prepared = run_dir.parent.parent / "files" / run_dir.name / "prepared"
-    assert (run_dir / "tokenizer.json").read_bytes() == (prepared / "tokenizer.json").read_bytes()
+    assert json.loads((run_dir / "tokenizer.json").read_text()) == json.loads((prepared / "tokenizer.json").read_text())
     tokenizer = load_tokenizer(run_dir)
     assert (tokenizer.kind, tokenizer.vocab_size, tokenizer.eos_id) == ("bpe", RUN_VOCAB, RUN_VOCAB - 1)
     sample = sample_text(GenerateConfig(checkpoint=str(run_dir), prompt="def", max_new_tokens=20, device="cpu"))
