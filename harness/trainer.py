@@ -10,6 +10,7 @@ from data import open_token_source, save_run_tokenizer
 from harness.accounting import Accounting
 from harness.context import RunContext
 from harness.evaluation import Evaluator, val_summary
+from harness.files import atomic_write_text
 from harness.init_from import hf_initial_weights
 from harness.metrics import MetricsLog, median_after_warmup
 from harness.run_control import RunControl
@@ -51,10 +52,27 @@ def replan_with_profile(ctx: RunContext) -> PipelineLayout:
     return layout_of(ctx, measured_costs(Shape.of(run.model, run.train.micro_batch_size), target, seconds[0]))
 
 
+def write_config(ctx: RunContext) -> None:
+    """config.yaml: how the run was trained. A run continued in place keeps its own (each resume, with the options
+    it changed, is in resumes.jsonl beside it)."""
+    path = ctx.run_dir / "config.yaml"
+    if ctx.resume is None or not ctx.resume.in_place or not path.exists():
+        atomic_write_text(path, OmegaConf.to_yaml(ctx.resolved))
+
+
+def traced_step(train, start_step: int) -> int | None:
+    """The step to trace: train.trace_step's; when a resume is past it, the one as far into this launch (so
+    summary.json has the bubbles of the segment it trains), or None when nothing is left to train."""
+    step = train.traced_step
+    if step is None or step > start_step:
+        return step
+    return min(start_step + step, train.steps) if start_step < train.steps else None
+
+
 def train(ctx: RunContext, layout: PipelineLayout) -> None:
     run, run_dir, rank, topology, target = ctx.run, ctx.run_dir, ctx.env.rank, ctx.topology, ctx.target
     if rank == 0:
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(ctx.resolved))
+        write_config(ctx)
         print(
             f"stagecheck: {topology.world_size} ranks = {topology.pipeline_stages} stages x "
             f"{topology.data_parallel_size} data-parallel | recompute={run.recompute} | {target.device} "
@@ -82,6 +100,7 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
         target.precision,
         target.device,
         initial_weights=hf_initial_weights(ctx),  # model.init_from, unless resuming
+        lr_segment=ctx.resume.lr_segment if ctx.resume is not None else None,
     )
     # Dropout draws from this stream; every recompute mode consumes it identically.
     torch.manual_seed(run.seed * 1009 + rank)
@@ -91,7 +110,7 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
     plan = plan_run(run.model, run.recompute, layout, ctx.shape)
     accounting = Accounting(ctx, plan, engine)
     # Per-instruction timings of train.trace_step on every rank (trace.json, timeline.png, bubbles per stage).
-    tracer = StepTracer(engine, run.train.traced_step, target.device)
+    tracer = StepTracer(engine, traced_step(run.train, control.start_step), target.device)
 
     dp_rank = engine.grid.get_data_parallel_rank()
     needs_data = engine.is_first_stage() or engine.is_last_stage()
@@ -182,6 +201,7 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
             "micro_batch_size": t.micro_batch_size,
             "seq_len": run.model.seq_len,
             "steps": t.steps,
+            "resumed_from_step": control.start_step if control.resumed else None,  # later fields: from this launch
             "device": target.device,
             "precision": target.precision,
             "losses": [r["loss"] for r in records],
