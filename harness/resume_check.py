@@ -91,7 +91,8 @@ def check_resume(
     values, and the command that resumes) when anything that shapes the weights, the tokens or the partition
     differs; else what changed and the learning-rate decay to follow."""
     saved = saved_config(point)
-    if saved is None:  # the oldest checkpoints hold the model only
+    known = saved is not None
+    if not known:  # the oldest checkpoints hold the model only: nothing else can be compared or recorded
         saved = {"model": point.meta["model"]} if "model" in point.meta else {}
     old, new = flatten(saved), flatten(resolved)
     differing = {k: [old.get(k), new.get(k)] for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)}
@@ -110,7 +111,7 @@ def check_resume(
         point.path,
         point.step,
         point.inside(run_dir),
-        {k: v for k, v in differing.items() if may_change(k) and k not in NOT_RECORDED},
+        {k: v for k, v in differing.items() if known and may_change(k) and k not in NOT_RECORDED},
         segment.stretched(point.step, run.train.warmup_steps, run.train.steps),
         point.meta.get("partition"),
     )
@@ -183,19 +184,20 @@ class ResumeCommand:
         )
         return (
             f"train.resume: the checkpoint {point.path} (step {point.step}) cannot be continued by this launch, "
-            f"which differs in what shapes the weights, the tokens or the partition: {why}. Resume it with the "
-            f"saved options: {command} ; {fresh}"
+            f"which differs in what shapes the weights, the tokens or the partition: {why}. To resume it, launch with "
+            f"the saved options: `{command}`; {fresh}"
         )
 
     def command(self, fixes: dict, saved: dict, world_size: int) -> str:
         """This launch's command with each refused option set to its saved value (a switched data source as the
         group choice, `data=NAME`, with the saved source's options)."""
-        if "data.name" in fixes:
+        kept = [o for o in self.overrides if not _touches(o, fixes)]
+        if "data.name" in fixes:  # the saved source with its options, none of this launch's source
             name = fixes.pop("data.name")
             fixes = {k: v for k, v in fixes.items() if not k.startswith("data.")}
             fixes.update({k: v for k, v in saved.items() if k.startswith("data.") and k != "data.name"})
             fixes = {"data": name, **fixes}
-        kept = [o for o in self.overrides if not _touches(o, fixes)]
+            kept = [o for o in kept if not o.lstrip("+~").startswith(("data=", "data."))]
         launcher = "python" if world_size == 1 else f"deepspeed --num_gpus {world_size}"
         run_dir = [self.run_dir_override] if self.run_dir_override else []
         fixed = [f"{k}={override_value(v)}" for k, v in fixes.items()]
@@ -203,6 +205,6 @@ class ResumeCommand:
 
 
 def _touches(override: str, fixes: dict) -> bool:
-    """Whether a typed override sets one of the fixed options (or the group a fixed option belongs to)."""
-    key = override.lstrip("+~").partition("=")[0]
-    return any(k == key or k.startswith(key + ".") for k in fixes)
+    """Whether a typed override sets one of the fixed options (a preset such as `model=gpt2` stays: the fixed
+    fields override it)."""
+    return override.lstrip("+~").partition("=")[0] in fixes
