@@ -102,6 +102,9 @@ class RunControl:
                 f"stagecheck: resuming from {point.path} after step {self.start_step} (W&B run {self.wandb_run_id})",
                 flush=True,
             )
+            if ctx.resume is not None and ctx.resume.changed:
+                changes = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in ctx.resume.changed.items())
+                print(f"stagecheck: options changed on resume (recorded in {RESUMES}): {changes}", flush=True)
             if self.start_step >= self.train.steps:
                 print(
                     f"stagecheck: the checkpoint is at step {self.start_step} >= train.steps={self.train.steps}: "
