@@ -13,8 +13,9 @@ from harness.evaluation import Evaluator, val_summary
 from harness.files import atomic_write_text
 from harness.init_from import hf_initial_weights
 from harness.metrics import MetricsLog, median_after_warmup
+from harness.resume_check import check_partition
 from harness.run_control import RunControl
-from harness.run_layout import layout_of
+from harness.run_layout import layout_of, replans_with_profile
 from harness.run_summary import done_line, wandb_sync_command
 from harness.timeline import publish_trace
 from harness.wandb_logger import open_wandb
@@ -84,8 +85,9 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
             print("stagecheck: model.packed_dropout=true is a no-op: model.dropout is 0, so no masks are kept")
 
     init_process_group(ctx.env, target.device, run.train.collective_timeout_s)
-    if layout.budgets is not None and run.recompute.profile:
+    if replans_with_profile(ctx, layout):
         layout = replan_with_profile(ctx)
+        check_partition(ctx.resume, layout.parts)  # measured costs can move a boundary under partition_method=balanced
         if rank == 0:
             for line in ["plan with the profiled costs:"] + layout.describe():
                 print("stagecheck: " + line, flush=True)
