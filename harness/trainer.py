@@ -27,6 +27,7 @@ from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import Shape
 from parallel.runtime.dist_env import node_name
 from parallel.runtime.engine import build_engine, init_process_group
+from schema.training import TrainConfig
 
 # DeepSpeed's pipeline sends activations with c10d broadcasts inside autograd; torch warns once per
 # rank that the op has no autograd kernel. DeepSpeed handles those gradients itself: noise.
@@ -61,7 +62,7 @@ def write_config(ctx: RunContext) -> None:
         atomic_write_text(path, OmegaConf.to_yaml(ctx.resolved))
 
 
-def traced_step(train, start_step: int) -> int | None:
+def traced_step(train: TrainConfig, start_step: int) -> int | None:
     """The step to trace: train.trace_step's; when a resume is past it, the one as far into this launch (so
     summary.json has the bubbles of the segment it trains), or None when nothing is left to train."""
     step = train.traced_step
