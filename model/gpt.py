@@ -105,6 +105,11 @@ def head_returns_logits(recipe: LayerRecipe) -> bool:
     return recipe.forward_fn is lm_head
 
 
+def head_module(fn: LayerFn) -> nn.Module:
+    """The module behind a built entry's forward function: a tied LM head runs as partial(head, embedding)."""
+    return fn.args[0] if isinstance(fn, partial) else fn
+
+
 def module_entries(recipes: Sequence[LayerRecipe]) -> list[int]:
     """Flat indices of the entries that run as a module and so own a state dict: all but a tied LM head, which
     runs as a function of the token embedding. DeepSpeed's pipeline writes one weight file for each of these."""

@@ -1,0 +1,113 @@
+"""The analytic planner on the Llama block against the saved-tensor meter and FlopCounterMode, in process: every
+recompute mode and interval, both attention kernels, fp32 and bf16, tied and untied heads, the fused and the unfused
+loss. The planner mirrors the code, so the two must agree to the byte. Plus the per-block formula of
+docs/llama.md at Llama-3-8B's shape."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from model import GPTConfig
+from parallel.measurement.local_stages import LocalPipeline
+from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
+from parallel.planning.layout import build_layout
+from parallel.planning.memory_model import llama_block_items, selective_combinations, total
+from parallel.planning.plan_record import PaperBytes
+from parallel.planning.run_plan import block_choices, plan_run
+from parallel.planning.shapes import RunShape, Shape, Target, Topology
+
+MODES = [
+    NoRecompute(),
+    FullRecompute(interval="1"),
+    FullRecompute(interval="2"),
+    FullRecompute(interval="stage"),
+    *[SelectiveRecompute(modules=list(combo)) for combo in selective_combinations()],
+]
+# (attention kernel, precision, tied head, loss_chunk_tokens): each CPU attention path in both dtypes, both heads
+VARIANTS = [
+    ("sdpa", "fp32", False, 0),
+    ("sdpa", "bf16", True, 16),
+    ("math", "fp32", True, 0),
+    ("math", "bf16", False, 16),
+]
+
+
+def mode_id(recompute) -> str:
+    if isinstance(recompute, FullRecompute):
+        return f"full-{recompute.interval}"
+    if isinstance(recompute, SelectiveRecompute):
+        return "selective-" + "+".join(recompute.modules)
+    return "none"
+
+
+def llama(**overrides) -> GPTConfig:
+    fields = dict(arch="llama", n_layer=5, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=88, seq_len=16)
+    fields.update(vocab_size=64, activation="silu", bias=False, dropout=0.0, tie_embeddings=False)
+    return GPTConfig(**{**fields, **overrides})
+
+
+def run_llama(recompute, attention, precision, tied, chunk, stages=2, micro_batch_size=2):
+    cfg = llama(attention=attention, tie_embeddings=tied, loss_chunk_tokens=chunk)
+    run = RunShape(Topology(stages), Target("cpu", precision), micro_batches=2, micro_batch_size=micro_batch_size)
+    layout = build_layout(cfg, recompute, run, "type:Block", seed=0)
+    plan = plan_run(cfg, recompute, layout, run)
+    pipe = LocalPipeline(layout, precision)
+    g = torch.Generator().manual_seed(0)
+    batches = [tuple(torch.randint(0, 64, (micro_batch_size, 16), generator=g) for _ in range(2)) for _ in range(2)]
+    return cfg, pipe, plan, batches
+
+
+@pytest.mark.parametrize("attention, precision, tied, chunk", VARIANTS, ids=lambda v: str(v))
+@pytest.mark.parametrize("recompute", MODES, ids=mode_id)
+def test_planned_bytes_equal_measured_bytes(recompute, attention, precision, tied, chunk):
+    _, pipe, plan, batches = run_llama(recompute, attention, precision, tied, chunk)
+    pipe.step(batches, measure=True)
+    for stage, planned in zip(pipe.stages, plan.stages):
+        assert stage.meter.bytes_per_micro_batch() == [planned.activation_bytes_per_microbatch] * 2
+        assert stage.meter.stage_input_bytes() == [planned.stage_input_bytes] * 2
+
+
+def test_three_stages_and_one_sequence_agree_too():
+    for recompute in (NoRecompute(), FullRecompute(interval="2"), SelectiveRecompute(modules=["core_attn", "mlp_act"])):
+        for attention in ("sdpa", "math"):
+            _, pipe, plan, batches = run_llama(recompute, attention, "fp32", False, 0, stages=3, micro_batch_size=1)
+            pipe.step(batches, measure=True)
+            assert [s.meter.bytes_per_micro_batch()[0] for s in pipe.stages] == [
+                s.activation_bytes_per_microbatch for s in plan.stages
+            ]
+
+
+# Only the explicit attention ops: PyTorch's CPU flash kernel (sdpa without dropout) has no FlopCounterMode formula.
+@pytest.mark.parametrize("tied, chunk", [(False, 0), (True, 16)])
+@pytest.mark.parametrize("recompute", MODES, ids=mode_id)
+def test_hardware_flops_match_flop_counter_mode(recompute, tied, chunk):
+    _, pipe, plan, batches = run_llama(recompute, "math", "fp32", tied, chunk)
+    with FlopCounterMode(display=False) as counter:
+        pipe.step(batches)
+    assert counter.get_total_flops() == sum(s.hardware_flops_per_step for s in plan.stages)
+
+
+def test_model_flops_formula_matches_counted_matmuls_up_to_norm_gains():
+    cfg, pipe, plan, batches = run_llama(NoRecompute(), "math", "fp32", False, 0)
+    with FlopCounterMode(display=False) as counter:
+        pipe.step(batches)
+    # 6N counts the RMSNorm gains as if they were matmul weights: 6 (2 h L + h) per token more.
+    extra = 6 * (2 * cfg.n_embd * cfg.n_layer + cfg.n_embd) * plan.flops.tokens_per_step
+    assert plan.flops.model_flops_per_step == counter.get_total_flops() + extra
+
+
+LLAMA3_8B = Shape(b=1, s=8192, h=4096, a=32, vocab=128256, dropout=False, attention="math", arch="llama", g=8, f=14336)
+
+
+def test_llama3_8b_per_block_bytes_equal_the_formula_in_16_bit_on_cuda():
+    """docs/llama.md's formula, exactly: explicit attention (materialised scores) without recompute, and with the
+    attention core recomputed; SDPA's fused kernel keeps what the latter keeps plus its fp32 log-sum-exp."""
+    paper, target = PaperBytes.of(LLAMA3_8B), Target("cuda", "bf16")
+    assert total(llama_block_items(LLAMA3_8B, target)) == paper.none == 5_540_741_120
+    assert total(llama_block_items(LLAMA3_8B, target, ("core_attn",))) == paper.selective == 1_145_110_528
+    fused = replace(LLAMA3_8B, attention="sdpa")
+    lse = 4 * fused.b * fused.a * fused.s
+    assert total(llama_block_items(fused, target)) == paper.selective + lse == 34 * fused.bsh + 4_259_840 + lse
+    assert block_choices(LLAMA3_8B, target)["full"].activation_bytes == paper.full
