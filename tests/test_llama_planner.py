@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from model import GPTConfig
+from model import GPT, GPTConfig, LlamaBlock, lm_loss
+from model.weight_grad import WeightGradStore, split_backward
 from parallel.measurement.local_stages import LocalPipeline
 from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.planning.layout import build_layout
@@ -17,6 +18,9 @@ from parallel.planning.memory_model import llama_block_items, selective_combinat
 from parallel.planning.plan_record import PaperBytes
 from parallel.planning.run_plan import block_choices, plan_run
 from parallel.planning.shapes import RunShape, Shape, Target, Topology
+from parallel.planning.stage_plan import StagePlan, plan_stage
+from parallel.runtime.early_recompute import EarlyRecompute
+from parallel.runtime.recompute import apply_plan, run_stage
 
 MODES = [
     NoRecompute(),
@@ -111,3 +115,57 @@ def test_llama3_8b_per_block_bytes_equal_the_formula_in_16_bit_on_cuda():
     lse = 4 * fused.b * fused.a * fused.s
     assert total(llama_block_items(fused, target)) == paper.selective + lse == 34 * fused.bsh + 4_259_840 + lse
     assert block_choices(LLAMA3_8B, target)["full"].activation_bytes == paper.full
+
+
+def _llama_grads(recompute, attention: str, early: bool, defer: bool):
+    """Two micro-batches of the unpipelined Llama model: both forwards, then both backwards (each after its early
+    recompute when `early`, its weight gradients deferred to the end when `defer`)."""
+    cfg = llama(n_layer=3, attention=attention)
+    model = GPT(cfg, seed=0)
+    plan = plan_stage([isinstance(f, LlamaBlock) for f in model.forward_funcs], recompute)
+    apply_plan(model.forward_funcs, plan)
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    early_recompute, store = EarlyRecompute(), WeightGradStore()
+    losses = []
+    with split_backward(defer):
+        for _ in range(2):
+            with early_recompute.registering() if early else torch.enable_grad():
+                losses.append(lm_loss(run_stage(model.forward_funcs, plan, idx), idx))
+        for loss in losses:
+            if early:
+                early_recompute.recompute_next()
+            with store.deferring() if defer else torch.enable_grad():
+                loss.backward()
+        while len(store):
+            store.apply_oldest()
+    assert len(early_recompute) == 0
+    return [loss.detach() for loss in losses], [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("attention", ["math", "sdpa"])
+@pytest.mark.parametrize("recompute", [*MODES[1:]], ids=mode_id)
+def test_recompute_early_and_deferred_is_bit_exact_with_none(recompute, attention):
+    base_losses, base_grads = _llama_grads(NoRecompute(), attention, early=False, defer=False)
+    for early, defer in ((False, False), (True, False), (False, True), (True, True)):
+        losses, grads = _llama_grads(recompute, attention, early, defer)
+        assert all(torch.equal(a, b) for a, b in zip(losses, base_losses)), (early, defer)
+        assert all(torch.equal(g, b) for g, b in zip(grads, base_grads)), (early, defer)
+
+
+@pytest.mark.parametrize(
+    "modules", [["mlp_act"], ["layernorm"], ["mlp"], ["layernorm", "mlp"], ["mlp_act", "layernorm"]]
+)
+def test_early_recompute_holds_what_the_memory_model_says(modules):
+    cfg = llama(n_layer=1)
+    block = LlamaBlock(cfg, seed=0, layer_index=1)
+    apply_plan([block], StagePlan(selective={0: tuple(modules)}))
+    early_recompute = EarlyRecompute()
+    early_recompute.measure = True
+    x = torch.randn(2, cfg.seq_len, cfg.n_embd, requires_grad=True)
+    with early_recompute.registering():
+        out = block(x)  # (B, T, C)
+    early_recompute.recompute_next()
+    out.sum().backward()
+    shape, target = Shape.of(cfg, 2), Target("cpu", "fp32")
+    saved = total(llama_block_items(shape, target)) - total(llama_block_items(shape, target, tuple(modules)))
+    assert early_recompute.recomputed_bytes == [saved]

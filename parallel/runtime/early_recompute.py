@@ -88,12 +88,15 @@ class _EarlyCheckpoint(torch.autograd.Function):
 
 
 class DiscardedOutput:
-    """A producer's output that a consumer saved, remade from the producer's input (no grad: deterministic)."""
+    """A producer's output that a consumer saved, remade from the producer's inputs (no grad: deterministic). Every
+    op of the consumer that saved it (`users`: Llama's q, k and v projections share one norm output) takes the one
+    remade output; it is dropped when the last has."""
 
     def __init__(self, producer: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], bracket: Bracket):
         self.producer, self.inputs, self.bracket = producer, inputs, bracket
         self.output: torch.Tensor | None = None
         self.kept_bytes = 0
+        self.users = 0
 
     def recompute(self, measure: bool = False) -> None:
         with torch.no_grad(), self.bracket():
@@ -101,10 +104,14 @@ class DiscardedOutput:
         self.kept_bytes = self.output.untyped_storage().nbytes()
 
     def take(self) -> torch.Tensor:
-        """The recomputed output, made now if no early recompute ran; the region keeps nothing after."""
+        """The recomputed output, made now if no early recompute ran; the region keeps nothing after its last user's
+        take."""
         if self.output is None:
             self.recompute()
-        output, self.output = self.output, None
+        output = self.output
+        self.users -= 1
+        if self.users <= 0:
+            self.output = None
         return output
 
 

@@ -170,6 +170,7 @@ def _discard_output(producer: nn.Module, consumer: nn.Module) -> None:
             return consumer_forward(*args)
         inputs, out = last.pop("inputs"), last.pop("output")
         storage = out.untyped_storage().data_ptr()
+        region: list[early_recompute.DiscardedOutput] = []  # one per consumer call, however many ops saved `out`
 
         def pack(t: torch.Tensor):
             if t.untyped_storage().data_ptr() != storage:
@@ -178,7 +179,10 @@ def _discard_output(producer: nn.Module, consumer: nn.Module) -> None:
             note_stored(*inputs)
             source = inputs
             if early_recompute.registering():  # recompute.early: remade by RecomputeEarly ahead of backward
-                source = early_recompute.discarded_output(producer_forward, inputs, _recompute_bracket)
+                if not region:
+                    region.append(early_recompute.discarded_output(producer_forward, inputs, _recompute_bracket))
+                source = region[0]
+                source.users += 1
             return source, t.size(), t.stride(), t.storage_offset()
 
         def unpack(packed):
