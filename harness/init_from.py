@@ -123,11 +123,9 @@ def hf_initial_weights(ctx: RunContext) -> Callable[[nn.Module], dict[nn.Paramet
             )
         if checkpoint.shards:
             shards = len(set(checkpoint.shards.values()))
-            print(
-                f"stagecheck: rank {ctx.env.rank} opened {len(opened)} of {shards} shards of {checkpoint.directory}: "
-                f"{' '.join(opened)}",
-                flush=True,
-            )
+            what = f"rank {ctx.env.rank} opened {len(opened)} of {shards} shards of {checkpoint.directory}"
+            # One write, newline included: the ranks share the launcher's unbuffered stdout.
+            print(f"stagecheck: {what}: {' '.join(opened)}\n", end="", flush=True)
         return weights
 
     return read

@@ -6,6 +6,7 @@ by shard; the presets are the published shapes; what we do not compute is refuse
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -539,12 +540,13 @@ def test_two_stage_run_from_a_sharded_llama_starts_at_hfs_loss_each_stage_openin
     ours = GPTConfig(**{k: v for k, v in model.items()})
     files_of = [{index[hf] for hf, _ in layer_hf_names(ours, i).values()} for i in range(5)]
     splits = [(set().union(*files_of[:k]), set().union(*files_of[k:])) for k in range(1, 5)]
-    lines = [line for line in shared_runs.case_output().splitlines() if f"shards of {model['init_from']}:" in line]
+    output = shared_runs.case_output()
+    where = re.escape(model["init_from"])
+    pattern = rf"rank (\d) opened (\d+) of {shards} shards of {where}: ((?:model-[-\w]+\.safetensors ?)+)"
     opened = {}
-    for line in lines:  # stagecheck: rank R opened K of N shards of DIR: a b c
-        head, _, names = line.partition(f" of {model['init_from']}: ")
-        opened[int(head.split()[2])] = set(names.split())
-        assert head.endswith(f"opened {len(names.split())} of {shards} shards"), line
-    assert sorted(opened) == [0, 1], lines
+    for rank, count, names in re.findall(pattern, output):
+        opened[int(rank)] = set(names.split())
+        assert len(opened[int(rank)]) == int(count)
+    assert sorted(opened) == [0, 1], output
     assert (opened[0], opened[1]) in splits
     assert len(opened[0]) < shards and len(opened[1]) < shards
