@@ -20,12 +20,18 @@ from safetensors.torch import save_file
 
 from data.synthetic import SyntheticTokenSource
 from data.tokenizer import Tokenizer
+from harness.consolidate import consolidate
 from harness.hf_checkpoint import open_hf_dir, open_tensors
-from harness.hf_export import write_hf_dir
+from harness.hf_export import export_hf, write_hf_dir
 from harness.init_from import check_tensors, pick_tokenizer
 from model import GPT, GPTConfig, gpt_layers, lm_loss, model_param_count, module_entries
 from model.hf_format import ARCH_FIELDS, config_from_hf, layer_hf_names, layer_state_from_hf
 from model.sampling import SamplingConfig, generate
+from parallel.planning.config import NoRecompute
+from parallel.planning.layout import build_layout
+from parallel.planning.run_plan import plan_run
+from parallel.planning.shapes import RunShape, Target, Topology
+from schema.scripts import ExportConfig
 from tests.runs import REPO, metrics, python_run
 from tests.shared_runs import case
 
@@ -550,3 +556,45 @@ def test_two_stage_run_from_a_sharded_llama_starts_at_hfs_loss_each_stage_openin
     assert sorted(opened) == [0, 1], output
     assert (opened[0], opened[1]) in splits
     assert len(opened[0]) < shards and len(opened[1]) < shards
+
+
+@pytest.mark.multiproc
+def test_export_of_the_trained_llama_loads_in_transformers(case_runs, tmp_path):
+    """The 2-stage run's checkpoint (untied head, GQA) exported through export_hf.py's path, sharded: transformers
+    loads it as the model type it came from, with our consolidated model's logits, and so does model.init_from."""
+    run_dir = case_runs["from_hf"]
+    out = export_hf(ExportConfig(checkpoint=str(run_dir), out=str(tmp_path / "hf"), max_shard_bytes=VOCAB * 64 * 4))
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    assert (out / "model.safetensors.index.json").is_file()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(reloaded) is transformers.LlamaForCausalLM
+    ours = consolidate(run_dir, option="checkpoint").model.eval()
+    idx = tokens(2, SEQ)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(idx).logits, ours(idx), rtol=0, atol=1e-5)
+        torch.testing.assert_close(load_ours(out)(idx), ours(idx), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_every_llama_preset_plans(name):
+    """The planner takes every preset (what a dry run does, in process): 4 stages hold the published parameters,
+    a tied embedding counted on both ends as DeepSpeed's tied layer holds it."""
+    values = preset(name)
+    config = GPTConfig(**values)
+    run = RunShape(Topology(4), Target("cuda", "bf16"), micro_batches=4, micro_batch_size=1)
+    plan = plan_run(config, NoRecompute(), build_layout(config, NoRecompute(), run, "balanced", seed=1), run)
+    tied = values["vocab_size"] * values["n_embd"] if values["tie_embeddings"] else 0
+    assert sum(stage["params"] for stage in plan.to_json()["stages"]) == PUBLISHED[name][1] + tied
+
+
+def test_a_bpe_without_special_tokens_exports_null_ids(tmp_path):
+    """A BPE trained on the corpus has no special tokens: config.json says so (it used to say GPT-2's 50256)."""
+    hf = tokenizers.Tokenizer(tokenizers.models.BPE())
+    hf.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
+    hf.train_from_iterator(["the cat sat on the mat"] * 4, tokenizers.trainers.BpeTrainer(initial_alphabet=alphabet))
+    out = tmp_path / "export"
+    write_hf_dir(GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, seq_len=SEQ, vocab_size=512), 0), Tokenizer(hf), out)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (None, None, None)
+    assert transformers.AutoTokenizer.from_pretrained(out).bos_token is None
