@@ -14,6 +14,7 @@ from harness.context import RunContext
 from harness.hf_checkpoint import TOKENIZER_FILE, HFCheckpoint, open_hf_dir, open_tensors, tensor_shapes
 from model import GPTConfig
 from model.hf_format import config_from_hf, hf_shapes, layer_state_from_hf
+from model.llama_names import HF_LM_HEAD
 
 # Our model.* field -> the config.json keys it may come from (GPT-2's, Llama's), where the names differ.
 _HF_KEYS = {
@@ -83,10 +84,20 @@ def pick_tokenizer(cfg: DictConfig, checkpoint: HFCheckpoint, overridden: set[st
 
 
 def check_tensors(checkpoint: HFCheckpoint, model: GPTConfig) -> None:
-    """Every tensor the model reads is in the weight files, with its shape (extra tensors, such as the
-    attention-mask buffers older GPT-2 files carry or a tied lm_head.weight, are ignored)."""
+    """Every tensor the model reads is in the weight files, with its shape. Extra tensors are ignored in a GPT-2
+    file (older ones carry attention-mask buffers); in a Llama-family file only a tied model's lm_head.weight and
+    the rotary inv_freq buffers of older files are: any other (a bias, a layer, an expert config.json does not
+    declare) is refused, since the model would silently lack it."""
     found = tensor_shapes(checkpoint)
     expected = hf_shapes(model)
+    if model.arch == "llama":
+        ignored = {HF_LM_HEAD} if model.tie_embeddings else set()
+        foreign = [n for n in found if n not in expected and n not in ignored and not n.endswith(".inv_freq")]
+        if foreign:
+            raise ValueError(
+                f"{checkpoint.where} holds {len(foreign)} tensors the model config.json describes has no place for, "
+                f"e.g. {', '.join(foreign[:3])}"
+            )
     missing = [name for name in expected if name not in found]
     if missing:
         raise ValueError(

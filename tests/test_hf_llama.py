@@ -449,9 +449,12 @@ def spoilt_dir(case_name: str, tmp_path: Path) -> Path:
         config.update(model_type="mistral", sliding_window=16)
     elif case_name == "unknown model_type":
         config["model_type"] = "gemma2"
-    elif case_name == "weights of another shape":
+    elif case_name in ("weights of another shape", "a bias config.json does not declare"):
         state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
-        state["model.layers.1.mlp.up_proj.weight"] = torch.zeros(200, 64)
+        if case_name == "weights of another shape":
+            state["model.layers.1.mlp.up_proj.weight"] = torch.zeros(200, 64)
+        else:
+            state["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(64)
         save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
     elif case_name == "missing shard":
         shards = sorted(directory.glob("model-*.safetensors"))
@@ -469,6 +472,8 @@ SPOILT = {
     "sliding window": "config.json sliding_window=16 is shorter than model.seq_len=32",
     "unknown model_type": "config.json model_type='gemma2' is not supported",
     "weights of another shape": "holds model.layers.1.mlp.up_proj.weight of shape [200, 64], config.json implies [224",
+    "a bias config.json does not declare": "holds 1 tensors the model config.json describes has no place for, e.g. "
+    "model.layers.0.self_attn.o_proj.bias",
     "missing shard": "model.safetensors.index.json names 1 shard files that are missing, e.g. model-00002-of-",
     "tokenizer bigger than the vocabulary": "tokenizer.json has 266 token ids, more than the vocab_size=256 of model",
 }
