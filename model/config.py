@@ -76,9 +76,12 @@ class GPTConfig:
     the same stream: docs/memory_floor.md). Embedding, residual and, with attention=math, attention-probability
     dropout (SDPA draws its own mask inside the kernel). A no-op with dropout 0."""
     init_from: str | None = None
-    """A local Hugging Face GPT-2 directory (config.json plus model.safetensors or pytorch_model.bin) to start
-    training from; its config.json sets n_layer, n_head, n_embd, seq_len, vocab_size, activation and bias.
-    Ignored when the run resumes from a checkpoint. null: GPT-2 initialisation from the seed."""
+    """A local Hugging Face directory to start training from: config.json (model_type gpt2, llama, qwen2 or mistral)
+    plus model.safetensors, a sharded model.safetensors.index.json or pytorch_model.bin. Its config.json sets the
+    architecture and shape (gpt2: also seq_len = n_positions; llama: seq_len stays the run's, at most
+    max_position_embeddings), its tokenizer.json the run's tokenizer unless data.tokenizer_file or data.tokenizer is
+    given (docs/llama.md). A dry run needs config.json alone. Ignored when the run resumes from a checkpoint. null:
+    initialisation from the seed."""
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size"):
