@@ -1,7 +1,7 @@
 """A local Hugging Face model directory, read the cheap way: config.json, the tensor names and shapes, and tensors
 one at a time (safetensors reads only the bytes of the tensor asked for; a .bin is memory-mapped). A sharded
-checkpoint (model.safetensors.index.json) opens a shard only when a tensor of it is first read, so a pipeline stage
-opens only the shards that hold its layers.
+checkpoint (model.safetensors.index.json, or pytorch_model.bin.index.json) opens a shard only when a tensor of it
+is first read, so a pipeline stage opens only the shards that hold its layers.
 
 Every failure is a ValueError that names model.init_from. Tensor names are given without GPT2LMHeadModel's
 `transformer.` prefix; files written with or without it both work.
@@ -21,7 +21,9 @@ from model.hf_gpt2 import HF_PREFIX
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
 INDEX_FILE = "model.safetensors.index.json"
-WEIGHT_FILES = ("model.safetensors", INDEX_FILE, "pytorch_model.bin")  # the first one present is read
+BIN_INDEX_FILE = "pytorch_model.bin.index.json"
+# The first one present is read.
+WEIGHT_FILES = ("model.safetensors", INDEX_FILE, "pytorch_model.bin", BIN_INDEX_FILE)
 
 
 @dataclass(frozen=True)
@@ -30,8 +32,8 @@ class HFCheckpoint:
     config: dict
     """config.json as parsed."""
     weights: Path | None
-    """model.safetensors, model.safetensors.index.json or pytorch_model.bin; None when the directory holds none
-    (enough for a dry run)."""
+    """One of WEIGHT_FILES: a weight file or a shard index; None when the directory holds none (enough for a dry
+    run)."""
     shards: dict[str, Path] | None = None
     """For an index: each tensor's name, as the index writes it, -> the shard file that holds it."""
 
@@ -56,12 +58,12 @@ def open_hf_dir(path: str, need_weights: bool = True) -> HFCheckpoint:
     weights = next((directory / name for name in WEIGHT_FILES if (directory / name).is_file()), None)
     if weights is None and need_weights:
         raise ValueError(f"model.init_from={path} holds no weights: expected {' or '.join(WEIGHT_FILES)}")
-    shards = _read_index(weights) if weights is not None and weights.name == INDEX_FILE else None
+    shards = _read_index(weights) if weights is not None and weights.name in (INDEX_FILE, BIN_INDEX_FILE) else None
     return HFCheckpoint(directory, config, weights, shards)
 
 
 def _read_index(index: Path) -> dict[str, Path]:
-    where = f"model.init_from={index.parent}: {INDEX_FILE}"
+    where = f"model.init_from={index.parent}: {index.name}"
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
@@ -94,61 +96,75 @@ def _open_safetensors(file: Path, checkpoint: HFCheckpoint):
         ) from None
 
 
-def _load_bin(checkpoint: HFCheckpoint) -> dict[str, torch.Tensor]:
+def _load_bin(file: Path, checkpoint: HFCheckpoint) -> dict[str, torch.Tensor]:
+    where = f"model.init_from={checkpoint.directory}: {file.name}"
     try:
         # mmap: only the tensors this stage reads are paged in, not the whole file.
-        state = torch.load(checkpoint.weights, map_location="cpu", mmap=True, weights_only=True)
+        state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
     except Exception as error:  # pickle, zip and torch's own errors for a file torch.save did not write
-        raise ValueError(f"{checkpoint.where} cannot be read by torch.load ({error})") from None
+        raise ValueError(f"{where} cannot be read by torch.load ({error})") from None
     if not isinstance(state, dict):
-        raise ValueError(f"{checkpoint.where} holds a {type(state).__name__}, not a state dict")
-    return {_unprefixed(name): tensor for name, tensor in state.items()}
+        raise ValueError(f"{where} holds a {type(state).__name__}, not a state dict")
+    return state
 
 
-def _safetensors_files(checkpoint: HFCheckpoint) -> list[Path]:
-    return sorted(set(checkpoint.shards.values())) if checkpoint.shards else [checkpoint.weights]
+class _WeightFile:
+    """One safetensors file (its header read, tensors read one at a time) or one memory-mapped .bin."""
+
+    def __init__(self, path: Path, checkpoint: HFCheckpoint, files: ExitStack) -> None:
+        self.path = path
+        self._state = _load_bin(path, checkpoint) if path.suffix == ".bin" else None
+        self._file = None if self._state is not None else files.enter_context(_open_safetensors(path, checkpoint))
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        if self._state is not None:
+            return {name: tuple(tensor.shape) for name, tensor in self._state.items()}
+        return {name: tuple(self._file.get_slice(name).get_shape()) for name in self._file.keys()}
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._state[name] if self._state is not None else self._file.get_tensor(name)
 
 
 def tensor_shapes(checkpoint: HFCheckpoint) -> dict[str, tuple[int, ...]]:
-    """Every tensor's (unprefixed) name and shape: from the headers alone for safetensors (every shard's), from the
+    """Every tensor's (unprefixed) name and shape, in every shard: from the headers alone for safetensors, from the
     pickle index of a memory-mapped .bin."""
-    if checkpoint.weights.suffix == ".bin":
-        return {name: tuple(tensor.shape) for name, tensor in _load_bin(checkpoint).items()}
+    paths = sorted(set(checkpoint.shards.values())) if checkpoint.shards else [checkpoint.weights]
     shapes = {}
-    for path in _safetensors_files(checkpoint):
-        with _open_safetensors(path, checkpoint) as file:
-            shapes.update({_unprefixed(name): tuple(file.get_slice(name).get_shape()) for name in file.keys()})
+    with ExitStack() as files:
+        for path in paths:
+            shapes.update({_unprefixed(n): shape for n, shape in _WeightFile(path, checkpoint, files).shapes().items()})
     return shapes
 
 
 class TensorReader:
-    """reader(name) -> that one tensor (unprefixed name) in fp32. Safetensors files are opened on first use and
-    stay open until the reader closes; `opened` lists them."""
+    """reader(name) -> that one tensor (unprefixed name) in fp32. A shard is opened when a tensor of it is first
+    read, and stays open until the reader closes; `opened` lists the files opened."""
 
     def __init__(self, checkpoint: HFCheckpoint, files: ExitStack) -> None:
         self.checkpoint = checkpoint
-        self.opened: dict[Path, object] = {}
+        self.opened: dict[Path, _WeightFile] = {}
         self._files = files
-        self._state = _load_bin(checkpoint) if checkpoint.weights.suffix == ".bin" else None
+        shards = checkpoint.shards
+        if shards is None:  # one file: its own names
+            whole = self._open(checkpoint.weights)
+            shards = dict.fromkeys(whole.shapes(), checkpoint.weights)
         # Unprefixed name -> (file, the name inside it).
-        shards = checkpoint.shards or {}
-        if self._state is None and not shards:
-            with _open_safetensors(checkpoint.weights, checkpoint) as file:
-                shards = {name: checkpoint.weights for name in file.keys()}
         self._where = {_unprefixed(name): (path, name) for name, path in shards.items()}
 
-    def __call__(self, name: str) -> torch.Tensor:
-        if self._state is not None:
-            return self._state[name].float()
-        path, stored = self._where[name]
+    def _open(self, path: Path) -> _WeightFile:
         if path not in self.opened:
-            self.opened[path] = self._files.enter_context(_open_safetensors(path, self.checkpoint))
+            self.opened[path] = _WeightFile(path, self.checkpoint, self._files)
+        return self.opened[path]
+
+    def __call__(self, name: str) -> torch.Tensor:
+        path, stored = self._where[name]
+        file = self._open(path)  # ValueError for a file that cannot be read
         try:
-            return self.opened[path].get_tensor(stored).float()
-        except Exception as error:  # a shard that lacks a tensor its index names
-            raise ValueError(
-                f"model.init_from={self.checkpoint.directory}: {path.name} lacks {stored} ({error})"
-            ) from None
+            tensor = file.get(stored)
+        except Exception as error:  # KeyError, SafetensorError: a shard that lacks a tensor its index names
+            where = f"model.init_from={self.checkpoint.directory}: {path.name}"
+            raise ValueError(f"{where} lacks {stored} ({error!r})") from None
+        return tensor.float()
 
 
 @contextmanager

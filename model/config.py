@@ -77,7 +77,7 @@ class GPTConfig:
     dropout (SDPA draws its own mask inside the kernel). A no-op with dropout 0."""
     init_from: str | None = None
     """A local Hugging Face directory to start training from: config.json (model_type gpt2, llama, qwen2 or mistral)
-    plus model.safetensors, a sharded model.safetensors.index.json or pytorch_model.bin. Its config.json sets the
+    plus model.safetensors or pytorch_model.bin, or a shard index of either. Its config.json sets the
     architecture and shape (gpt2: also seq_len = n_positions; llama: seq_len stays the run's, at most
     max_position_embeddings), its tokenizer.json the run's tokenizer unless data.tokenizer_file or data.tokenizer is
     given (docs/llama.md). A dry run needs config.json alone. Ignored when the run resumes from a checkpoint. null:

@@ -184,6 +184,32 @@ def test_sharded_export_is_read_one_stage_at_a_time(tmp_path):
         assert len(opened) < len(shards)
 
 
+def test_sharded_bin_checkpoints_are_read_too(tmp_path):
+    """Older checkpoints shard pytorch_model.bin files under pytorch_model.bin.index.json (transformers 5 writes
+    only safetensors, so the files are written here as older versions did: one torch.save per shard)."""
+    model = hf_model("qwen2.5-7b")
+    directory = tmp_path_with(model, tmp_path / "hf")
+    (directory / "model.safetensors").unlink()
+    state = model.state_dict()
+    first = {name: t for name, t in state.items() if name.startswith(("model.embed_tokens.", "model.layers.0."))}
+    shards = {"pytorch_model-00001-of-00002.bin": first}
+    shards["pytorch_model-00002-of-00002.bin"] = {name: t for name, t in state.items() if name not in first}
+    weight_map = {}
+    for file, shard in shards.items():
+        torch.save(shard, directory / file)
+        weight_map.update(dict.fromkeys(shard, file))
+    (directory / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    idx = tokens(2, SEQ)
+    with torch.no_grad():
+        torch.testing.assert_close(load_ours(directory)(idx), model(idx).logits, rtol=0, atol=1e-5)
+    checkpoint = open_hf_dir(str(directory))
+    config = GPTConfig(**{**config_from_hf(checkpoint.config, SEQ), "seq_len": SEQ})
+    with open_tensors(checkpoint) as get:  # the first stage of two
+        for flat_index in (0, 1):
+            layer_state_from_hf(config, flat_index, get)
+        assert [path.name for path in get.opened] == ["pytorch_model-00001-of-00002.bin"]
+
+
 def tmp_path_with(model: transformers.PreTrainedModel, directory: Path) -> Path:
     model.save_pretrained(directory)
     return directory
