@@ -68,17 +68,19 @@ def pick_tokenizer(cfg: DictConfig, checkpoint: HFCheckpoint, overridden: set[st
     if "tokenizer_file" not in data:  # synthetic tokens have no tokenizer
         return
     own = checkpoint.directory / TOKENIZER_FILE
-    user_chose = data.tokenizer_file is not None or "data.tokenizer" in overridden
-    if own.is_file() and not user_chose:
+    picked = own.is_file() and data.tokenizer_file is None and "data.tokenizer" not in overridden
+    if picked:
         data.tokenizer_file = str(own)
         if data.name == "text":
             data.tokenizer = "bpe"
     if data.tokenizer_file is None:
         return
-    ids = read_tokenizer_file(data.tokenizer_file).get_vocab_size(with_added_tokens=True)
+    # Messages name what the user gave: the directory, or data.tokenizer_file.
+    option = f"model.init_from's {TOKENIZER_FILE}" if picked else "data.tokenizer_file"
+    ids = read_tokenizer_file(data.tokenizer_file, option).get_vocab_size(with_added_tokens=True)
     if ids > cfg.model.vocab_size:
         raise ValueError(
-            f"data.tokenizer_file={data.tokenizer_file} has {ids} token ids, more than the vocab_size="
+            f"{option}={data.tokenizer_file!r} has {ids} token ids, more than the vocab_size="
             f"{cfg.model.vocab_size} of model.init_from={checkpoint.directory}: use the model's own tokenizer"
         )
 
