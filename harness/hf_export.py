@@ -63,11 +63,13 @@ def special_tokens(tokenizer: Tokenizer | None) -> dict[str, tuple[str, int] | N
     }
 
 
-def write_hf_dir(model: GPT, tokenizer: Tokenizer | None, out: Path, max_shard_bytes: int = 5 * 10**9) -> None:
+def write_hf_dir(
+    model: GPT, tokenizer: Tokenizer | None, out: Path, max_shard_bytes: int = ExportConfig.max_shard_bytes
+) -> None:
     """The Hugging Face directory of `model` (and of a BPE `tokenizer`) at `out`, which must not exist or be empty."""
     hf_config = hf_config_from_model(model.config)  # refuses a model HF cannot hold (GPT-2 without biases)
     tokens = special_tokens(tokenizer)
-    hf_config.update({f"{role}_id": found and found[1] for role, found in tokens.items()})
+    hf_config.update({f"{role}_id": found[1] if found else None for role, found in tokens.items()})
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
