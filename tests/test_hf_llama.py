@@ -521,16 +521,17 @@ def test_bad_llama_directories_fail_at_start_up(case_name, tmp_path):
 
 
 def test_a_dry_run_plans_a_published_model_from_its_config_json_alone(tmp_path):
-    """No weights: config.json gives the shape, and the plan is the preset's."""
+    """No weights: config.json gives the shape, the preset's (so the plan is the preset's: the planner reads the
+    model config alone)."""
     directory = tmp_path / "llama3-8b"
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps(LLAMA))
     grid = ["data=synthetic", "parallel.pipeline_stages=4", "parallel.data_parallel_size=2", "dry_run=true"]
-    python_run(tmp_path / "from-json", f"model.init_from={directory}", "model.seq_len=8192", *grid)
-    python_run(tmp_path / "preset", "model=llama3-8b", *grid)
-    from_json, from_preset = (json.loads((tmp_path / d / "plan.json").read_text()) for d in ("from-json", "preset"))
-    assert from_json["stages"] == from_preset["stages"]
-    assert sum(s["params"] for s in from_json["stages"]) == PUBLISHED["llama3-8b"][1]  # untied: nothing twice
+    python_run(tmp_path / "plan", f"model.init_from={directory}", "model.seq_len=8192", *grid)
+    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert {**plan["model"], "init_from": None} == {**GPTConfig().__dict__, **preset("llama3-8b")}
+    assert len(plan["stages"]) == 4 and plan["world_size"] == 8
+    assert sum(s["params"] for s in plan["stages"]) == PUBLISHED["llama3-8b"][1]  # untied: nothing twice
 
 
 # A 2-stage run started from a small sharded Llama (GQA 4:1, untied head): one job of the shared 2-rank launch.
