@@ -69,7 +69,7 @@ def validate(cfg: DictConfig, run_dir: Path, env: DistEnv, job: JobHooks) -> Run
     world_size = dry_run_world_size(run, env) if run.dry_run else env.world_size
     # A dry run plans for CUDA (train.device=cuda or auto) whether or not this machine has a GPU.
     shape = run_shape(run, world_size, torch.cuda.is_available() or run.dry_run)
-    if not run.dry_run:
+    if shape.target.device == "cuda" and not run.dry_run:
         check_cuda_device(shape.target, run.train.precision, env.local_rank, *cuda_facts(env.local_rank))
     check_data(run)
     point = resume_point(run.train, run_dir)  # train.resume: auto, false or a checkpoint path
