@@ -13,6 +13,7 @@ or more. It writes docs/gpu_figures.md from what it ran, and only on a machine w
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -44,14 +45,20 @@ def launch_env() -> dict:
 
 
 def run(cmd: list[str], timeout: float) -> tuple[int | None, float, str]:
-    """(exit code, or None when it ran past `timeout`; wall seconds; the output's tail)."""
+    """(exit code, or None when it ran past `timeout`; wall seconds; the output's tail). In a session of its own:
+    a hung launch is ended with every rank it started, so none keeps holding a GPU."""
     start = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
-        result = subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as expired:
-        tail = (expired.stdout or b"")[-2000:] + (expired.stderr or b"")[-2000:]
-        return None, time.perf_counter() - start, tail.decode(errors="replace")
-    return result.returncode, time.perf_counter() - start, (result.stdout[-2000:] + result.stderr[-3000:])
+        output, _ = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        code = None
+    return code, time.perf_counter() - start, output.decode(errors="replace")[-5000:]
 
 
 def gpu_tests(root: Path) -> list[tuple[str, str]]:

@@ -107,21 +107,23 @@ class ZeroBubblePipelineEngine(PipelineEngine):
         else:
             self.posted_sends += [(work, [t for t, _ in sends]) for work in works]
 
-    def _grad_buffers(self, buffer_id: int) -> list[torch.Tensor]:
-        """DeepSpeed's receive buffer of the output's gradient, allocated as its RecvGrad would allocate it."""
+    def _fresh_grad_buffer(self, buffer_id: int) -> torch.Tensor:
+        """A new receive buffer for the output's gradient (DeepSpeed's `grad_layer`), never the previous one: without
+        dropout a block's last Linear gets the stage output's gradient itself, so a W still deferred holds that
+        buffer (model/weight_grad.py), and a receive into it would change that W's weight gradient. The previous
+        buffer is freed once no W holds it: still one buffer, as parallel/planning/stage_costs.py counts it."""
         outputs = self.pipe_buffers["outputs"][buffer_id]
         if not torch.is_tensor(outputs) or self.dynamic_shape:
-            raise RuntimeError("a stage that sends its activation first must output one tensor of a fixed shape")
-        if self.grad_layer is None:
-            self.grad_layer = self._allocate_or_extend_buffers(0, list(outputs.size()), outputs.dtype)
-        return [self.grad_layer]
+            raise RuntimeError("a stagecheck schedule's stage must output one tensor of a fixed shape")
+        self.grad_layer = torch.empty_like(outputs)
+        return self.grad_layer
 
     def _exec_send_activations_posted(self, buffer_id):
         step = self.planned_schedule.current
         receiving = []
         if self.async_sends and sends_activation_first(step):
             (recv_grad,) = [c for c in step if isinstance(c, RecvGradCommand)]
-            receiving = self._grad_buffers(recv_grad.buffer_id)
+            receiving = [self._fresh_grad_buffer(recv_grad.buffer_id)]
         with self._sending(receiving):
             PipelineEngine._exec_send_activations(self, buffer_id)
 
@@ -130,9 +132,11 @@ class ZeroBubblePipelineEngine(PipelineEngine):
             PipelineEngine._exec_send_grads(self, buffer_id)
 
     def _exec_recv_grads_posted(self, buffer_id):
-        """DeepSpeed's RecvGrad; where the step's SendActivation posted the receive, its p2p.recv waits for that
-        batch instead."""
+        """DeepSpeed's RecvGrad, into a fresh buffer on the stagecheck schedules; where the step's SendActivation
+        posted the receive, its p2p.recv waits for that batch instead."""
         if self.posted_exchange is None:
+            if self.async_sends:
+                self._fresh_grad_buffer(buffer_id)
             return PipelineEngine._exec_recv_grads(self, buffer_id)
         (works, _, buffers), self.posted_exchange = self.posted_exchange, None
         blocking = p2p.recv
