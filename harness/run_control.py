@@ -14,12 +14,14 @@ The trainer calls, on every rank:
 Logging comes before saving, so a checkpoint at step k always has step k in metrics.jsonl.
 """
 
+import json
 import os
 import shutil
 import signal
 import socket
 import sys
-from dataclasses import dataclass, field
+import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,16 +32,17 @@ from harness.checkpoint import (
     CHECKPOINTS,
     LATEST,
     Checkpointer,
-    check_compatible,
     checkpoints_dir,
     new_wandb_run_id,
     resume_point,
 )
-from harness.context import RunContext
+from harness.context import Resume, RunContext
 from harness.files import atomic_write_text
 
+RESUMES = "resumes.jsonl"
+"""Beside config.yaml (which keeps how the run was first launched): one line per resume."""
 # What `train.overwrite=true` deletes before a fresh start (config.yaml is rewritten anyway).
-PREVIOUS_OUTPUTS = ("metrics.jsonl", "summary.json", CHECKPOINTS)
+PREVIOUS_OUTPUTS = ("metrics.jsonl", "summary.json", CHECKPOINTS, RESUMES)
 
 
 @dataclass
@@ -75,10 +78,8 @@ class RunControl:
         self.metrics = None
         self.skipped = 0
 
-        # Start-up validated train.resume already (harness/startup.py); the files have not changed since.
+        # Start-up checked train.resume already (harness/resume_check.py); the files have not changed since.
         point = resume_point(self.train, run_dir)
-        if point is not None:
-            check_compatible(point, ctx.topology)
         in_place = point is not None and point.inside(run_dir)
         dist.barrier()  # every rank has read the run directory before rank 0 changes it
         if self.rank == 0:
@@ -88,6 +89,8 @@ class RunControl:
                 # An explicit older checkpoint of this run: it becomes the latest, so the saves that follow
                 # (which may reuse newer tags) never overwrite what `latest` names.
                 atomic_write_text(checkpoints_dir(run_dir) / LATEST, point.path.name + "\n")
+            if ctx.resume is not None:
+                record_resume(run_dir, ctx.resume)
         # Same W&B run when continuing in place; a new one for a fresh start or a fork of another run.
         wandb_run_id = point.meta.get("wandb_run_id") if in_place else None
         if self.rank == 0 and wandb_run_id is None:
@@ -108,6 +111,9 @@ class RunControl:
                 f"stagecheck: resuming from {point.path} after step {self.start_step} (W&B run {self.wandb_run_id})",
                 flush=True,
             )
+            if ctx.resume is not None and ctx.resume.changed:
+                changes = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in ctx.resume.changed.items())
+                print(f"stagecheck: options changed on resume (recorded in {RESUMES}): {changes}", flush=True)
             if self.start_step >= self.train.steps:
                 print(
                     f"stagecheck: the checkpoint is at step {self.start_step} >= train.steps={self.train.steps}: "
@@ -210,6 +216,21 @@ class RunControl:
         dist.barrier()
         preemption.ignore_from_now()  # srun -K's SIGTERM must not turn this exit code into 143 (preemption.py)
         raise SystemExit(code)
+
+
+def record_resume(run_dir: Path, resume: Resume) -> None:
+    """One line of resumes.jsonl per launch that continued from a checkpoint: when, from which checkpoint and step,
+    the options it changed ([saved, new]) and the learning-rate decay it follows."""
+    record = {
+        "resumed_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "checkpoint": str(resume.checkpoint),
+        "from_step": resume.step,
+        "in_place": resume.in_place,
+        "changed": resume.changed,
+        "lr_schedule": asdict(resume.lr_segment) if resume.lr_segment else None,
+    }
+    with open(run_dir / RESUMES, "a") as handle:
+        handle.write(json.dumps(record) + "\n")
 
 
 def _latest_tag(run_dir: Path) -> str | None:

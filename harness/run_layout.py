@@ -17,3 +17,8 @@ def layout_of(ctx: RunContext, costs: CostTable | None = None) -> PipelineLayout
     return build_layout(
         run.model, run.recompute, ctx.shape, parallel.partition_method, run.seed, costs, rates, parallel.schedule
     )
+
+
+def replans_with_profile(ctx: RunContext, layout: PipelineLayout) -> bool:
+    """recompute=auto with recompute.profile=true: planned again with measured costs once the process group exists."""
+    return layout.budgets is not None and ctx.run.recompute.profile

@@ -10,10 +10,12 @@ from data import open_token_source, save_run_tokenizer
 from harness.accounting import Accounting
 from harness.context import RunContext
 from harness.evaluation import Evaluator, val_summary
+from harness.files import atomic_write_text
 from harness.init_from import hf_initial_weights
 from harness.metrics import MetricsLog, median_after_warmup
+from harness.resume_check import check_partition
 from harness.run_control import RunControl
-from harness.run_layout import layout_of
+from harness.run_layout import layout_of, replans_with_profile
 from harness.run_summary import done_line, wandb_sync_command
 from harness.timeline import publish_trace
 from harness.wandb_logger import open_wandb
@@ -26,6 +28,7 @@ from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import Shape
 from parallel.runtime.dist_env import node_name
 from parallel.runtime.engine import build_engine, init_process_group
+from schema.training import TrainConfig
 
 # DeepSpeed's pipeline sends activations with c10d broadcasts inside autograd; torch warns once per
 # rank that the op has no autograd kernel. DeepSpeed handles those gradients itself: noise.
@@ -52,10 +55,27 @@ def replan_with_profile(ctx: RunContext) -> PipelineLayout:
     return layout_of(ctx, measured_costs(Shape.of(run.model, run.train.micro_batch_size), target, seconds[0]))
 
 
+def write_config(ctx: RunContext) -> None:
+    """config.yaml: how the run was trained. A run continued in place keeps its own (each resume, with the options
+    it changed, is in resumes.jsonl beside it)."""
+    path = ctx.run_dir / "config.yaml"
+    if ctx.resume is None or not ctx.resume.in_place or not path.exists():
+        atomic_write_text(path, OmegaConf.to_yaml(ctx.resolved))
+
+
+def traced_step(train: TrainConfig, start_step: int) -> int | None:
+    """The step to trace: train.trace_step's; when a resume is past it, the one as far into this launch (so
+    summary.json has the bubbles of the segment it trains), or None when nothing is left to train."""
+    step = train.traced_step
+    if step is None or step > start_step:
+        return step
+    return min(start_step + step, train.steps) if start_step < train.steps else None
+
+
 def train(ctx: RunContext, layout: PipelineLayout) -> None:
     run, run_dir, rank, topology, target = ctx.run, ctx.run_dir, ctx.env.rank, ctx.topology, ctx.target
     if rank == 0:
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(ctx.resolved))
+        write_config(ctx)
         print(
             f"stagecheck: {topology.world_size} ranks = {topology.pipeline_stages} stages x "
             f"{topology.data_parallel_size} data-parallel | recompute={run.recompute} | {target.device} "
@@ -73,8 +93,9 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
         one_micro_batch = Shape.of(run.model, run.train.micro_batch_size)
         backend = sdpa_backend(one_micro_batch, target, run.model.dropout)
         check_planned_backend(backend, one_micro_batch, target)
-    if layout.budgets is not None and run.recompute.profile:
+    if replans_with_profile(ctx, layout):
         layout = replan_with_profile(ctx)
+        check_partition(ctx.resume, layout.parts)  # measured costs can move a boundary under partition_method=balanced
         if rank == 0:
             for line in ["plan with the profiled costs:"] + layout.describe():
                 print("stagecheck: " + line, flush=True)
@@ -89,6 +110,7 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
         target.precision,
         target.device,
         initial_weights=hf_initial_weights(ctx),  # model.init_from, unless resuming
+        lr_segment=ctx.resume.lr_segment if ctx.resume is not None else None,
     )
     # Dropout draws from this stream; every recompute mode consumes it identically.
     torch.manual_seed(run.seed * 1009 + rank)
@@ -98,7 +120,7 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
     plan = plan_run(run.model, run.recompute, layout, ctx.shape)
     accounting = Accounting(ctx, plan, engine)
     # Per-instruction timings of train.trace_step on every rank (trace.json, timeline.png, bubbles per stage).
-    tracer = StepTracer(engine, run.train.traced_step, target.device)
+    tracer = StepTracer(engine, traced_step(run.train, control.start_step), target.device)
 
     dp_rank = engine.grid.get_data_parallel_rank()
     needs_data = engine.is_first_stage() or engine.is_last_stage()
@@ -192,6 +214,7 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
             "micro_batch_size": t.micro_batch_size,
             "seq_len": run.model.seq_len,
             "steps": t.steps,
+            "resumed_from_step": control.start_step if control.resumed else None,  # later fields: from this launch
             "device": target.device,
             "precision": target.precision,
             "sdpa_backend": backend,  # the kernel SDPA ran (parallel/measurement/sdpa_backend.py); None: attention=math

@@ -37,6 +37,11 @@ class PipelineLayout:
     schedule_options: tuple[ScheduleOption, ...] = ()
     """Every schedule x early setting the planner priced for these plans (the dry run's table)."""
 
+    @property
+    def parts(self) -> list[int]:
+        """Each stage's first layer, then one past the last (DeepSpeed's `PipelineModule.parts`)."""
+        return [s.start for s in self.stages] + [self.stages[-1].stop]
+
     def empty_stage_warnings(self) -> list[str]:
         """One warning per stage that holds no transformer block: it idles while the others compute."""
         warnings = []
