@@ -130,7 +130,9 @@ def rng_state() -> dict:
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None,
+        # This rank's own device only: a resume under another device visibility (srun) has the same one, as
+        # cuda:LOCAL_RANK, but not necessarily the others.
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None,
     }
 
 
@@ -139,7 +141,7 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])  # the current device: cuda:LOCAL_RANK
 
 
 def checkpoint_tags(root: Path) -> list[tuple[int, Path]]:

@@ -56,6 +56,15 @@ class StepVerdict:
     """Extra fields for the step's metrics record."""
 
 
+def step_is_nonfinite(loss: float, grad_norm, step_applied: bool, fp16: bool) -> bool:
+    """Whether a finished step is a fault (train.nan_policy): a non-finite loss, a non-finite gradient norm, or a
+    skipped update. Under fp16 DeepSpeed skips a step whose scaled gradients overflowed, reporting an inf gradient
+    norm, while its loss scale settles: normal, not a fault (a non-finite loss still is one)."""
+    if fp16 and not step_applied:
+        return not faults.is_finite(loss)
+    return not (faults.is_finite(loss) and faults.is_finite(grad_norm) and step_applied)
+
+
 class RunControl:
     def __init__(self, ctx: RunContext, engine):
         self.train = ctx.run.train
@@ -130,9 +139,9 @@ class RunControl:
         gradient norm, or a skipped update; one all-reduce (MAX) gives all ranks the same verdict."""
         faults.maybe_fail_for_test(self.rank, step)
         loss_value = float(loss.item()) if loss is not None else 0.0
-        nonfinite = not faults.is_finite(loss_value) or not faults.is_finite(self.engine.get_global_grad_norm())
-        if not self.fp16:  # fp16 skips steps while its loss scale settles: normal, not a fault
-            nonfinite = nonfinite or not self.engine.was_step_applied()
+        nonfinite = step_is_nonfinite(
+            loss_value, self.engine.get_global_grad_norm(), self.engine.was_step_applied(), self.fp16
+        )
         signum = preemption.requested() or 0
         flags = torch.tensor(
             [float(signum), float(self.rank + 1 if signum else 0), float(nonfinite)],

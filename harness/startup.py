@@ -23,7 +23,7 @@ from model import gpt_layers, model_param_count
 from parallel.runtime.accelerator import use_accelerator
 from parallel.runtime.dist_env import DistEnv, read_dist_env
 from parallel.runtime.threads import set_threads_per_rank
-from schema.checks import check_data, run_shape, to_run_config
+from schema.checks import check_cuda_device, check_data, run_shape, to_run_config
 from schema.run import RunConfig
 
 
@@ -76,6 +76,8 @@ def validate(cfg: DictConfig, run_dir: Path, env: DistEnv, job: JobHooks) -> Run
     world_size = dry_run_world_size(run, env) if run.dry_run else env.world_size
     # A dry run plans for CUDA (train.device=cuda or auto) whether or not this machine has a GPU.
     shape = run_shape(run, world_size, torch.cuda.is_available() or run.dry_run)
+    if shape.target.device == "cuda" and not run.dry_run:
+        check_cuda_device(shape.target, run.train.precision, env.local_rank, *cuda_facts(env.local_rank))
     check_data(run)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     point = resume_point(run.train, run_dir)  # train.resume: auto, false or a checkpoint path
@@ -99,6 +101,13 @@ def resume_command() -> ResumeCommand:
     overrides = HydraConfig.get().overrides
     run_dir = [o for o in overrides.hydra if o.lstrip("+").startswith("hydra.run.dir=")]
     return ResumeCommand(list(overrides.task), run_dir[-1] if run_dir else None)
+
+
+def cuda_facts(local_rank: int) -> tuple[int, tuple[int, int]]:
+    """(visible CUDA devices, compute capability of the one at `local_rank`), read without making a CUDA context
+    (the rank's device is set only when its process group starts: parallel/runtime/engine.py)."""
+    visible = torch.cuda.device_count()
+    return visible, torch.cuda.get_device_capability(local_rank) if local_rank < visible else (0, 0)
 
 
 def dry_run_world_size(run: RunConfig, env: DistEnv) -> int:

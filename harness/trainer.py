@@ -20,6 +20,7 @@ from harness.run_summary import done_line, wandb_sync_command
 from harness.timeline import publish_trace
 from harness.wandb_logger import open_wandb
 from parallel.measurement.recompute_profile import profile_block
+from parallel.measurement.sdpa_backend import check_planned_backend, sdpa_backend
 from parallel.measurement.trace import StepTracer
 from parallel.planning.auto_recompute import measured_costs
 from parallel.planning.layout import PipelineLayout
@@ -86,6 +87,12 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
             print("stagecheck: model.packed_dropout=true is a no-op: model.dropout is 0, so no masks are kept")
 
     init_process_group(ctx.env, target.device, run.train.collective_timeout_s)
+    # The SDPA kernel this device runs, refused unless it keeps what the plan counted (before any engine exists).
+    backend = None
+    if run.model.attention == "sdpa":
+        one_micro_batch = Shape.of(run.model, run.train.micro_batch_size)
+        backend = sdpa_backend(one_micro_batch, target, run.model.dropout)
+        check_planned_backend(backend, one_micro_batch, target)
     if replans_with_profile(ctx, layout):
         layout = replan_with_profile(ctx)
         check_partition(ctx.resume, layout.parts)  # measured costs can move a boundary under partition_method=balanced
@@ -148,6 +155,7 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
         )
     control.attach(metrics)
 
+    synchronize = torch.cuda.synchronize if target.device == "cuda" else lambda: None
     t = run.train
     tokens_per_step = ctx.shape.tokens_per_step(run.model.seq_len)
     for step in range(control.start_step + 1, t.steps + 1):
@@ -162,8 +170,10 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
         lr = engine.get_lr()[0]
         accounting.before_step(step)
         tracer.begin(step)  # on the traced step: a barrier, then every rank's clock starts
+        synchronize()  # the device's queued work is not this step's
         start = time.perf_counter()
         loss = engine.train_batch(data_iter=batches)
+        synchronize()  # the step's kernels have run, not only been queued
         step_time = time.perf_counter() - start
         tracer.end(step)
         accounting.after_step(step, step_time)
@@ -207,6 +217,7 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
             "resumed_from_step": control.start_step if control.resumed else None,  # later fields: from this launch
             "device": target.device,
             "precision": target.precision,
+            "sdpa_backend": backend,  # the kernel SDPA ran (parallel/measurement/sdpa_backend.py); None: attention=math
             "losses": [r["loss"] for r in records],
             **val_summary(records),
             "tokens_per_s": median_after_warmup([r["tokens_per_s"] for r in records]),

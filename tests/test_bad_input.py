@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from harness.run_dir import check_directory_overrides
 from tests.runs import REPO, TINY, cpu_env, launch, python_run
@@ -49,6 +50,8 @@ CASES = [
         "recompute.micro_batches=5 exceeds train.micro_batches=4: it must be from 1 to 4, or null (all)",
     ),
 ]
+if not torch.cuda.is_available():  # the other CUDA refusals: tests/test_gpu_readiness.py
+    CASES.append((["train.device=cuda"], "train.device='cuda' but no CUDA device is visible: use train.device=cpu"))
 
 
 @pytest.mark.parametrize("overrides, message", CASES, ids=lambda v: " ".join(v) if isinstance(v, list) else None)

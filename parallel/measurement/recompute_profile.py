@@ -10,12 +10,12 @@ on: what a backward pass adds, without the recompute a plan would put inside it.
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
-from model import Block, GPTConfig, gpt_layers
+from model import GPTConfig, LlamaBlock, block_range, gpt_layers
 from model.fused_loss import HeadLoss
-from model.layers import FinalNorm, PositionEmbedding, TokenEmbedding
 from parallel.planning.shapes import TORCH_DTYPES
 
 
@@ -43,31 +43,44 @@ def _forward_and_backward(forward: Callable[[], torch.Tensor], device: str, repe
     return forward_s, max(0.0, both_s - forward_s)
 
 
+def _block_parts(block: torch.nn.Module, x: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """The forward of the whole block and of each part selective recompute can redo, on input x (no grad)."""
+    if isinstance(block, LlamaBlock):
+        attn, norms = block.self_attn, (block.input_layernorm, block.post_attention_layernorm)
+        q, k, v = attn._heads(norms[0](x), 0)  # (B, nh, T, hs), (B, g, T, hs) x 2
+        act = (block.mlp.gate_proj(norms[1](x)), block.mlp.up_proj(norms[1](x)))  # (B, T, f) each
+    else:
+        attn, norms = block.attn, (block.ln_1, block.ln_2)
+        q, k, v = attn._heads(norms[0](x))  # 3 x (B, nh, T, hs)
+        act = (block.mlp.c_fc(norms[1](x)),)  # (B, T, 4C)
+    return {
+        "block": lambda: block(x),
+        "core_attn": lambda: attn.core(q, k, v),
+        "mlp": lambda: block.mlp(x),
+        "mlp_act": lambda: block.mlp.act(*act),
+        "layernorm": lambda: (norms[0](x), norms[1](x)),
+    }
+
+
 def profile_block(
     model: GPTConfig, micro_batch_size: int, device: str, precision: str, repeats: int = 5
 ) -> dict[str, float]:
     """Seconds of the forward of the whole block and of each part selective recompute can redo (autograd
     off, as recompute's cost); of the block's forward with autograd on and its backward (`block_forward`,
     `block_backward`), forward / backward of the embeddings (`embedding_*`) and of the final norm, LM head
-    and loss (`head_*`), all for one micro-batch; and an AdamW step's seconds per parameter."""
+    and loss (`head_*`), all for one micro-batch; and an AdamW step's seconds per parameter. Either architecture:
+    the layers are the flat sequence's own."""
     dtype = TORCH_DTYPES[precision]
-    block = Block(model, seed=0, layer_index=0).to(device=device, dtype=dtype).train()
+    recipes = gpt_layers(model, seed=0)  # the head and loss training runs: unfused, or model.loss_chunk_tokens
+    blocks = block_range(model)
+
+    def build(index: int) -> torch.nn.Module:
+        return recipes[index].build().to(device=device, dtype=dtype).train()
+
+    block = build(blocks.start)
     x = torch.randn(micro_batch_size, model.seq_len, model.n_embd, device=device, dtype=dtype)  # (B, T, C)
-    B, T, C = x.shape
     with torch.no_grad():
-        q, k, v = (
-            t.view(B, T, model.n_head, C // model.n_head).transpose(1, 2)
-            for t in block.attn.c_attn(block.ln_1(x)).split(C, dim=2)
-        )  # 3 x (B, nh, T, hs)
-        hidden = block.mlp.c_fc(block.ln_2(x))  # (B, T, 4C)
-        parts = {
-            "block": lambda: block(x),
-            "core_attn": lambda: block.attn.core(q, k, v),
-            "mlp": lambda: block.mlp(x),
-            "mlp_act": lambda: block.mlp.act(hidden),
-            "layernorm": lambda: (block.ln_1(x), block.ln_2(x)),
-        }
-        seconds = {name: _median_seconds(fn, device, repeats) for name, fn in parts.items()}
+        seconds = {name: _median_seconds(fn, device, repeats) for name, fn in _block_parts(block, x).items()}
     x_grad = x.detach().requires_grad_()
     seconds["block_forward"], seconds["block_backward"] = _forward_and_backward(lambda: block(x_grad), device, repeats)
     # AdamW over the block's parameters (their gradients are there from the backward just timed), per parameter.
@@ -75,16 +88,20 @@ def profile_block(
     params = sum(p.numel() for p in block.parameters())
     seconds["optimizer_per_param"] = _median_seconds(optimizer.step, device, repeats) / params
 
-    wte = TokenEmbedding(model, seed=0).to(device=device, dtype=dtype).train()
-    wpe = PositionEmbedding(model, seed=0, layer_index=1).to(device=device, dtype=dtype).train()
-    norm = FinalNorm(model, seed=0, layer_index=2).to(device=device, dtype=dtype).train()
-    tokens = torch.randint(model.vocab_size, (B, T), device=device)  # (B, T)
-    seconds["embedding_forward"], seconds["embedding_backward"] = _forward_and_backward(
-        lambda: wpe(wte(tokens)), device, repeats
-    )
-    recipes = gpt_layers(model, seed=0)  # the head and loss training runs: unfused, or model.loss_chunk_tokens
-    head, loss = recipes[-1].forward_fn, HeadLoss.of(recipes)
+    embeddings = [build(i) for i in range(blocks.start)]  # token embedding (and gpt2's positions)
+    norm, head = build(blocks.stop), build(blocks.stop + 1)  # a tied head builds its embedding's module again
+    tokens = torch.randint(model.vocab_size, (micro_batch_size, model.seq_len), device=device)  # (B, T)
+
+    def embed() -> torch.Tensor:
+        out = tokens
+        for layer in embeddings:
+            out = layer(out)
+        return out
+
+    seconds["embedding_forward"], seconds["embedding_backward"] = _forward_and_backward(embed, device, repeats)
+    head_fn = head if recipes[-1].forward_fn is None else partial(recipes[-1].forward_fn, head)
+    loss = HeadLoss.of(recipes)
     seconds["head_forward"], seconds["head_backward"] = _forward_and_backward(
-        lambda: loss(head(wte, norm(x_grad)), tokens, wte.wte.weight), device, repeats
+        lambda: loss(head_fn(norm(x_grad)), tokens, head.head_weight), device, repeats
     )
     return seconds

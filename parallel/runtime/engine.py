@@ -30,6 +30,10 @@ def init_process_group(env: DistEnv, device: str, timeout_s: float) -> None:
     # Start-up chose the accelerator before loading this module; a process that loaded DeepSpeed for another
     # device (a script that skipped start-up) stops here rather than train on the wrong one.
     use_accelerator(device)
+    if device == "cuda":
+        # Before anything touches CUDA (recompute.profile broadcasts objects before the engine exists): else every
+        # rank of the node makes its context, and its NCCL communicators, on cuda:0.
+        torch.cuda.set_device(env.local_rank)
     export_dist_env(env)
     _skip_shm_inference_allreduce()
     # auto_mpi_discovery=False: a missing variable must fail loudly, not silently import mpi4py.
