@@ -59,6 +59,11 @@ class TrainConfig(OptimConfig):
     peak_tflops: float | None = None
     """Peak dense TFLOP/s of one device at train.precision, for MFU and HFU; null looks the GPU up in
     parallel/planning/flops.py's PEAK_TFLOPS table (none on CPU or an unknown GPU: MFU is then not reported)."""
+    device_profile: str = "auto"
+    """The device profile whose measured costs price the plan (`python -m parallel.measurement.device_profile`
+    writes one): auto, this device's cached profile when there is one (a missing, stale, damaged or foreign one
+    is said and the analytic costs are used); analytic, the FLOP/byte model at realistic rates; or a profile's
+    path (refused at start-up when it cannot price this run)."""
     save_every: int = 100
     """Steps between checkpoints in <run dir>/checkpoints/; 0 saves only at the end of the run and on
     preemption (a checkpoint is always written at the end)."""

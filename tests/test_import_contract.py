@@ -37,7 +37,7 @@ MAY_IMPORT = {
 """Project packages each part may import (its own modules aside); tests/ may import anything."""
 
 PLANNING = [
-    {"parallel.planning.config", "parallel.planning.shapes"},
+    {"parallel.planning.config", "parallel.planning.shapes", "parallel.planning.device_profile_file"},
     {"parallel.planning.schedules"},  # step 1's schedules, which schedule_walk.py and step_sim.py walk
     {
         "parallel.planning.stage_plan",
@@ -49,6 +49,7 @@ PLANNING = [
     {"parallel.planning.working_set"},  # the backward's working set, from memory_model's kept items
     {"parallel.planning.stage_costs"},
     {"parallel.planning.auto_recompute"},
+    {"parallel.planning.op_costs"},  # a device profile priced into a block's costs, by each architecture's op list
     {"parallel.planning.step_costs"},
     {"parallel.planning.stage_price"},  # the one function that prices a stage: memory, seconds, FLOPs
     {"parallel.planning.stage_planner"},

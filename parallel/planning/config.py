@@ -203,9 +203,6 @@ class AutoRecompute:
     reserve_gb: float = 2.0
     """Safety margin in GiB subtracted from the budget (allocator fragmentation, CUDA context, kernels'
     workspaces: what the planner does not model)."""
-    profile: bool = False
-    """Time each recompute choice on one block on the real device at start-up, and use those seconds as
-    costs instead of the analytic FLOP/byte model."""
     early: bool | None = None
     """Run each micro-batch's recompute before the stage waits for its output gradient (see
     `+recompute=full`'s `recompute.early`); null: the planner chooses, per run, the setting with the shorter

@@ -162,6 +162,7 @@ def _step_time(layout: PipelineLayout, prices: list[StagePrice], model_flops: in
     stages = range(len(layout.stages))
     return StepTimeEstimate(
         costs=timing.source,
+        cost_source=vars(timing.table.source),
         device=timing.rates.name,
         predicted_step_time_s=timeline.step_time_s,
         stage_busy_s=tuple(timeline.busy_s(s) for s in stages),
