@@ -144,7 +144,9 @@ class PlannedRecompute:
 
 @dataclass
 class FullRecompute(PlannedRecompute):
-    """Store only segment inputs; recompute each segment's forward in backward."""
+    """Store only segment inputs; recompute each segment's forward in backward. A stage whose predicted peak would not
+    fall under it runs without recompute (under `stage`, a last stage holding one micro-batch remakes in its backward
+    all that `none` keeps); the dry run's stage lines show it."""
 
     mode: str = "full"
     """Option of the `recompute` config group (`+recompute=full`); must stay "full"."""
@@ -167,7 +169,8 @@ class FullRecompute(PlannedRecompute):
 
 @dataclass
 class SelectiveRecompute(PlannedRecompute):
-    """Recompute, inside each block, only what is cheap to redo but costly to store."""
+    """Recompute, inside each block, only what is cheap to redo but costly to store; not on a stage whose predicted
+    peak would not fall under it."""
 
     mode: str = "selective"
     """Option of the `recompute` config group (`+recompute=selective`); must stay "selective"."""
