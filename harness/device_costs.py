@@ -10,6 +10,7 @@ import torch
 from harness.context import RunContext
 from parallel.planning.auto_recompute import CostTable
 from parallel.planning.device_profile_file import (
+    DeviceProfile,
     DeviceSignature,
     ProfileRefused,
     cache_dir,
@@ -23,15 +24,18 @@ from parallel.runtime.threads import threads_per_rank, usable_cores
 PROFILE_COMMAND = "python -m parallel.measurement.device_profile"
 
 
+def ranks_on_node(ctx: RunContext) -> int:
+    """The launcher's ranks on this node; a dry run without a launcher takes all its ranks to share this node."""
+    env = ctx.env
+    return ctx.topology.world_size if ctx.run.dry_run and env.source == "single" else env.local_world_size
+
+
 def rank_threads(ctx: RunContext) -> int:
-    """The intra-op threads each rank will run (parallel/runtime/threads.py's rule); a dry run's ranks are taken to
-    share this node."""
+    """The intra-op threads each rank will run (parallel/runtime/threads.py's rule)."""
     given = os.environ.get("OMP_NUM_THREADS")
     if given and given.isdigit():
         return int(given)
-    env = ctx.env
-    local = ctx.topology.world_size if ctx.run.dry_run and env.source == "single" else env.local_world_size
-    return threads_per_rank(usable_cores(), local, env.cpus_per_task)
+    return threads_per_rank(usable_cores(), ranks_on_node(ctx), ctx.env.cpus_per_task)
 
 
 def expected_signature(ctx: RunContext) -> DeviceSignature | None:
@@ -43,9 +47,9 @@ def expected_signature(ctx: RunContext) -> DeviceSignature | None:
     return signature_of(target.device, target.precision, rank_threads(ctx), ctx.env.local_rank)
 
 
-def run_costs(ctx: RunContext) -> tuple[CostTable | None, str]:
-    """The costs (None: analytic) and the start-up line that says which, and why. A named profile that cannot
-    price this run raises ProfileRefused (start-up's exit 2)."""
+def run_profile(ctx: RunContext) -> tuple[DeviceProfile | None, str]:
+    """The device profile that prices the run (None: analytic costs) and the start-up line that says which, and
+    why. A named profile that cannot price this run raises ProfileRefused (start-up's exit 2)."""
     option = ctx.run.train.device_profile
     if option == "analytic":
         return None, "costs: analytic (train.device_profile=analytic)"
@@ -71,8 +75,14 @@ def run_costs(ctx: RunContext) -> tuple[CostTable | None, str]:
                 "auto (this device's cached one) or analytic"
             )
         profile = read_profile(path, expected or _same_device_anywhere(path, ctx))
-    shape = Shape.of(ctx.run.model, ctx.run.train.micro_batch_size)
-    return profiled_costs(profile, shape, ctx.target), f"costs: {profile.source.describe()}"
+    return profile, f"costs: {profile.source.describe()}"
+
+
+def run_costs(profile: DeviceProfile | None, ctx: RunContext) -> CostTable | None:
+    """The run's costs from its profile (None: the analytic ones)."""
+    if profile is None:
+        return None
+    return profiled_costs(profile, Shape.of(ctx.run.model, ctx.run.train.micro_batch_size), ctx.target)
 
 
 def _same_device_anywhere(path: Path, ctx: RunContext) -> DeviceSignature:

@@ -2,9 +2,9 @@
 train.device_profile names (harness/device_costs.py)."""
 
 from harness.context import RunContext
-from harness.device_costs import run_costs
+from harness.device_costs import run_costs, run_profile
 from parallel.planning.layout import PipelineLayout, build_layout
-from parallel.planning.step_costs import analytic_rates
+from parallel.planning.step_costs import DeviceRates, analytic_rates
 
 
 def layout_of(ctx: RunContext) -> PipelineLayout:
@@ -12,12 +12,23 @@ def layout_of(ctx: RunContext) -> PipelineLayout:
     else a CUDA target is planned as an H100 (the GPU is not queried at start-up: that would create a CUDA context on
     every rank before DeepSpeed picks each rank's device) and a CPU one as a nominal core. Rank 0 says which costs
     priced the plan."""
-    run, target = ctx.run, ctx.target
-    costs, line = run_costs(ctx)
+    run = ctx.run
+    profile, line = run_profile(ctx)
     if ctx.env.rank == 0:
         print(f"stagecheck: {line}", flush=True)
-    rates = analytic_rates(target.device, target.precision, run.train.peak_tflops)
     parallel = run.parallel
     return build_layout(
-        run.model, run.recompute, ctx.shape, parallel.partition_method, run.seed, costs, rates, parallel.schedule
+        run.model,
+        run.recompute,
+        ctx.shape,
+        parallel.partition_method,
+        run.seed,
+        run_costs(profile, ctx),
+        run_rates(ctx),
+        parallel.schedule,
     )
+
+
+def run_rates(ctx: RunContext) -> DeviceRates:
+    """What analytic costs charge at (see layout_of)."""
+    return analytic_rates(ctx.target.device, ctx.target.precision, ctx.run.train.peak_tflops)

@@ -17,12 +17,12 @@ from model.attention import AttentionCore
 from model.fused_loss import chunked_lm_loss
 from model.gpt import lm_loss
 from model.layers import head_logits
+from parallel.planning.device_profile_file import HEAD_SIZES, attention_curve
 
 Workloads = dict[str, dict[float, Callable[[], object]]]
 
 WIDTH = 512
 """Channels of the elementwise and normalisation workloads (their cost follows the elements, not the width)."""
-HEAD_SIZE = 64
 LOSS_WIDTH, LOSS_VOCAB, LOSS_CHUNK = 128, 8192, 128
 EMBEDDING_ROWS = 1024
 
@@ -75,21 +75,21 @@ def elementwise(device: str, dtype: torch.dtype, points: int, max_elements: floa
 
 
 def attention(device: str, dtype: torch.dtype, points: int, max_seq: int) -> Workloads:
-    """model/attention.py's AttentionCore, each kernel with and without dropout, at 4 heads of HEAD_SIZE over
-    growing sequences (the curve's x is b x heads x s x s x head size)."""
+    """model/attention.py's AttentionCore, each kernel with and without dropout, at 4 heads of each of HEAD_SIZES
+    over growing sequences (the curve's x is the score elements, b x heads x s x s)."""
     curves: Workloads = {}
     for seq in sorted({round(s) for s in _geometric(32, max_seq, points)}):
-        q, k, v = (
-            torch.randn(1, 4, seq, HEAD_SIZE, device=device, dtype=dtype, requires_grad=True) for _ in range(3)
-        )  # (B, nh, T, hs)
-        size = float(4 * seq * seq * HEAD_SIZE)
-        for kernel in ("sdpa", "math"):
-            for dropout in (0.0, 0.1):
-                config = GPTConfig(n_head=4, n_embd=4 * HEAD_SIZE, seq_len=seq, dropout=dropout, attention=kernel)
-                core = AttentionCore(config).to(device).train()
-                name = f"attention_{kernel}" + ("_dropout" if dropout else "")
-                curves.setdefault(name, {})[size] = lambda core=core, qkv=(q, k, v): core(*qkv)
-                curves.setdefault(name + "_backward", {})[size] = _backward(core(q, k, v), (q, k, v))
+        for head_size in HEAD_SIZES:
+            q, k, v = (
+                torch.randn(1, 4, seq, head_size, device=device, dtype=dtype, requires_grad=True) for _ in range(3)
+            )  # (B, nh, T, hs)
+            for kernel in ("sdpa", "math"):
+                for dropout in (0.0, 0.1):
+                    config = GPTConfig(n_head=4, n_embd=4 * head_size, seq_len=seq, dropout=dropout, attention=kernel)
+                    core = AttentionCore(config).to(device).train()
+                    name = attention_curve(kernel, bool(dropout), head_size)
+                    curves.setdefault(name, {})[4.0 * seq * seq] = lambda core=core, qkv=(q, k, v): core(*qkv)
+                    curves.setdefault(name + "_backward", {})[4.0 * seq * seq] = _backward(core(q, k, v), (q, k, v))
     return curves
 
 

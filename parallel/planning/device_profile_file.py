@@ -30,21 +30,35 @@ CURVES = {
     "add": "elements (a residual add: two reads, one write)",
     "embedding": "elements gathered (token ids x width)",
     "embedding_backward": "elements scattered back into the table's gradient",
-    "attention_sdpa": "b x heads x s x s x head size (forward, no dropout)",
-    "attention_sdpa_backward": "b x heads x s x s x head size (backward, no dropout)",
-    "attention_sdpa_dropout": "b x heads x s x s x head size (forward, dropout on)",
-    "attention_sdpa_dropout_backward": "b x heads x s x s x head size (backward, dropout on)",
-    "attention_math": "b x heads x s x s x head size (forward, no dropout)",
-    "attention_math_backward": "b x heads x s x s x head size (backward, no dropout)",
-    "attention_math_dropout": "b x heads x s x s x head size (forward, dropout on)",
-    "attention_math_dropout_backward": "b x heads x s x s x head size (backward, dropout on)",
     "loss_chunked": "tokens x width x vocabulary: the fused LM head and loss (forward)",
     "loss_chunked_backward": "tokens x width x vocabulary: the fused LM head and loss (backward)",
     "loss_unfused": "tokens x width x vocabulary: the LM head, then cross-entropy over whole logits (forward)",
     "loss_unfused_backward": "tokens x width x vocabulary (backward)",
     "adamw": "parameters stepped",
 }
-"""Every curve a profile holds: its name and what its x-axis counts. The y-axis is seconds."""
+HEAD_SIZES = (32, 128)
+"""Head sizes the attention curves are measured at: at a given number of score elements, attention costs its
+matmuls (in proportion to the head size) plus its passes over the scores (not), so a head size between or beyond
+them is priced by linear interpolation (DeviceProfile.attention_seconds)."""
+
+
+def attention_curve(kernel: str, dropout: bool, head_size: int) -> str:
+    """The forward curve of model.attention=`kernel` with dropout on or off, at one of HEAD_SIZES."""
+    return f"attention_{kernel}" + ("_dropout" if dropout else "") + f"_hs{head_size}"
+
+
+CURVES.update(
+    {
+        attention_curve(kernel, dropout, head_size) + part: f"score elements, b x heads x s x s ({what}, head size "
+        f"{head_size})"
+        for kernel in ("sdpa", "math")
+        for dropout in (False, True)
+        for head_size in HEAD_SIZES
+        for part, what in (("", "forward"), ("_backward", "backward"))
+    }
+)
+"""Every curve a profile holds (the attention kernels' by head size): its name and what its x-axis counts. The
+y-axis is seconds."""
 LINK_CURVES = {"p2p": "bytes sent one way between two ranks", "allreduce": "bytes all-reduced by two ranks"}
 """Curves measured by two processes; a device measured alone (one GPU) has none, and the link is then analytic."""
 
@@ -163,6 +177,15 @@ class DeviceProfile:
 
     def seconds(self, curve: str, size: float) -> float:
         return self.curves[curve](size)
+
+    def attention_seconds(self, kernel: str, dropout: bool, scores: float, head_size: int, backward: bool) -> float:
+        """The attention core over `scores` score elements at `head_size`: linear in the head size between (and
+        beyond) HEAD_SIZES' curves; below the smallest, the smallest's."""
+        low, high = HEAD_SIZES
+        at = [self.seconds(attention_curve(kernel, dropout, hs) + "_backward" * backward, scores) for hs in HEAD_SIZES]
+        if head_size <= low:
+            return at[0]
+        return at[0] + (at[1] - at[0]) * (head_size - low) / (high - low)
 
     @property
     def has_links(self) -> bool:

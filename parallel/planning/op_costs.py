@@ -9,7 +9,7 @@ its loss, the optimizer per parameter, and the links between ranks.
 """
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from parallel.planning.auto_recompute import CostTable, measured_costs
 from parallel.planning.device_profile_file import DeviceProfile
@@ -25,17 +25,36 @@ class Op:
     weight_grad: bool = False
     """A backward matmul that makes a Linear's weight gradient: ZB-H1 can defer it (W)."""
 
+    def seconds(self, profile: DeviceProfile) -> float:
+        return profile.seconds(self.curve, self.size)
+
+
+@dataclass(frozen=True)
+class AttentionOp:
+    """The attention core (model.attention's kernel), priced between the head sizes the profile measured."""
+
+    kernel: str
+    dropout: bool
+    scores: float
+    """Score elements: b x heads x s x s."""
+    head_size: int
+    backward: bool = False
+    weight_grad = False  # the core has no weights: nothing for ZB-H1 to defer
+
+    def seconds(self, profile: DeviceProfile) -> float:
+        return profile.attention_seconds(self.kernel, self.dropout, self.scores, self.head_size, self.backward)
+
 
 @dataclass(frozen=True)
 class BlockOps:
     """One block's forward, split by what selective recompute can redo, and its backward."""
 
-    parts: dict[str, tuple[Op, ...]]
+    parts: dict[str, tuple[Op | AttentionOp, ...]]
     """Forward ops of each recomputable module (`core_attn`, `mlp`, `mlp_act`, `layernorm`) and of the rest."""
-    backward: tuple[Op, ...]
+    backward: tuple[Op | AttentionOp, ...]
 
     @property
-    def forward(self) -> tuple[Op, ...]:
+    def forward(self) -> tuple[Op | AttentionOp, ...]:
         return tuple(op for name, ops in self.parts.items() if name != "mlp_act" for op in ops)
 
 
@@ -58,8 +77,7 @@ def gpt_block_ops(shape: Shape) -> BlockOps:
     fc, fc_back = _linear(tokens, h, 4 * h)
     out, out_back = _linear(tokens, 4 * h, h)
     drop, drop_back = _dropout(tokens * h, shape.dropout)
-    attention = f"attention_{shape.attention}" + ("_dropout" if shape.dropout else "")
-    core = Op(attention, shape.b * shape.s * shape.s * h)  # b x heads x s x s x head size
+    core = AttentionOp(shape.attention, shape.dropout, shape.scores, h // shape.a)
     mlp = (fc, Op("gelu", tokens * 4 * h), out, *drop)
     return BlockOps(
         parts={
@@ -72,7 +90,7 @@ def gpt_block_ops(shape: Shape) -> BlockOps:
         backward=(
             *(Op("layernorm_backward", tokens * h),) * 2,
             *qkv_back,
-            Op(attention + "_backward", core.size),
+            replace(core, backward=True),
             *proj_back,
             *fc_back,
             Op("gelu_backward", tokens * 4 * h),
@@ -89,8 +107,8 @@ ARCHITECTURES = {"gpt": gpt_block_ops}
 """Each block architecture the model builds, by its op list."""
 
 
-def _seconds(profile: DeviceProfile, ops: Iterable[Op]) -> float:
-    return sum(profile.seconds(op.curve, op.size) for op in ops)
+def _seconds(profile: DeviceProfile, ops: Iterable[Op | AttentionOp]) -> float:
+    return sum(op.seconds(profile) for op in ops)
 
 
 def profile_seconds(

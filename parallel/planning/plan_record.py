@@ -156,7 +156,8 @@ class StepTimeEstimate:
     stage_recompute_s: tuple[float, ...]
     """Recompute inside the stage's backward passes, over the step."""
     by_mode_s: dict[str, float]
-    """Predicted step time of `none`, `selective` and `full` on the same stages."""
+    """Predicted step time of `none`, `selective` and `full` on the same stages, under the same schedule and early
+    recompute setting."""
     by_gpu: dict[str, dict[str, float]]
     """CUDA plans: {GPU: {step_time_s, mfu}} with analytic costs at that GPU's peak."""
     schedule: str = "1f1b"
@@ -285,7 +286,7 @@ class RunPlan:
             else f"analytic costs at realistic {st.device} rates, no device profile"
         )
         lines = [
-            f"predicted_step_time_s {st.predicted_step_time_s:.4g} ({source}) | same stages: "
+            f"predicted_step_time_s {st.predicted_step_time_s:.4g} ({source}) | same stages and schedule: "
             + ", ".join(f"{mode} {t:.4g}" for mode, t in st.by_mode_s.items()),
             "predicted per stage (s): busy "
             + " ".join(f"{t:.4g}" for t in st.stage_busy_s)
