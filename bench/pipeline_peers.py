@@ -183,7 +183,8 @@ def main(argv=None) -> int:
                 runs.append(run)
                 _progress(run, args, peers, of_peer, runs)
             if k == 0:
-                autos, of_peer = auto_variants(cfg, runs, args.micro_batches, work)
+                peer_runs = [r for r in runs if r.name in {p.name for p in peers}]
+                autos, of_peer = auto_variants(cfg, peer_runs, args.micro_batches, work)
                 for variant in autos:
                     runs.append(run_stagecheck(cfg, variant, steps, work / f"r1-{len(runs)}", 0))
                     _progress(runs[-1], args, peers, of_peer, runs)
