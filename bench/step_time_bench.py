@@ -114,18 +114,20 @@ def measure_profile(path: Path, smoke: bool) -> None:
     subprocess.run(command, cwd=REPO, env=launch_env(), check=True)
 
 
-def dry_run_prediction(cfg: GPTConfig, variant: Variant, scratch: Path) -> float:
+def dry_run_prediction(cfg: GPTConfig, variant: Variant, scratch: Path) -> float | str:
     """The variant's dry run (`train.py ... dry_run=true`, no launcher, one thread as a rank has): its
-    predicted_step_time_s."""
+    predicted_step_time_s, or the start-up's refusal (a budget the schedule cannot fit)."""
     run_dir = scratch / variant.name.replace(" ", "-").replace("(", "").replace(")", "")
     command = [sys.executable, *train_args(cfg, variant, 5, run_dir), "dry_run=true"]
-    subprocess.run(command, cwd=REPO, env=launch_env(), check=True, capture_output=True)
+    result = subprocess.run(command, cwd=REPO, env=launch_env(), capture_output=True, text=True)
+    if result.returncode != 0:
+        return result.stderr.strip().splitlines()[-1]
     return json.loads((run_dir / "plan.json").read_text())["predicted_step_time_s"]
 
 
 def kept_results(root: Path, shapes: dict[str, GPTConfig], todo: dict[str, list[Variant]]) -> dict[str, list[Result]]:
-    """The results of an earlier `--keep` run under `root` (rounds as its folders; a run that did not finish is
-    left out; launch wall and CPU seconds are not kept: nan)."""
+    """The results of the runs under `root` (rounds as its folders; a run that did not finish is left out; launch
+    wall and CPU seconds are not kept: nan, printed as `-`; run_rounds prints them as each run ends)."""
     results: dict[str, list[Result]] = {shape: [] for shape in shapes}
     for shape in shapes:
         for k in range(len(list(root.glob(f"{shape}-round*")))):
@@ -236,22 +238,29 @@ def main() -> None:
             f"torch {torch.__version__}; {STAGES} ranks on CPU, one thread each; profile {profile}; {rounds} rounds",
             flush=True,
         )
-        if args.kept:
-            results = kept_results(args.kept, shapes, todo)
-        else:
-            results = {shape: [] for shape in shapes}
+        for shape, cfg in shapes.items():  # what start-up refuses is said and left out
+            for variant in list(todo[shape]):
+                planned = dry_run_prediction(cfg, variant, root / "planned" / shape)
+                if isinstance(planned, str):
+                    print(f"shape {shape} {variant.name}: refused at start-up: {planned}", flush=True)
+                    todo[shape].remove(variant)
+        if not args.kept:
             for k in range(rounds):
                 for shape, cfg in shapes.items():
-                    for result in run_rounds(cfg, todo[shape], 1, steps, root / f"{shape}-round{k + 1}"):
-                        result.round = k
-                        results[shape].append(result)
+                    folder = root / f"{shape}-round{k + 1}"
+                    # runs an earlier invocation with this --keep finished are kept, not repeated
+                    left = [v for v in todo[shape] if not (run_dir_of(folder, 0, v) / "summary.json").is_file()]
+                    run_rounds(cfg, left, 1, steps, folder)
+        results = kept_results(args.kept or root, shapes, todo)
         repriced = {}
         if args.reprice:
             for shape, cfg in shapes.items():
                 budget = budget_between_full_and_selective(cfg)
                 for variant in variants(budget / GIB, args.reprice):
                     if variant.name in {r.variant.name for r in results[shape]}:
-                        repriced[shape, variant.name] = dry_run_prediction(cfg, variant, root / "repriced" / shape)
+                        predicted = dry_run_prediction(cfg, variant, root / "repriced" / shape)
+                        if not isinstance(predicted, str):
+                            repriced[shape, variant.name] = predicted
     print()
     figure_1(results, repriced)
     figure_2(results, rounds)

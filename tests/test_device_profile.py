@@ -17,6 +17,7 @@ from parallel.planning.device_profile_file import (
     LINK_CURVES,
     Curve,
     ProfileRefused,
+    attention_curve,
     profile_json,
     read_profile,
     signature_of,
@@ -73,6 +74,20 @@ def test_a_block_is_priced_from_its_op_list_on_the_profiles_curves(tmp_path):
     assert seconds["transfer"] == pytest.approx(shape.bsh * 4 / 2e9)  # the p2p curve at one micro-batch's states
     ops = gpt_block_ops(shape)
     assert sum(op.weight_grad for op in ops.backward) == 4  # the four Linear layers' weight gradients
+
+
+def test_attention_is_priced_between_the_head_sizes_it_was_measured_at(tmp_path):
+    """At a given number of score elements, attention's matmuls grow with the head size and its passes over the
+    scores do not: linear in the head size between the 32 and 128 curves, the 32 curve below."""
+    signature = signature_of("cpu", "fp32", 1)
+    per_unit = {attention_curve("math", True, 32): 1e-9, attention_curve("math", True, 128): 4e-9}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(linear_profile(signature, per_unit)))
+    profile = read_profile(path, signature)
+    scores = 1e6
+    assert [profile.attention_seconds("math", True, scores, hs, False) for hs in (16, 32, 64, 128, 256)] == (
+        pytest.approx([1e-3, 1e-3, 2e-3, 4e-3, 8e-3])
+    )
 
 
 def test_a_damaged_stale_or_foreign_profile_is_refused_and_says_why(tmp_path):
