@@ -118,7 +118,8 @@ def dry_run_prediction(cfg: GPTConfig, variant: Variant, scratch: Path) -> float
     """The variant's dry run (`train.py ... dry_run=true`, no launcher, one thread as a rank has): its
     predicted_step_time_s, or the start-up's refusal (a budget the schedule cannot fit)."""
     run_dir = scratch / variant.name.replace(" ", "-").replace("(", "").replace(")", "")
-    command = [sys.executable, *train_args(cfg, variant, 5, run_dir), "dry_run=true"]
+    command = [sys.executable, *train_args(cfg, variant, 5, run_dir), f"parallel.pipeline_stages={STAGES}"]
+    command.append("dry_run=true")  # without a launcher, the dry run's stages are parallel.pipeline_stages
     result = subprocess.run(command, cwd=REPO, env=launch_env(), capture_output=True, text=True)
     if result.returncode != 0:
         return result.stderr.strip().splitlines()[-1]

@@ -38,7 +38,7 @@ from parallel.planning.device_profile_file import (
 from parallel.planning.shapes import TORCH_DTYPES
 
 FULL = {"rounds": 7, "points": 9, "max_flops": 4e9, "max_elements": 8e6, "max_seq": 1024, "max_tokens": 4096}
-QUICK = {"rounds": 3, "points": 3, "max_flops": 1e7, "max_elements": 6e4, "max_seq": 64, "max_tokens": 256}
+QUICK = {"rounds": 2, "points": 2, "max_flops": 1e7, "max_elements": 6e4, "max_seq": 64, "max_tokens": 256}
 GPU_SCALE = {"max_flops": 1e3, "max_elements": 1e2, "max_seq": 8, "max_tokens": 16}
 """A GPU's sizes reach further: its kernels leave their launch-bound floor much later than a CPU's."""
 
