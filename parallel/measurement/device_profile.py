@@ -94,6 +94,7 @@ def concurrent_curves(ranks: int, device: str, precision: str, quick: bool) -> d
 def measure(device: str, precision: str, quick: bool = False, links: bool = True, ranks: int = 1) -> dict:
     """The profile of this process's device, as written to disk (device_profile_file.profile_json). `ranks`: how
     many processes compute at once (CPU: the ranks a run puts on this node)."""
+    load_before = os.getloadavg()[0]
     if ranks > 1:
         curves = concurrent_curves(ranks, device, precision, quick)
     else:
@@ -103,7 +104,8 @@ def measure(device: str, precision: str, quick: bool = False, links: bool = True
         threads = torch.get_num_threads()
         curves.update(link_curves(device, grid["rounds"], grid["points"], grid["max_elements"] * 8, threads))
     signature = signature_of(device, precision, torch.get_num_threads())
-    return profile_json(signature, datetime.now(UTC).isoformat(timespec="seconds"), curves)
+    created = datetime.now(UTC).isoformat(timespec="seconds")
+    return profile_json(signature, created, curves, (load_before, os.getloadavg()[0]))
 
 
 def measure_to(
@@ -142,7 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
     out = args.out or cache_dir() / signature_of(args.device, precision, torch.get_num_threads()).file_name()
     profile = measure_to(out, args.device, precision, args.quick, not args.no_links, ranks)
-    print(f"device profile: wrote {out} ({len(profile.curves)} curves, signature {vars(profile.signature)})")
+    load = json.loads(out.read_text())["load"]
+    print(
+        f"device profile: wrote {out} ({len(profile.curves)} curves, signature {vars(profile.signature)}; load "
+        f"average {load[0]:.1f} before, {load[1]:.1f} after: other work on the machine slows what it measures)"
+    )
     return 0
 
 

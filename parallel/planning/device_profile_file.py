@@ -192,9 +192,12 @@ class DeviceProfile:
         return all(name in self.curves for name in LINK_CURVES)
 
 
-def profile_json(signature: DeviceSignature, created: str, points: dict[str, list[tuple[float, float]]]) -> dict:
-    """A profile as written to disk."""
-    return {"format": FORMAT, "signature": vars(signature), "created": created, "curves": points}
+def profile_json(
+    signature: DeviceSignature, created: str, points: dict[str, list[tuple[float, float]]], load: tuple = ()
+) -> dict:
+    """A profile as written to disk. `load`: the machine's 1-minute load average before and after measuring (a CPU
+    profile measured beside other work is slower than the device: the file says so; no check reads it)."""
+    return {"format": FORMAT, "signature": vars(signature), "created": created, "load": list(load), "curves": points}
 
 
 def read_profile(path: Path, expected: DeviceSignature) -> DeviceProfile:
