@@ -33,7 +33,7 @@ import torch
 
 from bench.peer_launch import Peer, Run, run_peer, run_stagecheck
 from bench.peer_report import report
-from bench.real_runs import REPO, Variant, launch_env, model_config
+from bench.real_runs import REPO, STAGES, TRACE_STEP, Variant, launch_env, model_config, train_args
 from parallel.planning.config import AutoRecompute, FullRecompute, SelectiveRecompute
 from parallel.planning.shapes import GIB
 
@@ -89,19 +89,9 @@ def planned(cfg, budget: float, micro_batches: int, work: Path) -> str | None:
     and the early stages (None: the budget is refused)."""
     run_dir = work / f"dry-{budget}"
     variant = Variant("dry", micro_batches, AutoRecompute(), "type:Block", auto_overrides(budget), ())
-    cmd = [sys.executable, "train.py", f"hydra.run.dir={run_dir}", "data=synthetic", "logger=none", "dry_run=true"]
-    cmd += [
-        "train.device=cpu",
-        "train.precision=fp32",
-        *(f"model.{k}={getattr(cfg, k)}" for k in ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size")),
-        f"model.dropout={cfg.dropout}",
-        f"model.attention={cfg.attention}",
-        "parallel.pipeline_stages=2",
-        f"train.micro_batches={micro_batches}",
-        "train.micro_batch_size=1",
-        f"parallel.partition_method={variant.partition}",
-        *variant.overrides,
-    ]
+    # Without a launcher the dry run plans parallel.pipeline_stages stages: the launches' 2.
+    cmd = [sys.executable, *train_args(cfg, variant, TRACE_STEP, run_dir), "dry_run=true"]
+    cmd.append(f"parallel.pipeline_stages={STAGES}")
     if subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True).returncode != 0:
         return None
     plan = json.loads((run_dir / "plan.json").read_text())
