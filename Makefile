@@ -5,7 +5,7 @@ INSTALLED := $(VENV)/.installed
 # CPU runs: DeepSpeed's CPU accelerator (gloo), W&B offline.
 CPU_ENV := DS_ACCELERATOR=cpu WANDB_MODE=offline
 
-.PHONY: venv demo test test-quick lint format docs
+.PHONY: venv demo test test-quick gpu-check lint format docs
 # .venv with requirements.txt installed (again when requirements.txt changes).
 venv: $(INSTALLED)
 
@@ -34,6 +34,11 @@ test: venv
 # one without its marker fails under STAGECHECK_QUICK_TIER (tests/runs.py, tests/conftest.py).
 test-quick: venv
 	$(CPU_ENV) STAGECHECK_QUICK_TIER=1 $(PY) -m pytest -q tests -m "not multiproc and not slurm" --durations=10
+
+# On a machine with CUDA: the GPU tests (tests/test_gpu.py), gpt2 per recompute mode on one GPU and, with two or
+# more, 2-stage NCCL runs under a timeout; writes docs/gpu_figures.md (docs/gpu.md). At most 10 minutes on one GPU.
+gpu-check: venv
+	WANDB_MODE=disabled $(PY) -m bench.gpu_check
 
 # ruff's lint and format checks (pyproject.toml).
 lint: venv

@@ -9,6 +9,7 @@ import hydra
 from omegaconf import DictConfig
 
 from harness.command import refuse_file_as_directory, run_command
+from harness.config_errors import config_errors
 from harness.generation import sample_text
 from schema.scripts import register_script_schemas, to_script_config
 
@@ -22,4 +23,5 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     refuse_file_as_directory(sys.argv)  # before Hydra makes the directory
-    main()
+    with config_errors(sys.argv[1:]):  # an unknown option or key, a wrong type: one line, exit 2
+        main()

@@ -17,6 +17,7 @@ refuse_file_as_directory(sys.argv)
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from harness.config_errors import config_errors  # noqa: E402
 from harness.run_dir import register_run_stamp_resolver  # noqa: E402
 from harness.startup import run_from_hydra  # noqa: E402
 from schema import register_schemas  # noqa: E402
@@ -32,4 +33,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with config_errors(sys.argv[1:]):  # an unknown option or key, a wrong type: one line, exit 2
+        main()

@@ -78,10 +78,15 @@ class Accounting:
         self.step_times: list[float] = []
         self.tensor_meter = TensorPeakMeter(self.device)  # live tensor bytes of the metered step
         self.tensor_peak: TensorPeak | None = None
+        self.cuda_peaks: list[tuple[int, int]] = []
+        """(max allocated, max reserved) bytes of each training step on CUDA: the allocator's peaks are reset
+        before each step, so start-up, evaluation and checkpoints count for none."""
 
     def before_step(self, step: int) -> None:
         """Arm the meter for the first step at or after train.measure_step (0: never)."""
         self.meter.armed = self.measure_step > 0 and self.measured_step is None and step >= self.measure_step
+        if self.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         if self.meter.armed:
             self.tensor_meter.start()
         # What each early recompute and each B (zb-h1) holds until its backward or W, on the metered step only.
@@ -93,6 +98,8 @@ class Accounting:
             self.meter.armed = self.engine.early_recompute.measure = self.engine.weight_grads.measure = False
             self.measured_step = step
         self.step_times.append(step_time)
+        if self.device == "cuda":
+            self.cuda_peaks.append((torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
 
     def step_record(self, step_time: float) -> dict:
         """Mean achieved model TFLOP/s per rank over the step, and MFU / HFU when the peak is known."""
@@ -123,7 +130,12 @@ class Accounting:
             "peak_activation_bytes": self._live_peak(recorded) if recorded else None,
             "stage_input_bytes": max(self.meter.stage_input_bytes()) if recorded else None,
             "in_flight": in_flight,
-            "peak_memory_bytes": peak_memory_bytes(self.device),
+            # CUDA: the most allocated in any step's window (what the planner predicts), and the allocator's
+            # reserve around it (caching, fragmentation: what the device must actually hold).
+            "peak_memory_bytes": max(a for a, _ in self.cuda_peaks)
+            if self.cuda_peaks
+            else peak_memory_bytes(self.device),
+            "peak_reserved_bytes": max(r for _, r in self.cuda_peaks) if self.cuda_peaks else None,
             "tensor_peak": asdict(self.tensor_peak) if self.tensor_peak else None,
             "step_time_s": step_time,
             "tflops": stage.model_flops_per_step / step_time / 1e12 if step_time else None,
@@ -165,7 +177,16 @@ class Accounting:
             "peak_memory_bytes_per_stage": [
                 max(r["peak_memory_bytes"] for r in ranks if r["stage"] == s) for s in range(stages)
             ],
-            "peak_memory_kind": "cuda_max_allocated" if self.device == "cuda" else "cpu_max_rss",
+            "peak_memory_kind": "cuda_max_allocated_per_step" if self.device == "cuda" else "cpu_max_rss",
+            **(
+                {
+                    "peak_reserved_bytes_per_stage": [
+                        max(r["peak_reserved_bytes"] for r in ranks if r["stage"] == s) for s in range(stages)
+                    ]
+                }
+                if self.device == "cuda"
+                else {}
+            ),
             **tensor_peaks(first, self.plan),
             "model_flops_per_step": self.plan.flops.model_flops_per_step,
             "hardware_flops_per_step": self.plan.flops.hardware_flops_per_step,

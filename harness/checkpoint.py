@@ -9,7 +9,9 @@ Layout of <run dir>/checkpoints/:
         stagecheck_rank_00001.pt        ours: the RNG states of rank 1 (Python, NumPy, torch CPU, CUDA)
         stagecheck_tokenizer.json       ours: the run's tokenizer (tokenizer.json beside it for BPE)
         stagecheck.json                 ours, written by rank 0 once every rank has finished: the step,
-                                        the data position, the W&B run id, the topology, the model config
+                                        the data position, the W&B run id, the topology, the model config,
+                                        precision, partition, learning-rate decay and the whole resolved
+                                        config (what a resume is checked against)
 
 DeepSpeed keeps no data position and no RNG state. The data position is the step: a batch is a pure
 function of (seed, step, dp_rank, micro) (data/sampling.py), so a run resumed after step k draws
@@ -41,7 +43,7 @@ from data.tokenizer import TOKENIZER_FILE
 from harness.context import RunContext
 from harness.faults import save_delay_for_test
 from harness.files import atomic_write, atomic_write_json, atomic_write_text, fsync_path
-from parallel.planning.shapes import Topology
+from parallel.runtime.lr_schedule import CosineSegment, apply_current_lr
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -120,18 +122,6 @@ def resume_point(train, run_dir: Path) -> ResumePoint | None:
     return read_checkpoint(Path(train.resume))
 
 
-def check_compatible(point: ResumePoint, topology: Topology) -> None:
-    """Exact resume needs the same ranks: DeepSpeed's files are per stage and the RNG states per rank."""
-    saved = (point.meta["world_size"], point.meta["pipeline_stages"])
-    world_size, pipeline_stages = topology.world_size, topology.pipeline_stages
-    if saved != (world_size, pipeline_stages):
-        raise ValueError(
-            f"the checkpoint {point.path} was written by {saved[0]} ranks in {saved[1]} pipeline stages, this "
-            f"launch has {world_size} ranks in {pipeline_stages} stages: launch the same topology to resume "
-            f"(or train.resume=false to start over)"
-        )
-
-
 # ---- RNG states ------------------------------------------------------------------------------------------
 
 
@@ -140,7 +130,9 @@ def rng_state() -> dict:
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None,
+        # This rank's own device only: a resume under another device visibility (srun) has the same one, as
+        # cuda:LOCAL_RANK, but not necessarily the others.
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None,
     }
 
 
@@ -149,7 +141,7 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])  # the current device: cuda:LOCAL_RANK
 
 
 def checkpoint_tags(root: Path) -> list[tuple[int, Path]]:
@@ -200,6 +192,10 @@ class Checkpointer:
         self.topology = ctx.topology
         self.seed = ctx.run.seed
         self.model = asdict(ctx.run.model)
+        self.config = ctx.resolved
+        self.precision = ctx.target.precision
+        resumed = ctx.resume.lr_segment if ctx.resume is not None else None
+        self.lr_segment = resumed or CosineSegment.fresh(ctx.run.train.warmup_steps, ctx.run.train.steps)
         self.keep = ctx.run.train.keep_checkpoints
         self.wandb_run_id = wandb_run_id
 
@@ -247,6 +243,10 @@ class Checkpointer:
             "world_size": self.topology.world_size,
             "pipeline_stages": self.topology.pipeline_stages,
             "data_parallel_size": self.topology.data_parallel_size,
+            "precision": self.precision,
+            "partition": [int(p) for p in self.engine.module.parts],  # each stage's first layer, then the end
+            "lr_schedule": asdict(self.lr_segment),  # the decay a re-stretching resume continues
+            "config": self.config,  # what a resume is checked against (harness/resume_check.py)
             "wandb_run_id": self.wandb_run_id,
             "rank_states": [rank_state_name(r) for r in range(self.topology.world_size)],
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -274,6 +274,8 @@ class Checkpointer:
                 f"the checkpoint {point.path} is inconsistent: DeepSpeed's state says step "
                 f"{client.get('stagecheck_step')}, {META} says {point.step}"
             )
+        # The scheduler's state is the checkpoint's; its learning rate for the next step is this launch's.
+        apply_current_lr(engine.lr_scheduler)
         # Our own file, written by this code: not an untrusted pickle.
         set_rng_state(torch.load(point.path / rank_state_name(self.rank), weights_only=False))
         return point.step

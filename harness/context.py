@@ -1,13 +1,31 @@
 """The run as start-up validated it, in one frozen value that every part of a run takes (torchtitan's typed
 trainer state): the typed config, where outputs go, this rank, and what the run is planned for."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.job import JobHooks
 from parallel.planning.shapes import RunShape, Target, Topology
 from parallel.runtime.dist_env import DistEnv
+from parallel.runtime.lr_schedule import CosineSegment
 from schema.run import RunConfig
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A launch that continues from a checkpoint, as start-up checked it (harness/resume_check.py)."""
+
+    checkpoint: Path
+    step: int
+    """The step the checkpoint was taken after."""
+    in_place: bool
+    """The checkpoint is this run directory's own (else: a new run from another run's weights)."""
+    changed: dict[str, list] = field(default_factory=dict)
+    """Options this launch changed, each [saved value, new value]: only those a resume may change."""
+    lr_segment: CosineSegment | None = None
+    """The learning-rate decay from here on (parallel/runtime/lr_schedule.py)."""
+    saved_partition: list[int] | None = None
+    """The checkpoint's stage boundaries (each stage's first layer, then one past the last); None: not recorded."""
 
 
 @dataclass(frozen=True)
@@ -23,6 +41,8 @@ class RunContext:
     """Stages x data-parallel, device and precision, batch: what the layout is planned for."""
     job: JobHooks
     """A single run, or one job of a sweep."""
+    resume: Resume | None = None
+    """Where this launch continues from; None: a fresh start."""
 
     @property
     def topology(self) -> Topology:

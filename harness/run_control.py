@@ -14,12 +14,14 @@ The trainer calls, on every rank:
 Logging comes before saving, so a checkpoint at step k always has step k in metrics.jsonl.
 """
 
+import json
 import os
 import shutil
 import signal
 import socket
 import sys
-from dataclasses import dataclass, field
+import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,16 +32,17 @@ from harness.checkpoint import (
     CHECKPOINTS,
     LATEST,
     Checkpointer,
-    check_compatible,
     checkpoints_dir,
     new_wandb_run_id,
     resume_point,
 )
-from harness.context import RunContext
+from harness.context import Resume, RunContext
 from harness.files import atomic_write_text
 
+RESUMES = "resumes.jsonl"
+"""Beside config.yaml (which keeps how the run was first launched): one line per resume."""
 # What `train.overwrite=true` deletes before a fresh start (config.yaml is rewritten anyway).
-PREVIOUS_OUTPUTS = ("metrics.jsonl", "summary.json", CHECKPOINTS)
+PREVIOUS_OUTPUTS = ("metrics.jsonl", "summary.json", CHECKPOINTS, RESUMES)
 
 
 @dataclass
@@ -51,6 +54,15 @@ class StepVerdict:
     """A rank that received it (-1: none)."""
     record: dict = field(default_factory=dict)
     """Extra fields for the step's metrics record."""
+
+
+def step_is_nonfinite(loss: float, grad_norm, step_applied: bool, fp16: bool) -> bool:
+    """Whether a finished step is a fault (train.nan_policy): a non-finite loss, a non-finite gradient norm, or a
+    skipped update. Under fp16 DeepSpeed skips a step whose scaled gradients overflowed, reporting an inf gradient
+    norm, while its loss scale settles: normal, not a fault (a non-finite loss still is one)."""
+    if fp16 and not step_applied:
+        return not faults.is_finite(loss)
+    return not (faults.is_finite(loss) and faults.is_finite(grad_norm) and step_applied)
 
 
 class RunControl:
@@ -66,10 +78,8 @@ class RunControl:
         self.metrics = None
         self.skipped = 0
 
-        # Start-up validated train.resume already (harness/startup.py); the files have not changed since.
+        # Start-up checked train.resume already (harness/resume_check.py); the files have not changed since.
         point = resume_point(self.train, run_dir)
-        if point is not None:
-            check_compatible(point, ctx.topology)
         in_place = point is not None and point.inside(run_dir)
         dist.barrier()  # every rank has read the run directory before rank 0 changes it
         if self.rank == 0:
@@ -79,6 +89,8 @@ class RunControl:
                 # An explicit older checkpoint of this run: it becomes the latest, so the saves that follow
                 # (which may reuse newer tags) never overwrite what `latest` names.
                 atomic_write_text(checkpoints_dir(run_dir) / LATEST, point.path.name + "\n")
+            if ctx.resume is not None:
+                record_resume(run_dir, ctx.resume)
         # Same W&B run when continuing in place; a new one for a fresh start or a fork of another run.
         wandb_run_id = point.meta.get("wandb_run_id") if in_place else None
         if self.rank == 0 and wandb_run_id is None:
@@ -99,6 +111,9 @@ class RunControl:
                 f"stagecheck: resuming from {point.path} after step {self.start_step} (W&B run {self.wandb_run_id})",
                 flush=True,
             )
+            if ctx.resume is not None and ctx.resume.changed:
+                changes = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in ctx.resume.changed.items())
+                print(f"stagecheck: options changed on resume (recorded in {RESUMES}): {changes}", flush=True)
             if self.start_step >= self.train.steps:
                 print(
                     f"stagecheck: the checkpoint is at step {self.start_step} >= train.steps={self.train.steps}: "
@@ -124,9 +139,9 @@ class RunControl:
         gradient norm, or a skipped update; one all-reduce (MAX) gives all ranks the same verdict."""
         faults.maybe_fail_for_test(self.rank, step)
         loss_value = float(loss.item()) if loss is not None else 0.0
-        nonfinite = not faults.is_finite(loss_value) or not faults.is_finite(self.engine.get_global_grad_norm())
-        if not self.fp16:  # fp16 skips steps while its loss scale settles: normal, not a fault
-            nonfinite = nonfinite or not self.engine.was_step_applied()
+        nonfinite = step_is_nonfinite(
+            loss_value, self.engine.get_global_grad_norm(), self.engine.was_step_applied(), self.fp16
+        )
         signum = preemption.requested() or 0
         flags = torch.tensor(
             [float(signum), float(self.rank + 1 if signum else 0), float(nonfinite)],
@@ -201,6 +216,21 @@ class RunControl:
         dist.barrier()
         preemption.ignore_from_now()  # srun -K's SIGTERM must not turn this exit code into 143 (preemption.py)
         raise SystemExit(code)
+
+
+def record_resume(run_dir: Path, resume: Resume) -> None:
+    """One line of resumes.jsonl per launch that continued from a checkpoint: when, from which checkpoint and step,
+    the options it changed ([saved, new]) and the learning-rate decay it follows."""
+    record = {
+        "resumed_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "checkpoint": str(resume.checkpoint),
+        "from_step": resume.step,
+        "in_place": resume.in_place,
+        "changed": resume.changed,
+        "lr_schedule": asdict(resume.lr_segment) if resume.lr_segment else None,
+    }
+    with open(run_dir / RESUMES, "a") as handle:
+        handle.write(json.dumps(record) + "\n")
 
 
 def _latest_tag(run_dir: Path) -> str | None:

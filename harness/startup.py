@@ -9,19 +9,21 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from harness import preemption
-from harness.checkpoint import check_compatible, resume_point
+from harness.checkpoint import resume_point
+from harness.config_errors import unknown_added_keys
 from harness.context import RunContext
 from harness.dry_run import dry_run
 from harness.faults import EXIT_CONFIG, check_output_dir, run_guarded
 from harness.init_from import resolve_init_from
 from harness.job import JobHooks
+from harness.resume_check import ResumeCommand, check_partition, check_resume
 from harness.run_dir import check_run_dir, remove_if_empty
 from harness.run_layout import layout_of
 from model import gpt_layers, model_param_count
 from parallel.runtime.accelerator import use_accelerator
 from parallel.runtime.dist_env import DistEnv, read_dist_env
 from parallel.runtime.threads import set_threads_per_rank
-from schema.checks import check_data, run_shape, to_run_config
+from schema.checks import check_cuda_device, check_data, run_shape, to_run_config
 from schema.run import RunConfig
 
 
@@ -35,6 +37,7 @@ def run_from_hydra(cfg: DictConfig, job: JobHooks) -> None:
             return
         ctx = validate(cfg, run_dir, env, job)
         layout = layout_of(ctx)  # recompute=auto may not fit its budget
+        check_partition(ctx.resume, layout.parts)
         if not ctx.run.dry_run:  # a dry run loads no DeepSpeed
             use_accelerator(ctx.target.device)
     except ValueError as error:
@@ -65,14 +68,21 @@ def validate(cfg: DictConfig, run_dir: Path, env: DistEnv, job: JobHooks) -> Run
     """Config values, topology, device, data, the checkpoint to resume and the run directory; raises
     ValueError. (The layout, planned next, checks recompute=auto's budget.)"""
     resolve_init_from(cfg, HydraConfig.get().overrides.task)  # model.init_from sets the model's shape
+    unknown = unknown_added_keys(cfg)  # `+train.foo=1` passes Hydra: the typed config would drop it unread
+    if unknown:
+        raise ValueError("; ".join(unknown))
     run = to_run_config(cfg)
     world_size = dry_run_world_size(run, env) if run.dry_run else env.world_size
     # A dry run plans for CUDA (train.device=cuda or auto) whether or not this machine has a GPU.
     shape = run_shape(run, world_size, torch.cuda.is_available() or run.dry_run)
+    if shape.target.device == "cuda" and not run.dry_run:
+        check_cuda_device(shape.target, run.train.precision, env.local_rank, *cuda_facts(env.local_rank))
     check_data(run)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
     point = resume_point(run.train, run_dir)  # train.resume: auto, false or a checkpoint path
-    if point is not None:
-        check_compatible(point, shape.topology)
+    resume = None
+    if point is not None:  # everything that shapes the weights, the tokens or the partition must match
+        resume = check_resume(point, run, resolved, shape, run_dir, resume_command())
     check_run_dir(run_dir, continuing=point is not None and point.inside(run_dir), overwrite=run.train.overwrite)
     if not run.dry_run:  # read-only, full, too small for a checkpoint
         check_output_dir(
@@ -82,7 +92,21 @@ def validate(cfg: DictConfig, run_dir: Path, env: DistEnv, job: JobHooks) -> Run
             run.train.keep_checkpoints,
             env.rank,
         )
-    return RunContext(run, OmegaConf.to_container(cfg, resolve=True), run_dir, env, shape, job)
+    return RunContext(run, resolved, run_dir, env, shape, job, resume)
+
+
+def resume_command() -> ResumeCommand:
+    """This launch's options as typed, for the command a refused resume prints."""
+    overrides = HydraConfig.get().overrides
+    run_dir = [o for o in overrides.hydra if o.lstrip("+").startswith("hydra.run.dir=")]
+    return ResumeCommand(list(overrides.task), run_dir[-1] if run_dir else None)
+
+
+def cuda_facts(local_rank: int) -> tuple[int, tuple[int, int]]:
+    """(visible CUDA devices, compute capability of the one at `local_rank`), read without making a CUDA context
+    (the rank's device is set only when its process group starts: parallel/runtime/engine.py)."""
+    visible = torch.cuda.device_count()
+    return visible, torch.cuda.get_device_capability(local_rank) if local_rank < visible else (0, 0)
 
 
 def dry_run_world_size(run: RunConfig, env: DistEnv) -> int:

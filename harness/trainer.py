@@ -10,27 +10,48 @@ from data import open_token_source, save_run_tokenizer
 from harness.accounting import Accounting
 from harness.context import RunContext
 from harness.evaluation import Evaluator, val_summary
+from harness.files import atomic_write_text
 from harness.init_from import hf_initial_weights
 from harness.metrics import MetricsLog, median_after_warmup
 from harness.run_control import RunControl
 from harness.run_summary import done_line, wandb_sync_command
 from harness.timeline import publish_trace
 from harness.wandb_logger import open_wandb
+from parallel.measurement.sdpa_backend import check_planned_backend, sdpa_backend
 from parallel.measurement.trace import StepTracer
 from parallel.planning.layout import PipelineLayout
 from parallel.planning.run_plan import plan_run
+from parallel.planning.shapes import Shape
 from parallel.runtime.dist_env import node_name
 from parallel.runtime.engine import build_engine, init_process_group
+from schema.training import TrainConfig
 
 # DeepSpeed's pipeline sends activations with c10d broadcasts inside autograd; torch warns once per
 # rank that the op has no autograd kernel. DeepSpeed handles those gradients itself: noise.
 warnings.filterwarnings("ignore", message="c10d::broadcast_: an autograd kernel was not registered")
 
 
+def write_config(ctx: RunContext) -> None:
+    """config.yaml: how the run was trained. A run continued in place keeps its own (each resume, with the options
+    it changed, is in resumes.jsonl beside it)."""
+    path = ctx.run_dir / "config.yaml"
+    if ctx.resume is None or not ctx.resume.in_place or not path.exists():
+        atomic_write_text(path, OmegaConf.to_yaml(ctx.resolved))
+
+
+def traced_step(train: TrainConfig, start_step: int) -> int | None:
+    """The step to trace: train.trace_step's; when a resume is past it, the one as far into this launch (so
+    summary.json has the bubbles of the segment it trains), or None when nothing is left to train."""
+    step = train.traced_step
+    if step is None or step > start_step:
+        return step
+    return min(start_step + step, train.steps) if start_step < train.steps else None
+
+
 def train(ctx: RunContext, layout: PipelineLayout) -> None:
     run, run_dir, rank, topology, target = ctx.run, ctx.run_dir, ctx.env.rank, ctx.topology, ctx.target
     if rank == 0:
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(ctx.resolved))
+        write_config(ctx)
         print(
             f"stagecheck: {topology.world_size} ranks = {topology.pipeline_stages} stages x "
             f"{topology.data_parallel_size} data-parallel | recompute={run.recompute} | {target.device} "
@@ -42,6 +63,12 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
             print("stagecheck: model.packed_dropout=true is a no-op: model.dropout is 0, so no masks are kept")
 
     init_process_group(ctx.env, target.device, run.train.collective_timeout_s)
+    # The SDPA kernel this device runs, refused unless it keeps what the plan counted (before any engine exists).
+    backend = None
+    if run.model.attention == "sdpa":
+        one_micro_batch = Shape.of(run.model, run.train.micro_batch_size)
+        backend = sdpa_backend(one_micro_batch, target, run.model.dropout)
+        check_planned_backend(backend, one_micro_batch, target)
     if layout.budgets is not None and rank == 0:
         for line in layout.describe_budgets(run.recompute):
             print("stagecheck: " + line, flush=True)
@@ -53,6 +80,7 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
         target.precision,
         target.device,
         initial_weights=hf_initial_weights(ctx),  # model.init_from, unless resuming
+        lr_segment=ctx.resume.lr_segment if ctx.resume is not None else None,
     )
     # Dropout draws from this stream; every recompute mode consumes it identically.
     torch.manual_seed(run.seed * 1009 + rank)
@@ -62,7 +90,7 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
     plan = plan_run(run.model, run.recompute, layout, ctx.shape)
     accounting = Accounting(ctx, plan, engine)
     # Per-instruction timings of train.trace_step on every rank (trace.json, timeline.png, bubbles per stage).
-    tracer = StepTracer(engine, run.train.traced_step, target.device)
+    tracer = StepTracer(engine, traced_step(run.train, control.start_step), target.device)
 
     dp_rank = engine.grid.get_data_parallel_rank()
     needs_data = engine.is_first_stage() or engine.is_last_stage()
@@ -97,6 +125,7 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
         )
     control.attach(metrics)
 
+    synchronize = torch.cuda.synchronize if target.device == "cuda" else lambda: None
     t = run.train
     tokens_per_step = ctx.shape.tokens_per_step(run.model.seq_len)
     for step in range(control.start_step + 1, t.steps + 1):
@@ -111,8 +140,10 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
         lr = engine.get_lr()[0]
         accounting.before_step(step)
         tracer.begin(step)  # on the traced step: a barrier, then every rank's clock starts
+        synchronize()  # the device's queued work is not this step's
         start = time.perf_counter()
         loss = engine.train_batch(data_iter=batches)
+        synchronize()  # the step's kernels have run, not only been queued
         step_time = time.perf_counter() - start
         tracer.end(step)
         accounting.after_step(step, step_time)
@@ -153,8 +184,10 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
             "micro_batch_size": t.micro_batch_size,
             "seq_len": run.model.seq_len,
             "steps": t.steps,
+            "resumed_from_step": control.start_step if control.resumed else None,  # later fields: from this launch
             "device": target.device,
             "precision": target.precision,
+            "sdpa_backend": backend,  # the kernel SDPA ran (parallel/measurement/sdpa_backend.py); None: attention=math
             "losses": [r["loss"] for r in records],
             **val_summary(records),
             "tokens_per_s": median_after_warmup([r["tokens_per_s"] for r in records]),

@@ -81,6 +81,27 @@ def target(run: RunConfig, cuda_available: bool) -> Target:
     return Target(device, precision)
 
 
+def check_cuda_device(target: Target, precision_option: str, local_rank: int, visible: int, capability: tuple) -> None:
+    """A CUDA run's own device: this rank's `LOCAL_RANK` must name a visible GPU (NCCL refuses two ranks on one),
+    and bf16 needs a GPU of compute capability 8.0 or newer. `capability`: (major, minor) of the GPU at
+    `local_rank` (unread when it is not visible); `precision_option`: train.precision as set (auto resolves to
+    bf16 on cuda)."""
+    if target.device != "cuda":
+        return
+    if local_rank >= visible:
+        raise ValueError(
+            f"LOCAL_RANK={local_rank} but this node has {visible} visible CUDA device(s) (train.device=cuda): launch "
+            f"at most {visible} rank(s) per node (deepspeed --num_gpus {visible}, srun --ntasks-per-node "
+            f"{visible}), or make more devices visible (CUDA_VISIBLE_DEVICES)"
+        )
+    if target.precision == "bf16" and tuple(capability) < (8, 0):
+        major, minor = capability
+        raise ValueError(
+            f"train.precision={precision_option!r} means bf16, which this GPU (compute capability {major}.{minor}) "
+            f"does not support (8.0 or newer does): set train.precision=fp16 or fp32"
+        )
+
+
 def check_data(run: RunConfig) -> None:
     run.data.validate()
     check_vocab(run.data, run.model.vocab_size)

@@ -55,7 +55,8 @@ class TrainConfig(OptimConfig):
     trace_step: int | None = None
     """Step whose pipeline instructions every rank times (trace.json, timeline.png, the bubble fraction per
     stage in summary.json); null: step 3 (after warm-up), or the last step when train.steps < 3; 0 disables
-    the trace. A resumed run traces only when the step is still ahead."""
+    the trace. A resumed run that is past that step traces the step as far into its own launch (resumed after
+    step 6 with the default: step 9), so its summary.json has the bubbles of what it trained."""
     peak_tflops: float | None = None
     """Peak dense TFLOP/s of one device at train.precision, for MFU and HFU; null looks the GPU up in
     parallel/planning/flops.py's PEAK_TFLOPS table (none on CPU or an unknown GPU: MFU is then not reported)."""

@@ -6,12 +6,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from harness.run_dir import check_directory_overrides
 from tests.runs import REPO, TINY, cpu_env, launch, python_run
 
 CASES = [
-    (["+recompute=sometimes"], "Could not find 'recompute/sometimes'"),
+    (["+recompute=sometimes"], "recompute=sometimes is unknown: allowed values are auto, full, none, selective"),
     (["model.n_embd=100", "model.n_head=3"], "model.n_embd=100 is not divisible by model.n_head=3"),
     (["parallel.pipeline_stages=3"], "parallel.pipeline_stages=3 does not divide the world size 1"),
     (["train.steps=0"], "train.steps=0 is invalid: it must be a positive integer"),
@@ -49,6 +50,8 @@ CASES = [
         "recompute.micro_batches=5 exceeds train.micro_batches=4: it must be from 1 to 4, or null (all)",
     ),
 ]
+if not torch.cuda.is_available():  # the other CUDA refusals: tests/test_gpu_readiness.py
+    CASES.append((["train.device=cuda"], "train.device='cuda' but no CUDA device is visible: use train.device=cpu"))
 
 
 @pytest.mark.parametrize("overrides, message", CASES, ids=lambda v: " ".join(v) if isinstance(v, list) else None)
@@ -61,6 +64,35 @@ def test_bad_input_fails_at_start_up(tmp_path, overrides, message):
     assert message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr + result.stdout
     assert not run_dir.exists()
+
+
+CONFIG_ERRORS = [
+    (["+recompute=selectiv"], "recompute=selectiv is unknown: did you mean recompute=selective? allowed values are "),
+    (["model=nosuch"], "model=nosuch is unknown: allowed values are gpt2, gpt2-large,"),
+    (["variant=full_one"], "variant=full_one is unknown: did you mean variant=full_1? allowed values are full_1,"),
+    (["data=text", "data.tokenzier=bpe"], "data.tokenzier is not an option: did you mean data.tokenizer?"),
+    (["trian.steps=3"], "trian is not an option: did you mean train?"),
+    (["+train.seeed=3"], "train.seeed is not an option: the options of train are train.steps,"),
+    (["+recompte=full"], "recompte is not an option: did you mean recompute?"),
+    (["recompute.interval=2"], "recompute.interval needs a recompute mode: add +recompute=full, selective, none or"),
+    (["train.steps=many"], "train.steps='many' is invalid: it must be an integer"),
+    (["dry_run=maybe"], "dry_run='maybe' is invalid: it must be true or false"),
+    (["+train.steps=3"], "+train.steps=... adds an option that exists already: set it without the + (train.steps=...)"),
+    (["variant=full_1", "+recompute=selective"], "variant=full_1 and +recompute=selective both choose recompute: keep"),
+]
+
+
+@pytest.mark.parametrize(
+    "overrides, message", CONFIG_ERRORS, ids=lambda v: " ".join(v) if isinstance(v, list) else None
+)
+def test_config_errors_are_one_line_naming_the_key_and_exit_2(tmp_path, overrides, message):
+    """An unknown option or key, a wrong type, two choices of one group: one line, exit 2, no internal schema name."""
+    run_dir = tmp_path / "run"
+    result = python_run(run_dir, *TINY, *overrides, check=False, timeout=120)
+    assert result.returncode == 2
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("stagecheck: error: ") and message in line, line
+    assert "_schema" not in line and not run_dir.exists()
 
 
 def test_stages_exceeding_blocks_fail_before_any_process_group(tmp_path):
@@ -95,6 +127,10 @@ def test_bad_input_through_the_deepspeed_launcher(tmp_path):
     assert result.returncode != 0
     assert "parallel.pipeline_stages=3 does not divide the world size 2" in result.stderr + result.stdout
     assert not run_dir.exists()
+    typo = launch(run_dir, *TINY, "train.stpes=3", check=False, timeout=180)
+    assert typo.returncode == 2
+    assert "stagecheck: error: train.stpes is not an option: did you mean train.steps?" in typo.stderr
+    assert "Traceback" not in typo.stderr + typo.stdout and not run_dir.exists()
 
 
 def test_a_file_or_a_path_under_one_as_the_output_directory_is_refused(tmp_path):

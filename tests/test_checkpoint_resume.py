@@ -1,10 +1,15 @@
 """Checkpoints and exact resume through real 2-rank runs: a run interrupted at step k (SIGTERM to one
 rank, or kill -9 in the middle of a save) and resumed gives bit-identical losses for steps k+1..N to an
 uninterrupted run, continues the same W&B run without duplicated steps, and never loses its last
-complete checkpoint."""
+complete checkpoint. A resume keeps config.yaml and records itself in resumes.jsonl; one that changes
+train.steps re-stretches the learning rate without a jump and its summary keeps the traced bubbles and the
+peaks; a refused one leaves every file of the run byte-identical, with advice that is accepted."""
 
+import hashlib
 import json
 import os
+import shlex
+import shutil
 import signal
 import time
 
@@ -12,9 +17,10 @@ import pytest
 
 from harness.checkpoint import LATEST, META
 from harness.faults import EXIT_PREEMPTED, TEST_SAVE_DELAY_ENV
+from parallel.runtime.lr_schedule import CosineSegment, lr_factor
 from tests import wandb_file
 from tests.live_runs import start
-from tests.runs import TINY, launch, metrics, python_run, summary
+from tests.runs import TINY, cpu_env, launch, metrics, python_run, summary
 from tests.shared_runs import case
 
 pytestmark = pytest.mark.multiproc
@@ -25,6 +31,14 @@ MODES = {"none": [], "selective": ["+recompute=selective"]}
 
 
 CASES = {mode: case(*COMMON, *overrides) for mode, overrides in MODES.items()}
+# A later job of the same launch: a longer run from the straight run's step-6 checkpoint, traced and metered at the
+# default steps (3 and 2), which are behind it.
+EXTENDED_STEPS = 12
+CASES["extended"] = case(
+    *[o for o in COMMON if not o.startswith(("train.steps", "train.trace_step"))],
+    f"train.steps={EXTENDED_STEPS}",
+    "train.resume={runs}/checkpoint_resume-none/checkpoints/step_00000006",
+)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +104,11 @@ def test_sigterm_to_one_rank_saves_exits_75_and_resumes_bit_identical(reference,
     assert _latest(run_dir) == f"step_{k:08d}"  # saved at the step boundary where all ranks agreed
     assert not (run_dir / "summary.json").exists()
 
+    config = (run_dir / "config.yaml").read_bytes()
     resumed = launch(run_dir, *COMMON)  # train.resume=auto (the default)
+    assert (run_dir / "config.yaml").read_bytes() == config  # how the run was launched, kept
+    (record,) = [json.loads(line) for line in (run_dir / "resumes.jsonl").read_text().splitlines()]
+    assert (record["from_step"], record["in_place"], record["changed"]) == (k, True, {})
     assert f"resuming from {run_dir / 'checkpoints' / f'step_{k:08d}'} after step {k}" in resumed.stdout
     assert [row["step"] for row in metrics(run_dir)] == list(range(1, STEPS + 1))
     assert _losses(run_dir) == _losses(reference["none"])  # bit-identical, k+1..N included
@@ -152,3 +170,66 @@ def test_resume_refusals_name_the_option(reference, tmp_path):
     assert "written by 2 ranks in 2 pipeline stages, this launch has 1 ranks" in other_topology.stderr
     assert "Traceback" not in fresh.stderr + other_topology.stderr
     assert not (tmp_path / "one-rank").exists()
+
+
+def _hashes(run_dir) -> dict:
+    return {
+        str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in run_dir.rglob("*")
+        if p.is_file()
+    }
+
+
+def test_a_refused_resume_changes_no_file_and_its_advice_is_accepted(reference, tmp_path):
+    """The issue's relaunch: into a finished 2-stage run's directory, longer, with options forgotten (the run's
+    train.micro_batches) or changed (the vocabulary). Start-up refuses it on 2 ranks (the launcher's variables,
+    before any process group), the files stay byte-identical, and both commands the refusal gives pass start-up."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference["none"], run_dir)
+    two_ranks = cpu_env(tmp_path, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    before = _hashes(run_dir)
+    forgot = python_run(run_dir, *TINY, "train.steps=12", "model.vocab_size=512", check=False, env=two_ranks)
+    assert forgot.returncode == 2, forgot.stderr
+    (line,) = forgot.stderr.splitlines()
+    assert "train.micro_batches: saved 2, this launch 4" in line
+    assert "model.vocab_size: saved 256, this launch 512" in line
+    assert "train.steps" not in line.split("To resume it")[0]  # it may change
+    assert _hashes(run_dir) == before
+
+    resume = shlex.split(line.split("`")[1])
+    assert resume[:4] == ["deepspeed", "--num_gpus", "2", "train.py"]
+    for accepted in (resume[4:], [f"hydra.run.dir={run_dir}", *TINY, "train.resume=false", "train.overwrite=true"]):
+        dry = python_run(None, *accepted, "dry_run=true", check=False, env=two_ranks, tmp=tmp_path)
+        assert dry.returncode == 0 and "error" not in dry.stderr, dry.stderr
+
+
+def test_a_longer_run_from_a_checkpoint_re_stretches_the_lr_and_keeps_every_summary_field(reference):
+    extended, straight = reference["extended"], reference["none"]
+    rows = metrics(extended)
+    assert [r["step"] for r in rows] == list(range(7, EXTENDED_STEPS + 1))
+    first = json.loads((straight / "checkpoints" / "step_00000006" / META).read_text())
+    train = first["config"]["train"]
+    peak, warmup, floor = train["lr"], train["warmup_steps"], train["min_lr_ratio"]
+    segment = CosineSegment(**first["lr_schedule"]).stretched(6, warmup, EXTENDED_STEPS)
+    expected = [peak * lr_factor(s, warmup, EXTENDED_STEPS, floor, segment) for s in range(7, EXTENDED_STEPS + 1)]
+    assert [r["lr"] for r in rows] == pytest.approx(expected, rel=1e-12)
+    straight_lr = [r["lr"] for r in metrics(straight)]
+    lrs = straight_lr[:6] + [r["lr"] for r in rows]
+    assert all(a >= b for a, b in zip(lrs[warmup - 1 :], lrs[warmup:]))  # from the peak down, never up again
+    assert rows[0]["lr"] > straight_lr[6]  # not the 8-step schedule's step 7: its decay was re-stretched
+    assert rows[-1]["lr"] == pytest.approx(peak * floor)
+
+    (record,) = [json.loads(line) for line in (extended / "resumes.jsonl").read_text().splitlines()]
+    assert (record["from_step"], record["in_place"]) == (6, False)
+    assert record["changed"] == {"train.steps": [8, EXTENDED_STEPS], "train.trace_step": [0, None]}
+    assert record["lr_schedule"] == {"start_step": 6, "start_progress": segment.start_progress, "end_step": 12}
+    last = json.loads((extended / "checkpoints" / f"step_{EXTENDED_STEPS:08d}" / META).read_text())
+    assert last["lr_schedule"] == record["lr_schedule"] and last["config"]["train"]["steps"] == EXTENDED_STEPS
+
+    # Every field of a straight run's summary, from the launch's own segment: traced and metered after step 6.
+    result = summary(extended)
+    straight_fields = set(summary(straight)) | {"traced_step", "bubble_fraction_per_stage", "trace_costs"}
+    assert straight_fields <= set(result)
+    assert (result["resumed_from_step"], result["traced_step"], result["activation_measured_at_step"]) == (6, 9, 7)
+    assert len(result["bubble_fraction_per_stage"]) == 2 and all(result["peak_activation_bytes_per_stage"])
+    assert (extended / "timeline.png").exists() and summary(straight)["resumed_from_step"] is None

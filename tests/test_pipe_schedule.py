@@ -1,19 +1,24 @@
 """The training schedules of parallel/planning/schedules.py, checked instruction by instruction on every stage of 1, 2
 and 4 stages with 1..8 micro-batches: each micro-batch's forward, B and W once and in order, W's deferred within
 ZB-H1's bound, early recompute right before its RecvGrad, pipe buffers never shared while live, DeepSpeed's
-communication order kept (a forward's output sent first in its step), and no deadlock under the engine's
-asynchronous sends (the step-time simulator); and the activation
-peak parallel/planning/schedule_walk.py reads off each schedule."""
+communication order kept (a forward's output sent first in its step), no deadlock under the strictest transport
+(every send and receive blocking until its peer's matching operation is posted, as NCCL's large messages do) for
+the batches the engine posts, whatever each stage plans, nor under the engine's posted sends (the step-time
+simulator); and the activation peak parallel/planning/schedule_walk.py reads off each schedule."""
 
 import itertools
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 from deepspeed.runtime.pipe.schedule import TrainSchedule
 
 from parallel.planning.schedule_walk import activation_peak
-from parallel.planning.schedules import SCHEDULES, StageProgram, one_f_one_b, train_schedule
+from parallel.planning.schedules import SCHEDULES, StageProgram, one_f_one_b, p2p_batches, train_schedule
 from parallel.planning.step_sim import PER_STEP, simulate
+from tests.shared_runs import EngineRun
+
+ENGINE_RUNS = {"large-messages": EngineRun("large_message_runs", {}, nproc=2)}
 
 SHAPES = [(stages, micro_batches) for stages in (1, 2, 4) for micro_batches in range(1, 9)]
 COMBINATIONS = list(itertools.product(SCHEDULES, (False, True)))
@@ -106,14 +111,101 @@ def test_communication_is_deepspeeds_own_order_with_activations_sent_first(kind,
     simulate(micro_batches, stages, unit_costs(0.5, early, stages), kind, early)
 
 
-def test_sending_activations_first_needs_asynchronous_sends():
-    """Under rendezvous sends stage 0 would block in SendActivation(1) while stage 1 blocks in SendGrad(0) to stage
-    0's RecvGrad(0): why the engine posts its sends."""
-    program = [n for n, _, _ in flat(train_schedule("1f1b", True, 4, 2, 0))]
-    first_recv = program.index("RecvGrad")
-    assert program[first_recv - 2 : first_recv + 1] == ["SendActivation", "RecomputeEarly", "RecvGrad"]
-    theirs = [type(c).__name__ for commands in TrainSchedule(4, 2, 0).steps() for c in commands]
-    assert theirs[theirs.index("RecvGrad") + 1] == "SendActivation"
+PARTNER = {
+    "SendActivation": ("RecvActivation", 1),
+    "RecvActivation": ("SendActivation", -1),
+    "SendGrad": ("RecvGrad", -1),
+    "RecvGrad": ("SendGrad", 1),
+}
+"""Each point-to-point instruction's counterpart, and on which neighbour (+1: the next stage)."""
+
+
+def rendezvous_replay(programs: list[StageProgram]) -> None:
+    """Run the stages' point-to-point batches (`p2p_batches`, what the engine posts) under the strictest transport:
+    a stage posts its next batch only once every operation of its current one has met its counterpart, and an
+    operation meets it only while the peer has it posted (NCCL once a message outgrows its buffers: a send holds
+    the pair's one stream until the peer receives). Raise on a deadlock, or where a stage's posted operation faces
+    its counterpart kind for another micro-batch (the k-th of a kind is micro-batch k)."""
+    stages = len(programs)
+    batches = []
+    for program in programs:
+        seen: Counter[str] = Counter()
+        named = []
+        for batch in p2p_batches(program):
+            named.append({(type(c).__name__, seen[type(c).__name__]) for c in batch})
+            seen.update(type(c).__name__ for c in batch)
+        batches.append(named)
+    pc, met = [0] * stages, [set() for _ in range(stages)]
+
+    def posted(stage: int) -> set:
+        return batches[stage][pc[stage]] - met[stage] if pc[stage] < len(batches[stage]) else set()
+
+    while any(pc[s] < len(batches[s]) for s in range(stages)):
+        progressed = False
+        for s in range(stages):
+            for name, m in posted(s):
+                partner, side = PARTNER[name]
+                facing = {op for op in posted(s + side) if op[0] == partner}
+                assert facing <= {(partner, m)}, f"stage {s}'s {name} {m} faces stage {s + side}'s {facing}"
+                if facing:
+                    met[s].add((name, m))
+                    met[s + side].add((partner, m))
+                    progressed = True
+            for t in range(stages):
+                if pc[t] < len(batches[t]) and not posted(t):
+                    met[t].clear()
+                    pc[t] += 1
+                    progressed = True
+        if not progressed:
+            stuck = {s: sorted(posted(s)) for s in range(stages) if pc[s] < len(batches[s])}
+            raise AssertionError(f"deadlock under rendezvous: stages blocked at {stuck}")
+
+
+EARLY_PATTERNS = {
+    "none": lambda stages: [False] * stages,
+    "all": lambda stages: [True] * stages,
+    "first": lambda stages: [s == 0 for s in range(stages)],
+    "alternate": lambda stages: [s % 2 == 1 for s in range(stages)],
+}
+"""Per-stage early settings: a layout's stage plans choose them one by one."""
+
+
+@pytest.mark.parametrize("kind", SCHEDULES)
+@pytest.mark.parametrize("pattern", EARLY_PATTERNS)
+@pytest.mark.parametrize("stages, micro_batches", SHAPES + [(3, 5), (8, 8), (8, 3)])
+def test_every_send_meets_its_receive_under_rendezvous_whatever_each_stage_plans(kind, pattern, stages, micro_batches):
+    """What keeps NCCL from deadlocking: every send has its receive posted in the same batch or earlier on the
+    peer, for every schedule, stage count, micro-batch count, deferral, and mix of stage plans with and without
+    early recompute."""
+    early = EARLY_PATTERNS[pattern](stages)
+    for deferred in [None, *range(stages)] if kind == "zb-h1" else [None]:
+        rendezvous_replay([train_schedule(kind, early[s], micro_batches, stages, s, deferred) for s in range(stages)])
+
+
+def test_sending_activations_first_needs_the_recv_grad_in_the_same_batch():
+    """Stage 0 sends its activation first, before the early recompute and its RecvGrad; stage 1 sends its gradient
+    before it receives that activation (DeepSpeed's order). Posted one by one, each send would wait on a receive
+    queued behind the peer's send; posted as one batch with the RecvGrad, both meet."""
+    programs = [train_schedule("1f1b", True, 4, 2, stage) for stage in range(2)]
+    names = [type(c).__name__ for c in programs[0].commands()]
+    first_recv = names.index("RecvGrad")
+    assert names[first_recv - 2 : first_recv + 1] == ["SendActivation", "RecomputeEarly", "RecvGrad"]
+    assert [type(c).__name__ for c in p2p_batches(programs[0])[1]] == ["SendActivation", "RecvGrad"]
+    rendezvous_replay(programs)
+    one_per_step = [replace(p, steps=tuple((c,) for c in p.commands())) for p in programs]
+    with pytest.raises(AssertionError, match="deadlock"):
+        rendezvous_replay(one_per_step)
+
+
+@pytest.mark.multiproc
+def test_messages_above_16_mib_train_both_schedules_alike_on_gloo(engine_runs):
+    """A real 2-stage run whose every activation and gradient message is 17 MiB: zb-h1 with early recompute, its
+    SendActivation and RecvGrad posted as one batch, trains as DeepSpeed's own 1F1B does, bit for bit."""
+    ranks = engine_runs["large-messages"]
+    for rank in ranks:
+        assert all(run["received_bytes"] > 16 * 2**20 for run in rank.values())
+        assert rank["zb-h1/full/early"]["loss"] == rank["1f1b"]["loss"]
+        assert rank["zb-h1/full/early"]["digest"] == rank["1f1b"]["digest"]
 
 
 @pytest.mark.parametrize("stages, micro_batches", SHAPES)

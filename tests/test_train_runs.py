@@ -53,6 +53,7 @@ def test_summary_and_metrics_hold_the_run(mode_runs):
     assert (s["world_size"], s["pipeline_stages"], s["data_parallel_size"]) == (2, 2, 1)
     assert (s["micro_batches"], s["micro_batch_size"], s["seq_len"], s["steps"]) == (4, 2, 128, 3)
     assert s["tokens_per_s"] > 0
+    assert s["sdpa_backend"] == "math"  # CPU SDPA with dropout on: what the plan counted (sdpa-math)
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert [r["loss"] for r in rows] == s["losses"]
@@ -83,6 +84,7 @@ def test_offline_wandb_run_holds_the_logged_values(mode_runs):
 def test_two_stage_pipeline_matches_the_unpipelined_model(case_runs):
     run_dir = case_runs["pipe"]
     assert [stage["layers"] for stage in summary(run_dir)["layout"]] == [[0, 4], [4, 8]]
+    assert summary(run_dir)["sdpa_backend"] == "flash-cpu"  # dropout off: CPU's flash kernel, as planned
 
     cfg = GPTConfig(n_layer=4, n_head=4, n_embd=128, seq_len=128, vocab_size=256, dropout=0.0)
     model = GPT(cfg, seed=1234)

@@ -43,6 +43,11 @@ class PipelineLayout:
     """`balanced` only: each partition it priced (its own block counts, then DeepSpeed's methods) with its
     simulated step under its fastest allowed schedule (None: it fits no plan in the budget); it runs the fastest."""
 
+    @property
+    def parts(self) -> list[int]:
+        """Each stage's first layer, then one past the last (DeepSpeed's `PipelineModule.parts`)."""
+        return [s.start for s in self.stages] + [self.stages[-1].stop]
+
     def empty_stage_warnings(self) -> list[str]:
         """One warning per stage that holds no transformer block: it idles while the others compute."""
         warnings = []

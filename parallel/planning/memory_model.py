@@ -64,11 +64,14 @@ def attention_core_items(shape: Shape, target: Target) -> list[Item]:
         items.append(("attention output, contiguous (output projection input)", bsh * d))
         return items
     # Fused kernels keep q, k, v (views of the QKV projection output), their output (which, laid out
-    # (B, T, nh, hs), is also the output projection's input: one storage) and the fp32 log-sum-exp.
+    # (B, T, nh, hs), is also the output projection's input: one storage) and the fp32 log-sum-exp. CUDA's
+    # memory-efficient kernel (fp32, or where flash does not apply) pads its log-sum-exp rows to a multiple of 32;
+    # flash keeps s of them: counting the padded rows never plans too little.
+    rows = -(-shape.s // 32) * 32 if target.device == "cuda" else shape.s
     return [
         ("q, k, v (views of the QKV output)", 3 * bsh * d),
         ("attention output (output projection input, same storage)", bsh * d),
-        ("log-sum-exp", shape.b * shape.a * shape.s * FP32),
+        ("log-sum-exp", shape.b * shape.a * rows * FP32),
     ]
 
 

@@ -10,14 +10,19 @@ plan's recompute of a micro-batch as its own instruction (`RecomputeEarly`) befo
 micro-batch's gradient (Mario, PPoPP'25), instead of inside its backward.
 
 Both are rewrites of the 1F1B programme that add only local instructions and keep its communication in its
-order. Under rendezvous sends (a send blocks until its recv is posted: gloo here) whether a schedule deadlocks
-depends only on the order of each stage's communication, which 1F1B gets right, so neither rewrite can deadlock
-(parallel/planning/step_sim.py checks it). Every per-micro-batch kind still runs in micro-batch order on every
+order, but for each step's SendActivation, sent first (`_sends_first`). Under a rendezvous transport (a send blocks
+until its recv is posted: gloo's blocking send; NCCL once a message outgrows its buffers, where a pair of ranks'
+transfers also run in order on one stream) whether a schedule deadlocks depends only on how each stage posts its
+communication (`p2p_batches`): a stage sending its activation first would meet its neighbour sending its gradient
+first, so the engine posts such a step's SendActivation and RecvGrad as one batch, and every send then meets its
+receive in the same batch or an earlier one on the peer (tests/test_pipe_schedule.py replays
+every shape under strict rendezvous). Every per-micro-batch kind still runs in micro-batch order on every
 stage, so the k-th of a kind is micro-batch k (parallel/measurement/trace.py and parallel/planning/step_sim.py
 rely on it), and the pipe buffers are 1F1B's: a buffer is live from its forward to its B, and neither rewrite
 changes that.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 SCHEDULES = ("1f1b", "zb-h1")
@@ -176,9 +181,10 @@ def _with_early_recompute(commands: list[Command]) -> list[Command]:
 def _sends_first(commands: list[Command]) -> Step:
     """The step's SendActivation before everything else in it. 1F1B sends a forward's output after the next
     RecvGrad, so whatever this stage runs before that RecvGrad (an early recompute, deferred W's) would hold up the
-    next stage's forward. Sending first needs asynchronous sends: under rendezvous sends this stage would block in
-    the send while the next stage blocks in its SendGrad to this stage's RecvGrad. The engine running these
-    schedules sends asynchronously (parallel/runtime/zero_bubble_engine.py), and the simulator replays them so."""
+    next stage's forward. Sending first needs posted sends, and the step's RecvGrad posted with the send
+    (`p2p_batches`): under rendezvous sends this stage would block in the send while the next stage blocks in its
+    SendGrad to this stage's RecvGrad. The engine running these schedules posts
+    them so (parallel/runtime/zero_bubble_engine.py), and the simulator replays them so."""
     sends = [command for command in commands if isinstance(command, SendActivation)]
     return tuple(sends + [command for command in commands if not isinstance(command, SendActivation)])
 
@@ -243,6 +249,41 @@ def _split_backward(program: StageProgram, deferred: int) -> list[list[Command]]
                 out.append(command)
         steps.append(out)
     return steps
+
+
+def posts_sends(kind: str, early: Sequence[bool]) -> bool:
+    """Whether a pipeline whose stage plans have these `early` settings runs on posted sends: a rewrite of 1F1B
+    (zb-h1, or a stage other than the last recomputing early: the last never does). Else it runs DeepSpeed's own
+    1F1B with its blocking sends. One value for the whole pipeline, as its engine and the simulator take it."""
+    return kind != "1f1b" or any(early[:-1])
+
+
+COMMUNICATION = (SendActivation, RecvActivation, SendGrad, RecvGrad)
+"""The point-to-point instructions."""
+
+
+def sends_activation_first(step: Step) -> bool:
+    """Whether a step sends its activation before it receives its gradient (`_sends_first`): its engine then posts
+    both as one batch at the SendActivation. Posted apart, in this order, the send would wait (NCCL, large
+    messages) on the next stage's RecvActivation, which that stage posts after its SendGrad, which waits on this
+    stage's RecvGrad, queued behind the send on the pair's one stream: a deadlock."""
+    kinds = [type(c) for c in step]
+    return SendActivation in kinds and RecvGrad in kinds and kinds.index(SendActivation) < kinds.index(RecvGrad)
+
+
+def p2p_batches(program: StageProgram) -> list[tuple[Command, ...]]:
+    """The stage's point-to-point communication in the order its engine posts it, each batch posted at once
+    (`torch.distributed.batch_isend_irecv`) at its first instruction's place: one instruction per batch, but a
+    step's SendActivation and RecvGrad as one where it sends its activation first (`sends_activation_first`)."""
+    out: list[tuple[Command, ...]] = []
+    for step in program.steps:
+        ops = [c for c in step if isinstance(c, COMMUNICATION)]
+        if sends_activation_first(step):
+            recv = next(c for c in ops if isinstance(c, RecvGrad))
+            out += [(c, recv) if isinstance(c, SendActivation) else (c,) for c in ops if c is not recv]
+        else:
+            out += [(c,) for c in ops]
+    return out
 
 
 def train_schedule(

@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from parallel.planning.schedules import train_schedule
+from parallel.planning.schedules import posts_sends, train_schedule
 
 PER_STEP = ("ReduceTiedGrads", "ReduceGrads", "OptimizerStep")
 """Instructions that run once per step; every other kind runs once per micro-batch."""
@@ -177,11 +177,14 @@ def simulate(
     its sides' costs: a measured blocking call includes its wait, and the side that arrived last waited least.
 
     Under DeepSpeed's own 1F1B every send is a rendezvous (its p2p is a blocking send on gloo). The schedules
-    of parallel/planning/schedules.py (zb-h1, or any stage early) run on an engine that sends asynchronously: a send
-    only posts (no time on the sender), and its recv ends `cost(recv)` after both sides have posted."""
+    of parallel/planning/schedules.py (zb-h1, or any stage early: `posts_sends`) run on an engine that posts its
+    sends: a send only posts (no time on the sender), and its recv ends `cost(recv)` after both sides have posted.
+    That is also how a step that sends its activation first runs, its RecvGrad posted with the send as one batch
+    (`p2p_batches`): the activation goes at the SendActivation, and the gradient's receive ends when both sides have
+    posted it."""
     early_of = [early] * stages if isinstance(early, bool) else list(early)
     deferred_of = [None] * stages if deferred is None else list(deferred)
-    async_sends = schedule != "1f1b" or any(early_of)
+    async_sends = posts_sends(schedule, early_of)
     programs = [instructions(micro_batches, stages, s, schedule, early_of[s], deferred_of[s]) for s in range(stages)]
     clock = [0.0] * stages
     pc = [0] * stages

@@ -19,8 +19,9 @@ def deepspeed_config(
                 "betas": [train.beta1, train.beta2],
                 "eps": train.eps,
                 "weight_decay": train.weight_decay,
-                # torch's AdamW on CPU; DeepSpeed's fused Adam needs a CUDA build.
-                "torch_adam": device == "cpu",
+                # torch's AdamW on every device: DeepSpeed's FusedAdam is JIT-built with nvcc on first use (a
+                # minute or two with a CUDA toolkit, a crash without one).
+                "torch_adam": True,
             },
         },
         # The LR schedule is passed to deepspeed.initialize: parallel/runtime/lr_schedule.py.

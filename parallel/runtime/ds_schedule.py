@@ -56,9 +56,12 @@ class PlannedSchedule(ds.PipeSchedule):
     def __init__(self, program: planned.StageProgram):
         super().__init__(micro_batches=program.micro_batches, stages=program.stages, stage_id=program.stage_id)
         self.program = program
+        self.current: planned.Step = ()
+        """The planned step whose instructions the engine runs now (its handlers read how the step communicates)."""
 
     def steps(self):
         for step in self.program.steps:
+            self.current = step
             yield [to_deepspeed(command) for command in step]
 
     def num_pipe_buffers(self) -> int:

@@ -21,7 +21,7 @@ from parallel.planning.layout import PipelineLayout
 from parallel.runtime.accelerator import use_accelerator
 from parallel.runtime.dist_env import DistEnv, export_dist_env
 from parallel.runtime.ds_config import deepspeed_config
-from parallel.runtime.lr_schedule import warmup_cosine
+from parallel.runtime.lr_schedule import CosineSegment, warmup_cosine
 from parallel.runtime.pipeline import RecomputingPipelineModule
 from parallel.runtime.zero_bubble_engine import zero_bubble
 
@@ -30,6 +30,10 @@ def init_process_group(env: DistEnv, device: str, timeout_s: float) -> None:
     # Start-up chose the accelerator before loading this module; a process that loaded DeepSpeed for another
     # device (a script that skipped start-up) stops here rather than train on the wrong one.
     use_accelerator(device)
+    if device == "cuda":
+        # Before anything touches CUDA (recompute.profile broadcasts objects before the engine exists): else every
+        # rank of the node makes its context, and its NCCL communicators, on cuda:0.
+        torch.cuda.set_device(env.local_rank)
     export_dist_env(env)
     _skip_shm_inference_allreduce()
     # auto_mpi_discovery=False: a missing variable must fail loudly, not silently import mpi4py.
@@ -94,9 +98,11 @@ def build_engine(
     precision: str,
     device: str,
     initial_weights: InitialWeights | None = None,
+    lr_segment: CosineSegment | None = None,
 ):
     """The engine over this stage's layers; `initial_weights`, when given, supplies the fp32 value of every
-    parameter of the built stage (model.init_from) instead of the seeded GPT-2 initialisation."""
+    parameter of the built stage (model.init_from) instead of the seeded GPT-2 initialisation; `lr_segment`: the
+    learning-rate decay of a resume that changed train.steps (parallel/runtime/lr_schedule.py)."""
     module = RecomputingPipelineModule(layout.recipes, layout.stages, layout.plans, parallel.partition_method)
     weights = initial_weights(module) if initial_weights is not None else {}
     with torch.no_grad():
@@ -107,7 +113,7 @@ def build_engine(
         model=module,
         model_parameters=_param_groups(module, train.weight_decay),
         config=config,
-        lr_scheduler=partial(warmup_cosine, train=train),
+        lr_scheduler=partial(warmup_cosine, train=train, segment=lr_segment),
     )
     _set_fp32_masters(engine.optimizer, weights)
     return zero_bubble(engine, layout)  # every schedule, 1f1b included, through the same engine class

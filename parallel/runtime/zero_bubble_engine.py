@@ -29,6 +29,8 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from model.weight_grad import WeightGradStore, split_backward
 from parallel.planning.layout import PipelineLayout
+from parallel.planning.schedules import RecvGrad as RecvGradCommand
+from parallel.planning.schedules import posts_sends, sends_activation_first
 from parallel.runtime.ds_schedule import BackwardInput, BackwardWeight, RecomputeEarly, deepspeed_schedule
 from parallel.runtime.early_recompute import EarlyRecompute
 
@@ -42,9 +44,10 @@ class ZeroBubblePipelineEngine(PipelineEngine):
             return super().train_batch(data_iter)
 
     def _train_schedule(self):
-        return deepspeed_schedule(
+        self.planned_schedule = deepspeed_schedule(
             self.schedule_kind, self.early, self.micro_batches, self.num_stages, self.stage_id, self.deferred_weights
         )
+        return self.planned_schedule
 
     def _exec_forward_pass_registering(self, buffer_id):
         if not (self.early and self.module.training and torch.is_grad_enabled()):  # eval_batch: nothing to register
@@ -71,33 +74,84 @@ class ZeroBubblePipelineEngine(PipelineEngine):
             self.optimizer.update_hp_grads(clear_lp_grads=False)
 
     @contextmanager
-    def _sending(self):
+    def _sending(self, receiving: list[torch.Tensor] = ()):
         """DeepSpeed's send handlers with their p2p.send posted as isend (the stagecheck schedules: zb-h1 or early
         recompute). A blocking gloo send waits for the peer's recv, so a stage busy with early work or a W would
         hold up its neighbour's send; the posted sends complete by ReduceTiedGrads. Each keeps its tensor alive
-        until then (DeepSpeed drops its own reference to the sent gradient right after the send)."""
+        until then (DeepSpeed drops its own reference to the sent gradient right after the send).
+
+        `receiving`: the step's gradient buffers, whose receive is posted with the sends as one batch
+        (parallel/planning/schedules.py's `p2p_batches`); the step's RecvGrad then waits for the batch."""
         if not self.async_sends:
             yield
             return
         blocking = p2p.send
+        sends: list[tuple[torch.Tensor, int]] = []
 
         def post(tensor, dest_stage, async_op=False):
-            work = dist.isend(tensor, self.grid.stage_to_global(stage_id=dest_stage))
-            self.posted_sends.append((work, tensor))
+            sends.append((tensor, self.grid.stage_to_global(stage_id=dest_stage)))
 
         p2p.send = post
         try:
             yield
         finally:
             p2p.send = blocking
+        ops = [dist.P2POp(dist.isend, tensor, peer) for tensor, peer in sends]
+        if receiving:
+            source = self.grid.stage_to_global(stage_id=self.next_stage)
+            ops += [dist.P2POp(dist.irecv, buffer, source) for buffer in receiving]
+        # One Work per operation on gloo, one for the whole batch on NCCL: the batch is waited for as a whole.
+        works = dist.batch_isend_irecv(ops)
+        if receiving:
+            self.posted_exchange = (works, [t for t, _ in sends], receiving)
+        else:
+            self.posted_sends += [(work, [t for t, _ in sends]) for work in works]
+
+    def _fresh_grad_buffer(self, buffer_id: int) -> torch.Tensor:
+        """A new receive buffer for the output's gradient (DeepSpeed's `grad_layer`), never the previous one: without
+        dropout a block's last Linear gets the stage output's gradient itself, so a W still deferred holds that
+        buffer (model/weight_grad.py), and a receive into it would change that W's weight gradient. The previous
+        buffer is freed once no W holds it: still one buffer, as parallel/planning/stage_costs.py counts it."""
+        outputs = self.pipe_buffers["outputs"][buffer_id]
+        if not torch.is_tensor(outputs) or self.dynamic_shape:
+            raise RuntimeError("a stagecheck schedule's stage must output one tensor of a fixed shape")
+        self.grad_layer = torch.empty_like(outputs)
+        return self.grad_layer
 
     def _exec_send_activations_posted(self, buffer_id):
-        with self._sending():
+        step = self.planned_schedule.current
+        receiving = []
+        if self.async_sends and sends_activation_first(step):
+            (recv_grad,) = [c for c in step if isinstance(c, RecvGradCommand)]
+            receiving = [self._fresh_grad_buffer(recv_grad.buffer_id)]
+        with self._sending(receiving):
             PipelineEngine._exec_send_activations(self, buffer_id)
 
     def _exec_send_grads_posted(self, buffer_id):
         with self._sending():
             PipelineEngine._exec_send_grads(self, buffer_id)
+
+    def _exec_recv_grads_posted(self, buffer_id):
+        """DeepSpeed's RecvGrad, into a fresh buffer on the stagecheck schedules; where the step's SendActivation
+        posted the receive, its p2p.recv waits for that batch instead."""
+        if self.posted_exchange is None:
+            if self.async_sends:
+                self._fresh_grad_buffer(buffer_id)
+            return PipelineEngine._exec_recv_grads(self, buffer_id)
+        (works, _, buffers), self.posted_exchange = self.posted_exchange, None
+        blocking = p2p.recv
+
+        def wait(tensor, src_stage, async_op=False):
+            if not any(tensor is buffer for buffer in buffers):
+                raise RuntimeError("RecvGrad received into another buffer than its posted receive")
+            for work in works:
+                work.wait()
+
+        p2p.recv = wait
+        try:
+            PipelineEngine._exec_recv_grads(self, buffer_id)
+        finally:
+            p2p.recv = blocking
 
     def _exec_recompute_early(self, buffer_id):
         self.early_recompute.recompute_next()
@@ -120,6 +174,7 @@ class ZeroBubblePipelineEngine(PipelineEngine):
         schedule.ReduceTiedGrads: _exec_reduce_tied_grads_complete,
         schedule.SendActivation: _exec_send_activations_posted,
         schedule.SendGrad: _exec_send_grads_posted,
+        schedule.RecvGrad: _exec_recv_grads_posted,
         BackwardInput: _exec_backward_input,
         BackwardWeight: _exec_backward_weight,
         RecomputeEarly: _exec_recompute_early,
@@ -140,8 +195,8 @@ def zero_bubble(engine: PipelineEngine, layout: PipelineLayout) -> ZeroBubblePip
     )
     engine.early_recompute = EarlyRecompute()
     # parallel/planning/schedules.py's schedules send a forward's output before the early work of its step, which only
-    # asynchronous sends allow; DeepSpeed's own 1F1B keeps its blocking sends (parallel/planning/step_sim.py models
-    # both).
-    engine.async_sends = layout.schedule != "1f1b" or any(p.early for p in layout.plans)
+    # posted sends allow; DeepSpeed's own 1F1B keeps its blocking sends (parallel/planning/step_sim.py models both).
+    engine.async_sends = posts_sends(layout.schedule, [p.early for p in layout.plans])
     engine.posted_sends = []
+    engine.posted_exchange = None
     return engine

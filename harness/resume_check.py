@@ -1,0 +1,210 @@
+"""What a resume may change: a checkpoint's saved configuration against this launch's, checked at start-up,
+before any file is written.
+
+The rule: every option must have its saved value, except those in MAY_CHANGE (how long to train, how often
+to log, evaluate and save, the recompute plan and the pipeline schedule, the logger, the device, launch
+mechanics). Those shape neither the weights nor the tokens nor the partition. The process grid and the precision
+are compared as the run resolved them (`parallel.pipeline_stages=null` and `=2` may be the same grid), and the
+layer partition once the plan is made (`check_partition`): a changed recompute plan can move a stage boundary
+under parallel.partition_method=balanced.
+
+A changed train.steps re-stretches the learning-rate decay from the resumed step (parallel/runtime/lr_schedule.py).
+"""
+
+import re
+from pathlib import Path
+
+import yaml
+
+from harness.checkpoint import ResumePoint
+from harness.context import Resume
+from parallel.planning.shapes import RunShape
+from parallel.runtime.lr_schedule import CosineSegment
+from schema.run import RunConfig
+
+MAY_CHANGE = frozenset(
+    {
+        "train.steps",
+        "train.log_every",
+        "train.eval_every",
+        "train.eval_batches",
+        "train.measure_step",
+        "train.trace_step",
+        "train.peak_tflops",
+        "train.save_every",
+        "train.keep_checkpoints",
+        "train.resume",
+        "train.overwrite",
+        "train.collective_timeout_s",
+        "train.nan_policy",
+        "train.nan_skip_limit",
+        "train.inject_nan_at_steps",
+        "train.device",
+        "train.precision",  # compared as resolved (auto is bf16 on cuda, fp32 on cpu)
+        "parallel.pipeline_stages",  # the grid, compared as resolved
+        "parallel.data_parallel_size",
+        "parallel.schedule",
+        "parallel.partition_method",  # the partition itself is compared (check_partition)
+        "model.init_from",  # read only by a fresh start
+        "model.attention",  # kernels of the same computation
+        "model.loss_chunk_tokens",
+        "data.cache_dir",
+        "dry_run",
+    }
+)
+MAY_CHANGE_GROUPS = ("recompute", "logger")
+"""Groups whose every option may change: the recompute plan (exact, the same losses) and where metrics go."""
+NOT_RECORDED = frozenset({"train.resume", "train.overwrite"})
+"""Options that say how this launch starts, not how the run trains: not listed as changes."""
+
+
+def may_change(key: str) -> bool:
+    return key in MAY_CHANGE or key.split(".")[0] in MAY_CHANGE_GROUPS
+
+
+def flatten(tree, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists and None are values."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    flat = {}
+    for key, value in tree.items():
+        flat.update(flatten(value, f"{prefix}{key}" if not prefix else f"{prefix}.{key}"))
+    return flat
+
+
+def saved_config(point: ResumePoint) -> dict | None:
+    """The configuration the checkpoint's run trained with: stagecheck.json's, else (a checkpoint written before it
+    held one) its run directory's config.yaml, with the model from stagecheck.json; None when neither exists."""
+    config = point.meta.get("config")
+    if config is None:
+        path = point.path.parent.parent / "config.yaml"
+        config = yaml.safe_load(path.read_text()) if path.is_file() else None
+        if config is not None and "model" in point.meta:
+            config["model"] = point.meta["model"]
+    return config
+
+
+def check_resume(
+    point: ResumePoint, run: RunConfig, resolved: dict, shape: RunShape, run_dir: Path, command: "ResumeCommand"
+) -> Resume:
+    """This launch continuing from `point`: refused (ValueError naming each differing option with its saved and new
+    values, and the command that resumes) when anything that shapes the weights, the tokens or the partition
+    differs; else what changed and the learning-rate decay to follow."""
+    saved = saved_config(point)
+    known = saved is not None
+    if not known:  # the oldest checkpoints hold the model only: nothing else can be compared or recorded
+        saved = {"model": point.meta["model"]} if "model" in point.meta else {}
+    old, new = flatten(saved), flatten(resolved)
+    differing = {k: [old.get(k), new.get(k)] for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)}
+    # An option only one side has was added or removed by an upgrade (a switched data source shows in data.name).
+    refused = {k: v for k, v in differing.items() if not may_change(k) and k in old and k in new}
+    grid = _grid_differs(point, shape)
+    precision = point.meta.get("precision")
+    if precision is not None and precision != shape.target.precision:
+        refused["train.precision (resolved)"] = [precision, shape.target.precision]
+    if refused or grid:
+        raise ValueError(command.refusal(point, refused, grid, old, run_dir))
+    segment = point.meta.get("lr_schedule")
+    saved_steps = old.get("train.steps", run.train.steps)
+    segment = CosineSegment(**segment) if segment else CosineSegment.fresh(run.train.warmup_steps, saved_steps)
+    return Resume(
+        point.path,
+        point.step,
+        point.inside(run_dir),
+        {k: v for k, v in differing.items() if known and may_change(k) and k not in NOT_RECORDED},
+        segment.stretched(point.step, run.train.warmup_steps, run.train.steps),
+        point.meta.get("partition"),
+    )
+
+
+def _grid_differs(point: ResumePoint, shape: RunShape) -> str | None:
+    """Exact resume needs the same ranks: DeepSpeed's files are per stage and the RNG states per rank."""
+    topology = shape.topology
+    saved = (point.meta["world_size"], point.meta["pipeline_stages"])
+    if saved == (topology.world_size, topology.pipeline_stages):
+        return None
+    return (
+        f"it was written by {saved[0]} ranks in {saved[1]} pipeline stages, this launch has "
+        f"{topology.world_size} ranks in {topology.pipeline_stages} stages"
+    )
+
+
+def check_partition(resume: Resume | None, parts: list[int]) -> None:
+    """The layer partition this launch planned (each stage's first layer, then one past the last) against the
+    checkpoint's: DeepSpeed saves the optimizer state per stage."""
+    if resume is None or resume.saved_partition is None or resume.saved_partition == parts:
+        return
+    raise ValueError(
+        f"the checkpoint {resume.checkpoint} has stages starting at layers {resume.saved_partition}, this launch "
+        f"plans {parts}: a changed recompute plan or parallel.partition_method moved a stage boundary. Resume with "
+        f"the saved +recompute and parallel.partition_method (config.yaml of its run directory)"
+    )
+
+
+_PLAIN = re.compile(r"[\w./:+\-@]+")
+
+
+def override_value(value) -> str:
+    """A value as a Hydra command-line override spells it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ",".join(override_value(v) for v in value) + "]"
+    text = str(value)
+    return text if _PLAIN.fullmatch(text) and text.lower() not in ("null", "true", "false") else repr(text)
+
+
+class ResumeCommand:
+    """This launch's command line, to print the one that resumes the checkpoint: `overrides` are the options as
+    typed (Hydra's task overrides), `run_dir_override` the hydra.run.dir one (None when left unset)."""
+
+    def __init__(self, overrides: list[str], run_dir_override: str | None):
+        self.overrides = overrides
+        self.run_dir_override = run_dir_override
+
+    def refusal(self, point: ResumePoint, refused: dict, grid: str | None, saved: dict, run_dir: Path) -> str:
+        lines = [f"{key}: saved {old!r}, this launch {new!r}" for key, (old, new) in refused.items()]
+        why = "; ".join(([grid] if grid else []) + lines)
+        fixes = {k: v[0] for k, v in refused.items() if not k.endswith("(resolved)")}
+        if "train.precision (resolved)" in refused:
+            fixes["train.precision"] = refused["train.precision (resolved)"][0]
+        if grid:
+            fixes["parallel.pipeline_stages"] = point.meta["pipeline_stages"]
+        command = self.command(fixes, saved, point.meta["world_size"])
+        in_place = point.inside(run_dir)
+        fresh = (
+            "or start a new run in a new hydra.run.dir (or leave it unset), or start over in this one with "
+            "train.resume=false train.overwrite=true (deletes its metrics, summary and checkpoints)"
+            if in_place
+            else "or start from scratch without train.resume"
+        )
+        return (
+            f"train.resume: the checkpoint {point.path} (step {point.step}) cannot be continued by this launch, "
+            f"which differs in what shapes the weights, the tokens or the partition: {why}. To resume it, launch with "
+            f"the saved options: `{command}`; {fresh}"
+        )
+
+    def command(self, fixes: dict, saved: dict, world_size: int) -> str:
+        """This launch's command with each refused option set to its saved value (a switched data source as the
+        group choice, `data=NAME`, with the saved source's options)."""
+        kept = [o for o in self.overrides if not _touches(o, fixes)]
+        if "data.name" in fixes:  # the saved source with its options, none of this launch's source
+            name = fixes.pop("data.name")
+            fixes = {k: v for k, v in fixes.items() if not k.startswith("data.")}
+            fixes.update({k: v for k, v in saved.items() if k.startswith("data.") and k != "data.name"})
+            fixes = {"data": name, **fixes}
+            kept = [o for o in kept if not o.lstrip("+~").startswith(("data=", "data."))]
+        launcher = "python" if world_size == 1 else f"deepspeed --num_gpus {world_size}"
+        run_dir = [self.run_dir_override] if self.run_dir_override else []
+        fixed = [f"{k}={override_value(v)}" for k, v in fixes.items()]
+        return " ".join([launcher, "train.py", *run_dir, *kept, *fixed])
+
+
+def _touches(override: str, fixes: dict) -> bool:
+    """Whether a typed override sets one of the fixed options (a preset such as `model=gpt2` stays: the fixed
+    fields override it)."""
+    return override.lstrip("+~").partition("=")[0] in fixes

@@ -1,0 +1,166 @@
+"""What a resume may change (harness/resume_check.py), checked in-process on configs composed as train.py composes
+them: what shapes the weights, the tokens or the partition is refused with the saved and new values and a command
+that resumes; the printed command passes the same check; what may change is recorded. The launches that resume
+for real are in tests/test_checkpoint_resume.py."""
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from harness.checkpoint import ResumePoint
+from harness.context import Resume
+from harness.resume_check import ResumeCommand, check_partition, check_resume, override_value
+from harness.run_dir import register_run_stamp_resolver
+from parallel.runtime.lr_schedule import CosineSegment
+from schema import register_schemas
+from schema.checks import run_shape, to_run_config
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+TRAINED = ("data=text", "data.tokenizer=bpe", "data.bpe_vocab_size=1024", "model.vocab_size=1024", "train.steps=20")
+
+register_schemas()
+register_run_stamp_resolver()
+
+
+def _compose(overrides):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    return to_run_config(cfg), OmegaConf.to_container(cfg, resolve=True)
+
+
+def _checkpoint(run_dir: Path, overrides, step=20, world_size=2, stages=2, **meta) -> ResumePoint:
+    """The checkpoint a run launched with `overrides` on `world_size` ranks saved after `step`."""
+    _, resolved = _compose(overrides)
+    path = run_dir / "checkpoints" / f"step_{step:08d}"
+    path.mkdir(parents=True)
+    meta = {"step": step, "world_size": world_size, "pipeline_stages": stages, "config": resolved, **meta}
+    return ResumePoint(path.resolve(), meta)
+
+
+def _check(point, run_dir, overrides, world_size=2, run_dir_override=None):
+    run, resolved = _compose(overrides)
+    shape = run_shape(run, world_size, cuda_available=False)
+    return check_resume(point, run, resolved, shape, run_dir, ResumeCommand(list(overrides), run_dir_override))
+
+
+def test_relaunching_a_bpe_run_without_its_options_is_refused_naming_each(tmp_path):
+    """The issue's case: a run trained with BPE and a 1024-token vocabulary, relaunched without those options."""
+    point = _checkpoint(tmp_path, TRAINED)
+    typed = ("train.steps=45",)
+    with pytest.raises(ValueError) as refusal:
+        _check(point, tmp_path, typed, run_dir_override=f"hydra.run.dir={tmp_path}")
+    message = str(refusal.value)
+    for named in (
+        "model.vocab_size: saved 1024, this launch 256",
+        "data.tokenizer: saved 'bpe', this launch 'bytes'",
+        "data.bpe_vocab_size: saved 1024, this launch 4096",
+    ):
+        assert named in message
+    assert "train.steps" not in message.split("To resume it")[0]  # it may change
+    assert "train.resume=false train.overwrite=true" in message  # start over: advice that is accepted
+    command = message.split("`")[1]
+    assert command.startswith(f"deepspeed --num_gpus 2 train.py hydra.run.dir={tmp_path} train.steps=45 ")
+    # The printed command resumes: its options pass the same check.
+    printed = shlex.split(command)[4:]
+    resume = _check(point, tmp_path, printed)
+    assert resume.in_place and resume.changed == {"train.steps": [20, 45]}
+
+
+def test_what_may_change_is_recorded_and_the_learning_rate_re_stretched(tmp_path):
+    point = _checkpoint(tmp_path, TRAINED, step=12)
+    changed = (
+        *TRAINED[:-1],
+        "train.steps=40",
+        "train.eval_every=5",
+        "data.val_fraction=0.05",
+        "+recompute=selective",
+        "logger=none",
+        "parallel.schedule=zb-h1",
+        "train.save_every=10",
+    )
+    resume = _check(point, tmp_path, changed)
+    assert resume.changed["train.steps"] == [20, 40]
+    assert resume.changed["train.eval_every"] == [0, 5] and resume.changed["parallel.schedule"] == ["1f1b", "zb-h1"]
+    assert resume.changed["recompute.mode"] == [None, "selective"]
+    assert resume.lr_segment == CosineSegment(12, CosineSegment.fresh(2, 20).progress(12), 40)
+    same = _check(point, tmp_path, TRAINED)
+    assert same.changed == {} and same.lr_segment == CosineSegment.fresh(2, 20)  # bit-exact: the same schedule
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (("train.lr=0.001",), "train.lr: saved 0.0006, this launch 0.001"),
+        (("seed=7",), "seed: saved 1234, this launch 7"),
+        (("train.micro_batch_size=4",), "train.micro_batch_size: saved 2, this launch 4"),
+        (("parallel.zero_stage=1",), "parallel.zero_stage: saved 0, this launch 1"),
+        (("model.dropout=0.2",), "model.dropout: saved 0.1, this launch 0.2"),
+    ],
+)
+def test_what_shapes_the_weights_or_tokens_is_refused(tmp_path, overrides, named):
+    point = _checkpoint(tmp_path, ())
+    with pytest.raises(ValueError, match=named.replace("(", r"\(").replace(")", r"\)")):
+        _check(point, tmp_path, overrides)
+
+
+def test_a_switched_data_source_is_resumed_with_the_group_choice(tmp_path):
+    point = _checkpoint(tmp_path, ("data=synthetic",))
+    with pytest.raises(ValueError) as refusal:
+        _check(point, tmp_path, ("data=text", "data.tokenizer=bpe"))
+    command = str(refusal.value).split("`")[1]
+    assert "data.name: saved 'synthetic', this launch 'text'" in str(refusal.value)
+    assert command.split("train.py ")[1] == "data=synthetic"  # no option of the text source is kept
+    _check(point, tmp_path, shlex.split(command)[4:])
+
+
+def test_another_grid_or_precision_is_refused_with_the_saved_one(tmp_path):
+    point = _checkpoint(tmp_path, (), precision="bf16")
+    with pytest.raises(ValueError) as refusal:
+        _check(point, tmp_path, ("train.device=cpu",), world_size=1)
+    message = str(refusal.value)
+    assert "it was written by 2 ranks in 2 pipeline stages, this launch has 1 ranks in 1 stages" in message
+    assert "train.precision (resolved): saved 'bf16', this launch 'fp32'" in message
+    command = message.split("`")[1]
+    assert command.startswith("deepspeed --num_gpus 2 train.py train.device=cpu ")
+    assert "train.precision=bf16" in command and "parallel.pipeline_stages=2" in command
+
+
+def test_a_checkpoint_of_another_run_refused_says_how_to_start_from_scratch(tmp_path):
+    point = _checkpoint(tmp_path / "other", ())
+    with pytest.raises(ValueError, match="or start from scratch without train.resume"):
+        _check(point, tmp_path / "mine", ("model.n_layer=8",))
+
+
+def test_older_checkpoints_are_checked_against_their_run_directory_config_or_their_model(tmp_path):
+    point = _checkpoint(tmp_path, TRAINED)
+    saved = point.meta.pop("config")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    with pytest.raises(ValueError, match="data.tokenizer: saved 'bpe'"):
+        _check(point, tmp_path, ())
+    (tmp_path / "config.yaml").unlink()
+    point.meta["model"] = saved["model"]
+    with pytest.raises(ValueError, match="model.vocab_size: saved 1024, this launch 256"):
+        _check(point, tmp_path, ())
+    # Without the saved config, its train.steps is unknown: the schedule is this launch's, and no change is recorded.
+    resume = _check(point, tmp_path, ("model.vocab_size=1024", "train.steps=30"))
+    assert resume.lr_segment == CosineSegment.fresh(2, 30) and resume.changed == {}
+
+
+def test_a_moved_stage_boundary_is_refused():
+    resume = Resume(Path("/runs/a/checkpoints/step_00000004"), 4, True, saved_partition=[0, 3, 6])
+    check_partition(resume, [0, 3, 6])
+    check_partition(None, [0, 2, 6])
+    with pytest.raises(ValueError, match=r"stages starting at layers \[0, 3, 6\], this launch plans \[0, 2, 6\]"):
+        check_partition(resume, [0, 2, 6])
+
+
+def test_override_values_read_back_as_the_same_value():
+    for value, text in [(None, "null"), (True, "true"), (1024, "1024"), (6e-4, "0.0006"), ("bpe", "bpe")]:
+        assert override_value(value) == text
+    assert override_value([1, 2]) == "[1,2]" and override_value("a b") == "'a b'" and override_value("null") == "'null'"
+    assert json.loads(json.dumps(override_value("/data/corpus.txt"))) == "/data/corpus.txt"
