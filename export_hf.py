@@ -1,6 +1,7 @@
-"""stagecheck: export a checkpoint as a Hugging Face GPT-2 directory (transformers' GPT2LMHeadModel loads it).
+"""stagecheck: export a checkpoint as a Hugging Face directory of its model type (gpt2, llama, qwen2, mistral) that
+transformers' AutoModelForCausalLM loads.
 
-python export_hf.py checkpoint=outputs/RUN out=exports/my-gpt2
+python export_hf.py checkpoint=outputs/RUN out=exports/my-model
 """
 
 import sys

@@ -1,7 +1,11 @@
-"""stagecheck's recompute modes against a Hugging Face GPT-2 peer, interleaved in one invocation.
+"""stagecheck's recompute modes against a Hugging Face peer (GPT-2, or Llama), interleaved in one invocation.
 
     (transformers, the peer, is pinned in requirements.txt; it uses the installed torch)
     DS_ACCELERATOR=cpu .venv/bin/python -m bench.peer_bench [--rounds 15] [--steps 1] [--attention math]
+    DS_ACCELERATOR=cpu .venv/bin/python -m bench.peer_bench --arch llama --attention sdpa --dropout 0
+
+`--arch llama` trains stagecheck's Llama block (model.arch=llama: RMSNorm, rotary, grouped-query attention with
+--kv-heads, SwiGLU of --ffn) against `transformers.LlamaForCausalLM` of the same shape (untied head), no dropout.
 
 Every configuration trains the same GPT shape, single process, on the same batches (the synthetic token
 source), with the same optimizer (torch AdamW): stagecheck's model as one pipeline stage run by
@@ -74,32 +78,61 @@ class Stagecheck:
         return sum(stage.meter.bytes_per_micro_batch()[0] for stage in self.pipe.stages)
 
 
+def _hf_llama(cfg: GPTConfig):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.n_embd,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.n_layer,
+        num_attention_heads=cfg.n_head,
+        num_key_value_heads=cfg.kv_heads,
+        max_position_embeddings=cfg.seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=cfg.tie_embeddings,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,  # byte vocabulary
+        attn_implementation="eager" if cfg.attention == "math" else "sdpa",
+    )
+    model = LlamaForCausalLM(config)
+    return model, model.model.layers
+
+
+def _hf_gpt2(cfg: GPTConfig):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=cfg.vocab_size,
+        n_positions=cfg.seq_len,
+        n_embd=cfg.n_embd,
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        activation_function="gelu",  # exact GELU, as stagecheck's nn.GELU()
+        resid_pdrop=cfg.dropout,
+        embd_pdrop=cfg.dropout,
+        attn_pdrop=cfg.dropout,
+        layer_norm_epsilon=1e-5,
+        use_cache=False,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=0,  # byte vocabulary
+        # stagecheck's `math` (explicit QK^T, softmax, dropout, x V) is HF's eager path; `sdpa` is sdpa.
+        attn_implementation="eager" if cfg.attention == "math" else "sdpa",
+    )
+    model = GPT2LMHeadModel(config)
+    return model, model.transformer.h
+
+
 class HuggingFace:
-    """transformers' GPT2LMHeadModel of the same shape; `checkpointing` turns gradient checkpointing on."""
+    """transformers' GPT2LMHeadModel or LlamaForCausalLM of the same shape; `checkpointing` turns gradient
+    checkpointing on."""
 
     def __init__(self, cfg: GPTConfig, checkpointing: bool):
-        from transformers import GPT2Config, GPT2LMHeadModel
-
         torch.manual_seed(SEED)
-        config = GPT2Config(
-            vocab_size=cfg.vocab_size,
-            n_positions=cfg.seq_len,
-            n_embd=cfg.n_embd,
-            n_layer=cfg.n_layer,
-            n_head=cfg.n_head,
-            activation_function="gelu",  # exact GELU, as stagecheck's nn.GELU()
-            resid_pdrop=cfg.dropout,
-            embd_pdrop=cfg.dropout,
-            attn_pdrop=cfg.dropout,
-            layer_norm_epsilon=1e-5,
-            use_cache=False,
-            tie_word_embeddings=True,
-            bos_token_id=0,
-            eos_token_id=0,  # byte vocabulary
-            # stagecheck's `math` (explicit QK^T, softmax, dropout, x V) is HF's eager path; `sdpa` is sdpa.
-            attn_implementation="eager" if cfg.attention == "math" else "sdpa",
-        )
-        self.model = GPT2LMHeadModel(config)
+        self.model, layers = (_hf_llama if cfg.arch == "llama" else _hf_gpt2)(cfg)
         self.model.train()
         if checkpointing:
             enable = getattr(self.model, "activation_checkpointing_enable", None)
@@ -107,7 +140,7 @@ class HuggingFace:
                 enable()
             else:  # transformers < 5
                 self.model.gradient_checkpointing_enable()
-            for layer in self.model.transformer.h:  # report what the checkpoint keeps, as stagecheck does
+            for layer in layers:  # report what the checkpoint keeps, as stagecheck does
                 layer._gradient_checkpointing_func = _observed(layer._gradient_checkpointing_func)
         self.meter = ActivationMeter(self.model.parameters)
         self.optimizer = adamw(self.model.parameters())
@@ -167,7 +200,10 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, default=8, help="attention heads a")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence s")
     parser.add_argument("--micro-batch-size", type=int, default=2, help="sequences per step b")
-    parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--dropout", type=float, default=0.1, help="gpt2 only: llama has none")
+    parser.add_argument("--arch", choices=("gpt2", "llama"), default="gpt2", help="the block, and the HF peer")
+    parser.add_argument("--kv-heads", type=int, default=2, help="llama: key/value heads g")
+    parser.add_argument("--ffn", type=int, default=688, help="llama: SwiGLU width f")
     parser.add_argument(
         "--attention",
         choices=("math", "sdpa"),
@@ -194,14 +230,16 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    llama = {"arch": "llama", "n_kv_head": args.kv_heads, "intermediate_size": args.ffn, "activation": "silu"}
     cfg = GPTConfig(
         n_layer=args.layers,
         n_head=args.heads,
         n_embd=args.embd,
         seq_len=args.seq_len,
         vocab_size=256,
-        dropout=args.dropout,
+        dropout=0.0 if args.arch == "llama" else args.dropout,
         attention=args.attention,
+        **({**llama, "bias": False, "tie_embeddings": False} if args.arch == "llama" else {}),
     )
     source = open_token_source(SyntheticDataConfig(), cfg.vocab_size)
     configs = {name: Stagecheck(cfg, recompute) for name, recompute in STAGECHECK_MODES.items()}
@@ -247,7 +285,8 @@ def main(argv=None) -> int:
     other_clock = "wall" if args.clock == "cpu" else "cpu"
 
     lines = [
-        f"shape: {cfg.n_layer} layers, h={cfg.n_embd}, a={cfg.n_head}, s={cfg.seq_len}, b={args.micro_batch_size}, "
+        f"shape: {cfg.arch}, {cfg.n_layer} layers, h={cfg.n_embd}, a={cfg.n_head}, g={cfg.kv_heads}, "
+        f"f={cfg.mlp_width}, s={cfg.seq_len}, b={args.micro_batch_size}, "
         f"vocab {cfg.vocab_size}, dropout {cfg.dropout}, attention {cfg.attention} (HF "
         f"{'eager' if cfg.attention == 'math' else 'sdpa'}), fp32, single process, AdamW",
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load average "

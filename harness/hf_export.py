@@ -1,9 +1,12 @@
-"""export_hf.py: a checkpoint as a Hugging Face GPT-2 directory that `GPT2LMHeadModel.from_pretrained` loads.
+"""export_hf.py: a checkpoint as a Hugging Face directory that `AutoModelForCausalLM.from_pretrained` loads, of the
+model type it came from (gpt2, or llama, qwen2, mistral: model/hf_format.py).
 
-config.json and model.safetensors (fp32; no lm_head.weight: HF ties it to wte itself, as its own save_pretrained
-leaves it out), plus tokenizer.json and tokenizer_config.json when the run's tokenizer is a BPE, so that
-`AutoTokenizer.from_pretrained` loads it too. The directory is written beside its target under a temporary name
-and renamed into place once complete, so a kill never leaves a half-written export at `out`.
+config.json (with the tokenizer's own bos, eos and pad ids, null where it has none) and the fp32 weights: one
+model.safetensors, or shards of at most `max_shard_bytes` with model.safetensors.index.json, as save_pretrained
+writes them; a tied LM head is left out, as save_pretrained leaves it. For a BPE tokenizer also tokenizer.json and
+tokenizer_config.json, so that `AutoTokenizer.from_pretrained` loads it too. Files get the permissions the umask
+gives a new file. The directory is written beside its target under a temporary name and renamed into place once
+complete, so a kill never leaves a half-written export at `out`.
 """
 
 import json
@@ -11,16 +14,23 @@ import os
 import shutil
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
 from data.tokenizer import Tokenizer, load_tokenizer, save_tokenizer
 from harness.consolidate import consolidate
 from harness.files import fsync_path
+from harness.hf_checkpoint import INDEX_FILE
 from model import GPT
-from model.hf_gpt2 import hf_config_from_gpt, hf_state_from_layers
+from model.hf_format import hf_config_from_model, hf_state_from_layers
 from schema.scripts import ExportConfig
 
 WEIGHTS = "model.safetensors"
+# Special-token spellings of the tokenizers in use (Llama 3, Llama 2 / Mistral, GPT-2 / Qwen2 / SmolLM2), in order
+# of preference: the first one a tokenizer holds gives its id.
+BOS_TOKENS = ("<|begin_of_text|>", "<s>", "<|endoftext|>")
+EOS_TOKENS = ("<|end_of_text|>", "</s>", "<|endoftext|>")
+PAD_TOKENS = ("<pad>", "<|pad|>", "[PAD]")
 
 
 def check_out(out: Path) -> None:
@@ -39,27 +49,43 @@ def export_hf(config: ExportConfig) -> Path:
         tokenizer = load_tokenizer(loaded.tokenizer_dir)
     except ValueError:  # a run without a tokenizer (synthetic tokens): the weights alone
         tokenizer = None
-    write_hf_dir(loaded.model, tokenizer, out)
+    write_hf_dir(loaded.model, tokenizer, out, config.max_shard_bytes)
     return out
 
 
-def write_hf_dir(model: GPT, tokenizer: Tokenizer | None, out: Path) -> None:
+def special_tokens(tokenizer: Tokenizer | None) -> dict[str, tuple[str, int] | None]:
+    """{"bos_token": (spelling, id), "eos_token": ..., "pad_token": ...}: the tokenizer's own, None where it has none
+    (bytes and our trained BPEs have no special tokens)."""
+    vocab = tokenizer.hf.get_vocab(with_added_tokens=True) if tokenizer is not None and tokenizer.hf else {}
+    candidates = {"bos_token": BOS_TOKENS, "eos_token": EOS_TOKENS, "pad_token": PAD_TOKENS}
+    return {
+        role: next(((t, vocab[t]) for t in spellings if t in vocab), None) for role, spellings in candidates.items()
+    }
+
+
+def write_hf_dir(
+    model: GPT, tokenizer: Tokenizer | None, out: Path, max_shard_bytes: int = ExportConfig.max_shard_bytes
+) -> None:
     """The Hugging Face directory of `model` (and of a BPE `tokenizer`) at `out`, which must not exist or be empty."""
-    hf_config = hf_config_from_gpt(model.config)  # refuses a model HF GPT-2 cannot hold (no biases)
+    hf_config = hf_config_from_model(model.config)  # refuses a model HF cannot hold (GPT-2 without biases)
+    tokens = special_tokens(tokenizer)
+    hf_config.update({f"{role}_id": found[1] if found else None for role, found in tokens.items()})
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
         state = hf_state_from_layers(model.config, model.layer_states())
-        weights = {name: tensor.detach().float().contiguous() for name, tensor in state.items()}
-        save_file(weights, tmp / WEIGHTS, metadata={"format": "pt"})
+        write_weights({name: t.detach().float().contiguous() for name, t in state.items()}, tmp, max_shard_bytes)
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         if tokenizer is not None and tokenizer.kind == "bpe":
             save_tokenizer(tokenizer, tmp)  # tokenizer.json
             tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.config.seq_len}
+            tokenizer_config.update({role: found[0] for role, found in tokens.items() if found})
             (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+        file_mode = 0o666 & ~_umask()  # safetensors writes its files 0600
         for child in tmp.iterdir():
+            child.chmod(file_mode)
             fsync_path(child)
         check_out(out)  # nothing appeared there meanwhile
         os.replace(tmp, out)  # rename(2) replaces a missing or empty directory, atomically
@@ -67,3 +93,34 @@ def write_hf_dir(model: GPT, tokenizer: Tokenizer | None, out: Path) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def write_weights(state: dict[str, torch.Tensor], directory: Path, max_shard_bytes: int) -> None:
+    """model.safetensors, or, when the tensors outgrow max_shard_bytes, model-0000K-of-0000N.safetensors (each at
+    most that size unless one tensor alone is bigger) and the index that maps each tensor to its shard."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    if len(shards) == 1:
+        save_file(state, directory / WEIGHTS, metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for k, shard in enumerate(shards, start=1):
+        file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, directory / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -1,5 +1,6 @@
-"""model.init_from: a local Hugging Face GPT-2 directory gives the model its shape at start-up and, once the
-engine is built, each stage its own layers' weights."""
+"""model.init_from: a local Hugging Face directory (GPT-2, Llama, Qwen2 or Mistral) gives the model its shape at
+start-up, the run its tokenizer when it holds a tokenizer.json, and, once the engine is built, each stage its own
+layers' weights (a sharded checkpoint's stage opens only the shards that hold them)."""
 
 from collections.abc import Callable, Sequence
 
@@ -7,31 +8,44 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
+from data.tokenizer_file import read_tokenizer_file
 from harness.checkpoint import resume_point
 from harness.context import RunContext
-from harness.hf_checkpoint import HFCheckpoint, open_hf_dir, open_tensors, tensor_shapes
+from harness.hf_checkpoint import TOKENIZER_FILE, HFCheckpoint, open_hf_dir, open_tensors, tensor_shapes
 from model import GPTConfig
-from model.hf_gpt2 import gpt_config_from_hf, hf_shapes, layer_state_from_hf
+from model.hf_format import config_from_hf, hf_shapes, layer_state_from_hf
+from model.llama_names import HF_LM_HEAD
 
-# Our model.* field -> the config.json key it comes from, where the names differ.
-_HF_KEYS = {"seq_len": "n_positions", "activation": "activation_function"}
+# Our model.* field -> the config.json keys it may come from (GPT-2's, Llama's), where the names differ.
+_HF_KEYS = {
+    "seq_len": ("n_positions",),
+    "activation": ("activation_function", "hidden_act"),
+    "n_layer": ("n_layer", "num_hidden_layers"),
+    "n_head": ("n_head", "num_attention_heads"),
+    "n_kv_head": ("num_key_value_heads",),
+    "n_embd": ("n_embd", "hidden_size"),
+    "norm_eps": ("layer_norm_epsilon", "rms_norm_eps"),
+    "tie_embeddings": ("tie_word_embeddings",),
+    "hf_model_type": ("model_type",),
+}
 
 
 def resolve_init_from(cfg: DictConfig, overrides: Sequence[str]) -> None:
     """Set the composed config's model shape from model.init_from's config.json (before it is typed, so
-    config.yaml carries it too) and check the weight file's tensors. A model.* field the user set on the
-    command line (`overrides`, Hydra's task overrides) to another value is refused; a preset's is replaced.
-    Raises ValueError naming model.init_from."""
+    config.yaml carries it too), pick its tokenizer.json, and check the weight files' tensors (a dry run needs
+    config.json alone). A model.* field the user set on the command line (`overrides`, Hydra's task overrides) to
+    another value is refused; a preset's is replaced. Raises ValueError naming the option."""
     path = cfg.model.init_from
     if path is None:
         return
-    checkpoint = open_hf_dir(path)
+    checkpoint = open_hf_dir(path, need_weights=not cfg.dry_run)
     overridden = {override.split("=", 1)[0].lstrip("+~") for override in overrides}
-    for field, value in gpt_config_from_hf(checkpoint.config, where=f"model.init_from={path}").items():
+    fields = config_from_hf(checkpoint.config, cfg.model.seq_len, where=f"model.init_from={path}")
+    for field, value in fields.items():
         if f"model.{field}" in overridden and cfg.model[field] != value:
-            key = _HF_KEYS.get(field, field)
-            # bias (GPT-2 always has biases) and a missing activation_function are implied, not written.
-            source = f"{key}={checkpoint.config[key]}" if key in checkpoint.config else f"implies {field}={value}"
+            key = next((k for k in _HF_KEYS.get(field, (field,)) if k in checkpoint.config), None)
+            # What config.json does not write (GPT-2's biases, a llama's dropout) is implied, not read.
+            source = f"{key}={checkpoint.config[key]}" if key else f"implies {field}={value}"
             raise ValueError(
                 f"model.{field}={cfg.model[field]} conflicts with model.init_from={path} (config.json {source}): "
                 f"drop the override"
@@ -42,21 +56,60 @@ def resolve_init_from(cfg: DictConfig, overrides: Sequence[str]) -> None:
         model = GPTConfig(**OmegaConf.to_container(cfg.model, resolve=True))
     except ValueError as error:  # e.g. an n_embd that n_head does not divide
         raise ValueError(f"model.init_from={path}: config.json gives an invalid model ({error})") from None
-    check_tensors(checkpoint, model)
+    pick_tokenizer(cfg, checkpoint, overridden)
+    if checkpoint.weights is not None:
+        check_tensors(checkpoint, model)
+
+
+def pick_tokenizer(cfg: DictConfig, checkpoint: HFCheckpoint, overridden: set[str]) -> None:
+    """The directory's tokenizer.json becomes data.tokenizer_file (text data: with data.tokenizer=bpe) unless the
+    user chose a tokenizer; whichever file the run then uses must fit the model's vocabulary."""
+    data = cfg.data
+    if "tokenizer_file" not in data:  # synthetic tokens have no tokenizer
+        return
+    own = checkpoint.directory / TOKENIZER_FILE
+    picked = own.is_file() and data.tokenizer_file is None and "data.tokenizer" not in overridden
+    if picked:
+        data.tokenizer_file = str(own)
+        if data.name == "text":
+            data.tokenizer = "bpe"
+    if data.tokenizer_file is None:
+        return
+    # Messages name what the user gave: the directory, or data.tokenizer_file.
+    option = f"model.init_from's {TOKENIZER_FILE}" if picked else "data.tokenizer_file"
+    ids = read_tokenizer_file(data.tokenizer_file, option).get_vocab_size(with_added_tokens=True)
+    if ids > cfg.model.vocab_size:
+        raise ValueError(
+            f"{option}={data.tokenizer_file!r} has {ids} token ids, more than the vocab_size="
+            f"{cfg.model.vocab_size} of model.init_from={checkpoint.directory}: use the model's own tokenizer"
+        )
 
 
 def check_tensors(checkpoint: HFCheckpoint, model: GPTConfig) -> None:
-    """Every tensor the model reads is in the weight file, with its shape (extra tensors, such as the
-    attention-mask buffers older files carry or a tied lm_head.weight, are ignored)."""
+    """Every tensor the model reads is in the weight files, with its shape. Extra tensors are ignored in a GPT-2
+    file (older ones carry attention-mask buffers); in a Llama-family file only a tied model's lm_head.weight and
+    the rotary inv_freq buffers of older files are: any other (a bias, a layer, an expert config.json does not
+    declare) is refused, since the model would silently lack it."""
     found = tensor_shapes(checkpoint)
-    where = f"model.init_from={checkpoint.directory}: {checkpoint.weights.name}"
     expected = hf_shapes(model)
+    if model.arch == "llama":
+        ignored = {HF_LM_HEAD} if model.tie_embeddings else set()
+        foreign = [n for n in found if n not in expected and n not in ignored and not n.endswith(".inv_freq")]
+        if foreign:
+            raise ValueError(
+                f"{checkpoint.where} holds {len(foreign)} tensors the model config.json describes has no place for, "
+                f"e.g. {', '.join(foreign[:3])}"
+            )
     missing = [name for name in expected if name not in found]
     if missing:
-        raise ValueError(f"{where} lacks {len(missing)} tensors config.json implies, e.g. {', '.join(missing[:3])}")
+        raise ValueError(
+            f"{checkpoint.where} lacks {len(missing)} tensors config.json implies, e.g. {', '.join(missing[:3])}"
+        )
     for name, shape in expected.items():
         if found[name] != shape:
-            raise ValueError(f"{where} holds {name} of shape {list(found[name])}, config.json implies {list(shape)}")
+            raise ValueError(
+                f"{checkpoint.where} holds {name} of shape {list(found[name])}, config.json implies {list(shape)}"
+            )
 
 
 def hf_initial_weights(ctx: RunContext) -> Callable[[nn.Module], dict[nn.Parameter, torch.Tensor]] | None:
@@ -71,15 +124,21 @@ def hf_initial_weights(ctx: RunContext) -> Callable[[nn.Module], dict[nn.Paramet
     def read(module: nn.Module) -> dict[nn.Parameter, torch.Tensor]:
         weights = {}
         with open_tensors(checkpoint) as get:
-            # The tied embedding appears on the first and the last stage: each reads wte itself.
+            # A tied embedding appears on the first and the last stage: each reads it itself.
             for flat_index, layer in module.local_layers():
                 params = dict(layer.named_parameters())
                 for name, value in layer_state_from_hf(run.model, flat_index, get).items():
                     weights[params[name]] = value
+            opened = sorted(path.name for path in get.opened)
         if ctx.env.rank == 0:
             print(
                 f"stagecheck: initial weights from {checkpoint.weights} (each stage reads its own layers)", flush=True
             )
+        if checkpoint.shards:
+            shards = len(set(checkpoint.shards.values()))
+            what = f"rank {ctx.env.rank} opened {len(opened)} of {shards} shards of {checkpoint.directory}"
+            # One write, newline included: the ranks share the launcher's unbuffered stdout.
+            print(f"stagecheck: {what}: {' '.join(opened)}\n", end="", flush=True)
         return weights
 
     return read

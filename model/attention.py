@@ -35,10 +35,13 @@ class ScaledCausalSoftmax(torch.autograd.Function):
 
 
 class AttentionCore(nn.Module):
-    """q, k, v (B, nh, T, hs) -> y (B, nh, T, hs). Holds no parameters."""
+    """q (B, nh, T, hs), k, v (B, g, T, hs) -> y (B, nh, T, hs). Holds no parameters. With g < nh KV heads
+    (grouped-query attention) each KV head serves nh / g consecutive query heads: SDPA reads them so
+    (`enable_gqa`), the explicit ops repeat them first."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
+        self.groups = config.n_head // config.kv_heads
         self.kernel = config.attention
         self.dropout = config.dropout
         self.drop = packed_dropout if config.packed_dropout else F.dropout  # SDPA draws its own mask
@@ -62,7 +65,8 @@ class AttentionCore(nn.Module):
         """q, k, v of the same T positions, each attending to itself and the positions before it."""
         p = self.dropout if self.training else 0.0
         if self.kernel == "sdpa":
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=self.groups > 1)
+        k, v = self._repeat_kv(k), self._repeat_kv(v)  # (B, nh, T, hs)
         probs = ScaledCausalSoftmax.apply(self.causal_scores(q, k))  # (B, nh, T, T)
         probs = self.drop(probs, p, self.training)
         return probs @ v  # (B, nh, T, hs)
@@ -73,4 +77,8 @@ class AttentionCore(nn.Module):
         Tk - Tq, which SDPA's `is_causal` (aligned to the top-left corner) does not do."""
         Tq, Tk = q.shape[2], k.shape[2]
         visible = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril_(Tk - Tq)  # (Tq, Tk)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=self.groups > 1)
+
+    def _repeat_kv(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, g, T, hs) -> (B, nh, T, hs), each KV head repeated for its group of query heads."""
+        return x if self.groups == 1 else x.repeat_interleave(self.groups, dim=1)

@@ -1,33 +1,71 @@
-"""GPTConfig: the shape of a GPT-2-family decoder. Pure Python; validates itself."""
+"""GPTConfig: the shape of a decoder of the GPT-2 or the Llama family. Pure Python; validates itself."""
 
 from dataclasses import dataclass
 
+ARCHITECTURES = ("gpt2", "llama")
 ATTENTION_KERNELS = ("sdpa", "math")
 ACTIVATIONS = ("gelu", "gelu_tanh")
+ACTIVATIONS_OF = {"gpt2": ACTIVATIONS, "llama": ("silu",)}
+ROPE_SCALINGS = ("none", "llama3")
+HF_MODEL_TYPES = {"gpt2": (), "llama": ("llama", "qwen2", "mistral")}  # model.hf_model_type's values per arch
 
 
 @dataclass
 class GPTConfig:
+    arch: str = "gpt2"
+    """Block architecture: `gpt2` (LayerNorm, learned positions, GELU MLP, tied head) or `llama` (RMSNorm, rotary
+    positions, SwiGLU MLP, grouped-query attention, tied or untied head: Llama, Qwen2, Mistral and SmolLM2)."""
     n_layer: int = 4
     """Transformer blocks."""
     n_head: int = 4
-    """Attention heads per block; must divide n_embd."""
+    """Attention (query) heads per block; must divide n_embd."""
+    n_kv_head: int | None = None
+    """Key/value heads (grouped-query attention, llama only): each serves n_head / n_kv_head query heads; must
+    divide n_head. null: n_head (multi-head attention)."""
     n_embd: int = 128
     """Hidden size h (channels of the residual stream)."""
     seq_len: int = 128
-    """Tokens per sequence s (also the number of learned positions)."""
+    """Tokens per sequence s (also the number of learned positions under gpt2)."""
+    intermediate_size: int | None = None
+    """MLP width f. gpt2: null (4 n_embd, the only width it has). llama: required, the width of each of the
+    gate and up projections (Llama-3-8B: 14336)."""
     vocab_size: int = 256
-    """Vocabulary size; the LM head is tied to the token embedding."""
+    """Vocabulary size."""
+    tie_embeddings: bool = True
+    """The LM head is the token embedding (tied). false (llama only): an LM head of its own, on the last stage
+    alone."""
+    norm_eps: float = 1e-5
+    """Epsilon of the LayerNorms (gpt2) or RMSNorms (llama)."""
+    rope_theta: float = 10000.0
+    """Rotary position embedding base (llama)."""
+    rope_scaling: str = "none"
+    """Rotary frequency scaling (llama): `none` or `llama3` (Llama 3.1's: the rope_* factors below)."""
+    rope_factor: float = 8.0
+    """llama3 scaling: how much the low frequencies are slowed down."""
+    rope_low_freq_factor: float = 1.0
+    """llama3 scaling: wavelengths above rope_original_max_positions / this are slowed by rope_factor."""
+    rope_high_freq_factor: float = 4.0
+    """llama3 scaling: wavelengths below rope_original_max_positions / this are kept; between the two bounds
+    the frequency is interpolated."""
+    rope_original_max_positions: int = 8192
+    """llama3 scaling: the context length the model was first trained at."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections only (llama: Qwen2 has them)."""
+    hf_model_type: str | None = None
+    """The Hugging Face model_type export_hf.py writes for model.arch=llama: `llama`, `qwen2` (with qkv_bias, which
+    Qwen2 always has) or `mistral`; model.init_from sets it from config.json. null: qwen2 with qkv_bias, else llama
+    (gpt2 under model.arch=gpt2)."""
     dropout: float = 0.0
     """Dropout probability on embeddings, attention probabilities, and residual branches."""
     bias: bool = True
-    """Biases in Linear layers and LayerNorms, as in GPT-2."""
+    """Biases in Linear layers and LayerNorms, as in GPT-2 (llama refuses it: see qkv_bias)."""
     attention: str = "sdpa"
     """Attention kernel: `sdpa` (torch scaled_dot_product_attention, fused where available) or
     `math` (explicit QK^T, fused scaled causal softmax that saves a 16-bit output, dropout, x V)."""
     activation: str = "gelu"
-    """MLP activation: `gelu` (exact, erf) or `gelu_tanh` (the tanh approximation GPT-2 itself uses, Hugging
-    Face's `gelu_new`): real GPT-2 weights need `gelu_tanh`."""
+    """MLP activation. gpt2: `gelu` (exact, erf) or `gelu_tanh` (the tanh approximation GPT-2 itself uses, Hugging
+    Face's `gelu_new`): real GPT-2 weights need `gelu_tanh`. llama: `silu` (the SwiGLU MLP
+    down(silu(gate(x)) * up(x)))."""
     loss_chunk_tokens: int = 128
     """Tokens per chunk of the fused LM head and loss (model/fused_loss.py): the last stage makes the logits and
     their cross-entropy this many tokens at a time, recomputing each chunk's logits in backward, and keeps none of
@@ -38,15 +76,20 @@ class GPTConfig:
     the same stream: docs/memory_floor.md). Embedding, residual and, with attention=math, attention-probability
     dropout (SDPA draws its own mask inside the kernel). A no-op with dropout 0."""
     init_from: str | None = None
-    """A local Hugging Face GPT-2 directory (config.json plus model.safetensors or pytorch_model.bin) to start
-    training from; its config.json sets n_layer, n_head, n_embd, seq_len, vocab_size, activation and bias.
-    Ignored when the run resumes from a checkpoint. null: GPT-2 initialisation from the seed."""
+    """A local Hugging Face directory to start training from: config.json (model_type gpt2, llama, qwen2 or mistral)
+    plus model.safetensors or pytorch_model.bin, or a shard index of either. Its config.json sets the
+    architecture and shape (gpt2: also seq_len = n_positions; llama: seq_len stays the run's, at most
+    max_position_embeddings), its tokenizer.json the run's tokenizer unless data.tokenizer_file or data.tokenizer is
+    given (docs/llama.md). A dry run needs config.json alone. Ignored when the run resumes from a checkpoint. null:
+    initialisation from the seed."""
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"model.{name}={value!r} is invalid: it must be a positive integer")
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"model.arch={self.arch!r} is unknown: allowed values are {', '.join(ARCHITECTURES)}")
         if self.n_embd % self.n_head != 0:
             raise ValueError(
                 f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}: "
@@ -63,11 +106,111 @@ class GPTConfig:
             raise ValueError(
                 f"model.attention={self.attention!r} is unknown: allowed values are {', '.join(ATTENTION_KERNELS)}"
             )
-        if self.activation not in ACTIVATIONS:
+        allowed = ACTIVATIONS_OF[self.arch]
+        if self.activation not in allowed:
+            known = any(self.activation in names for names in ACTIVATIONS_OF.values())
+            problem = f"is invalid with model.arch={self.arch}" if known else "is unknown"
+            raise ValueError(f"model.activation={self.activation!r} {problem}: allowed values are {', '.join(allowed)}")
+        if self.norm_eps <= 0:
+            raise ValueError(f"model.norm_eps={self.norm_eps} is invalid: it must be > 0")
+        if self.arch == "gpt2":
+            self._check_gpt2()
+        else:
+            self._check_llama()
+        self._check_hf_model_type()
+
+    def _check_hf_model_type(self) -> None:
+        allowed = HF_MODEL_TYPES[self.arch]
+        if self.hf_model_type is not None and self.hf_model_type not in allowed:
             raise ValueError(
-                f"model.activation={self.activation!r} is unknown: allowed values are {', '.join(ACTIVATIONS)}"
+                f"model.hf_model_type={self.hf_model_type!r} is invalid with model.arch={self.arch}: allowed values "
+                f"are {', '.join(allowed) or 'null'}"
+            )
+        if self.hf_model_type is not None and (self.hf_model_type == "qwen2") != self.qkv_bias:
+            raise ValueError(
+                f"model.hf_model_type={self.hf_model_type} with model.qkv_bias={self.qkv_bias}: Qwen2 has biases on "
+                "q, k and v, Llama and Mistral none; set both to match, or model.hf_model_type=null"
+            )
+
+    def _check_gpt2(self) -> None:
+        """The llama-only options keep their defaults: GPT-2's block has none of them."""
+        if self.n_kv_head not in (None, self.n_head):
+            raise ValueError(
+                f"model.n_kv_head={self.n_kv_head} is invalid with model.arch=gpt2 (no grouped-query attention): "
+                "use null, or model.arch=llama"
+            )
+        if self.intermediate_size not in (None, 4 * self.n_embd):
+            raise ValueError(
+                f"model.intermediate_size={self.intermediate_size} is invalid with model.arch=gpt2, whose MLP is "
+                f"4 n_embd = {4 * self.n_embd} wide: use null, or model.arch=llama"
+            )
+        for name in ("qkv_bias", "tie_embeddings"):
+            if getattr(self, name) != (name == "tie_embeddings"):
+                raise ValueError(
+                    f"model.{name}={getattr(self, name)} is invalid with model.arch=gpt2: "
+                    "it is a model.arch=llama option"
+                )
+
+    def _check_llama(self) -> None:
+        if self.n_kv_head is not None and (
+            not isinstance(self.n_kv_head, int) or self.n_kv_head <= 0 or self.n_head % self.n_kv_head
+        ):
+            raise ValueError(
+                f"model.n_head={self.n_head} is not divisible by model.n_kv_head={self.n_kv_head}: choose n_kv_head "
+                "among the divisors of n_head (null: n_head)"
+            )
+        if not isinstance(self.intermediate_size, int) or self.intermediate_size <= 0:
+            raise ValueError(
+                f"model.intermediate_size={self.intermediate_size!r} is invalid with model.arch=llama: give the "
+                "SwiGLU MLP width f as a positive integer (Llama-3-8B: 14336)"
+            )
+        if self.bias:
+            raise ValueError(
+                "model.bias=true is invalid with model.arch=llama (no biases outside q, k and v): set "
+                "model.bias=false, and model.qkv_bias=true for biases on the q, k and v projections"
+            )
+        if self.dropout or self.packed_dropout:
+            raise ValueError(
+                f"model.dropout={self.dropout} / model.packed_dropout={self.packed_dropout} are invalid with "
+                "model.arch=llama, whose blocks have no dropout: set model.dropout=0 and model.packed_dropout=false"
+            )
+        if self.head_size % 2:
+            raise ValueError(
+                f"model.n_embd / model.n_head = {self.head_size} is odd: rotary embeddings rotate pairs of channels"
+            )
+        if self.rope_theta <= 0:
+            raise ValueError(f"model.rope_theta={self.rope_theta} is invalid: it must be > 0")
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ValueError(
+                f"model.rope_scaling={self.rope_scaling!r} is unknown: allowed values are {', '.join(ROPE_SCALINGS)}"
+            )
+        if self.rope_scaling == "llama3" and not (
+            self.rope_factor > 0
+            and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+            and self.rope_original_max_positions > 0
+        ):
+            raise ValueError(
+                f"model.rope_factor={self.rope_factor}, model.rope_low_freq_factor={self.rope_low_freq_factor}, "
+                f"model.rope_high_freq_factor={self.rope_high_freq_factor}, model.rope_original_max_positions="
+                f"{self.rope_original_max_positions} are invalid for rope_scaling=llama3: all must be > 0 and "
+                "rope_low_freq_factor < rope_high_freq_factor"
             )
 
     @property
     def head_size(self) -> int:
         return self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads g: n_kv_head, or n_head when null."""
+        return self.n_kv_head or self.n_head
+
+    @property
+    def kv_width(self) -> int:
+        """Channels of the keys (and of the values): g * head_size = n_embd * g / n_head."""
+        return self.kv_heads * self.head_size
+
+    @property
+    def mlp_width(self) -> int:
+        """MLP width f: intermediate_size, or 4 n_embd under gpt2."""
+        return self.intermediate_size or 4 * self.n_embd

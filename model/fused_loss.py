@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from model.gpt import LayerRecipe, lm_loss
-from model.layers import head_logits, lm_head
+from model.gpt import LayerRecipe, head_returns_logits, lm_loss
+from model.layers import head_logits
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -75,8 +75,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 def chunked_lm_loss(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int
 ) -> torch.Tensor:
-    """Mean next-token cross-entropy of the final hidden states (B, T, C) against labels (B, T) through the tied
-    weight (V, C), `chunk_tokens` tokens at a time: equal to lm_loss(head_logits(hidden, weight), labels) to fp32
+    """Mean next-token cross-entropy of the final hidden states (B, T, C) against labels (B, T) through the LM
+    head's weight (V, C), `chunk_tokens` tokens at a time: equal to lm_loss(head_logits(hidden, weight), labels) to fp32
     rounding."""
     return ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens)
 
@@ -84,7 +84,7 @@ def chunked_lm_loss(
 @dataclass(frozen=True)
 class HeadLoss:
     """The training loss of what the flat sequence's LM head returns: logits (chunk_tokens 0) or the final hidden
-    states (model.loss_chunk_tokens), given the tied weight the last stage holds."""
+    states (model.loss_chunk_tokens), given the LM head's weight (tied or not) the last stage holds."""
 
     chunk_tokens: int
 
@@ -92,7 +92,7 @@ class HeadLoss:
     def of(cls, recipes: Sequence[LayerRecipe]) -> "HeadLoss":
         """The loss of the flat sequence `recipes` (gpt_layers) ends in: its LM head's recipe carries the config."""
         head = recipes[-1]
-        return cls(0 if head.forward_fn is lm_head else head.args[0].loss_chunk_tokens)
+        return cls(0 if head_returns_logits(head) else head.args[0].loss_chunk_tokens)
 
     def __call__(self, outputs: torch.Tensor, labels: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
         if self.chunk_tokens == 0:

@@ -1,8 +1,10 @@
 """The GPT as a flat sequence of layers, and that sequence run in one process.
 
-Flat sequence: [token embedding, position embedding, block 0 .. block N-1, final norm, LM head].
-The LM head is the token embedding module again (tied), called through `lm_head`; under the fused loss
+Flat sequence, gpt2: [token embedding, position embedding, block 0 .. block N-1, final norm, LM head];
+llama: [token embedding, block 0 .. block N-1, final norm, LM head] (positions are rotary, inside the blocks).
+A tied LM head is the token embedding module again, called through `lm_head`; under the fused loss
 (`model.loss_chunk_tokens` > 0) through `final_hidden`, and the loss makes the logits (model/fused_loss.py).
+An untied head (llama, model.tie_embeddings=false) is a module of its own, LMHead, built on the last stage only.
 """
 
 from collections.abc import Callable, Sequence
@@ -16,9 +18,11 @@ import torch.nn.functional as F
 from model.config import GPTConfig
 from model.kv_cache import KVCache
 from model.layers import Block, FinalNorm, PositionEmbedding, TokenEmbedding, final_hidden, lm_head
+from model.llama_layers import LlamaBlock, LlamaEmbedding, LlamaFinalNorm, LMHead
 
 TIED_EMBEDDING = "embedding"
-FIRST_BLOCK_INDEX = 2  # after the token and position embeddings
+FIRST_BLOCK_INDEX = 2  # gpt2's: after the token and position embeddings
+BLOCK_CLASSES = (Block, LlamaBlock)
 
 
 @dataclass(frozen=True)
@@ -61,22 +65,53 @@ def build_layers(recipes: Sequence[LayerRecipe]) -> tuple[nn.ModuleList, list[La
     return modules, funcs
 
 
+def block_range(config: GPTConfig) -> range:
+    """Flat indices of the blocks: from 2 under gpt2 (token and position embeddings first), from 1 under llama."""
+    first = FIRST_BLOCK_INDEX if config.arch == "gpt2" else 1
+    return range(first, first + config.n_layer)
+
+
 def gpt_layers(config: GPTConfig, seed: int, logits: bool = False) -> list[LayerRecipe]:
     """The flat sequence. Its LM head returns the final hidden states when `model.loss_chunk_tokens` fuses the
     logits into the loss, unless `logits` (the unpipelined GPT: sampling, export and references need logits)."""
-    head = lm_head if logits or config.loss_chunk_tokens == 0 else final_hidden
-    blocks = [LayerRecipe(Block, (config, seed, FIRST_BLOCK_INDEX + i)) for i in range(config.n_layer)]
+    returns_logits = logits or config.loss_chunk_tokens == 0
+    blocks = block_range(config)
+    if config.arch == "gpt2":
+        embedding, block, final_norm = TokenEmbedding, Block, FinalNorm
+        first = [LayerRecipe(TokenEmbedding, (config, seed, 0), tie_key=TIED_EMBEDDING)]
+        first.append(LayerRecipe(PositionEmbedding, (config, seed, 1)))
+    else:
+        embedding, block, final_norm = LlamaEmbedding, LlamaBlock, LlamaFinalNorm
+        tie_key = TIED_EMBEDDING if config.tie_embeddings else None
+        first = [LayerRecipe(LlamaEmbedding, (config, seed, 0), tie_key=tie_key)]
+    if config.tie_embeddings:
+        head_fn = lm_head if returns_logits else final_hidden
+        head = LayerRecipe(embedding, (config, seed, 0), tie_key=TIED_EMBEDDING, forward_fn=head_fn)
+    else:
+        head = LayerRecipe(LMHead, (config, seed, blocks.stop + 1, returns_logits))
     return [
-        LayerRecipe(TokenEmbedding, (config, seed, 0), tie_key=TIED_EMBEDDING),
-        LayerRecipe(PositionEmbedding, (config, seed, 1)),
-        *blocks,
-        LayerRecipe(FinalNorm, (config, seed, FIRST_BLOCK_INDEX + config.n_layer)),
-        LayerRecipe(TokenEmbedding, (config, seed, 0), tie_key=TIED_EMBEDDING, forward_fn=head),
+        *first,
+        *[LayerRecipe(block, (config, seed, i)) for i in blocks],
+        LayerRecipe(final_norm, (config, seed, blocks.stop)),
+        head,
     ]
 
 
+def head_returns_logits(recipe: LayerRecipe) -> bool:
+    """Whether the flat sequence's LM head (its last recipe) returns logits rather than the final hidden states
+    the fused loss reads."""
+    if recipe.module_class is LMHead:
+        return recipe.args[3]
+    return recipe.forward_fn is lm_head
+
+
+def head_module(fn: LayerFn) -> nn.Module:
+    """The module behind a built entry's forward function: a tied LM head runs as partial(head, embedding)."""
+    return fn.args[0] if isinstance(fn, partial) else fn
+
+
 def module_entries(recipes: Sequence[LayerRecipe]) -> list[int]:
-    """Flat indices of the entries that run as a module and so own a state dict: all but the tied LM head, which
+    """Flat indices of the entries that run as a module and so own a state dict: all but a tied LM head, which
     runs as a function of the token embedding. DeepSpeed's pipeline writes one weight file for each of these."""
     return [i for i, recipe in enumerate(recipes) if recipe.forward_fn is None]
 
@@ -142,21 +177,24 @@ class GPT(nn.Module):
         return {i: self.forward_funcs[i].state_dict() for i in module_entries(gpt_layers(self.config, seed=0))}
 
     @property
-    def blocks(self) -> list[Block]:
-        return self.forward_funcs[FIRST_BLOCK_INDEX : FIRST_BLOCK_INDEX + self.config.n_layer]
+    def blocks(self) -> list[nn.Module]:
+        blocks = block_range(self.config)
+        return self.forward_funcs[blocks.start : blocks.stop]
 
     def new_caches(self, batch: int) -> list[KVCache]:
-        """One empty KV cache per block for `model.seq_len` positions, in the dtype and on the device of the weights."""
-        weight = self.forward_funcs[0].wte.weight
+        """One empty KV cache per block for `model.seq_len` positions of its n_kv_head key/value heads, in the dtype
+        and on the device of the weights."""
+        weight = self.forward_funcs[0].head_weight
         c = self.config
-        return [KVCache(batch, c.n_head, c.seq_len, c.head_size, weight.dtype, weight.device) for _ in self.blocks]
+        return [KVCache(batch, c.kv_heads, c.seq_len, c.head_size, weight.dtype, weight.device) for _ in self.blocks]
 
     def forward_cached(self, idx: torch.Tensor, caches: Sequence[KVCache]) -> torch.Tensor:
         """Token ids (B, T) of the T positions after those the caches (one per block) hold -> logits (B, T, vocab):
         the last T positions of forward() on the whole sequence, computing only these T (incremental decoding)."""
-        token_embedding, position_embedding = self.forward_funcs[:FIRST_BLOCK_INDEX]
-        x = position_embedding(token_embedding(idx), start=caches[0].length)  # (B, T, C)
+        x = self.forward_funcs[0](idx)  # (B, T, C)
+        if self.config.arch == "gpt2":
+            x = self.forward_funcs[1](x, start=caches[0].length)  # learned positions from the cached length on
         for block, cache in zip(self.blocks, caches, strict=True):
             x = block.forward_cached(x, cache)
-        final_norm, head = self.forward_funcs[FIRST_BLOCK_INDEX + self.config.n_layer :]
+        final_norm, head = self.forward_funcs[block_range(self.config).stop :]
         return head(final_norm(x))  # (B, T, vocab)

@@ -1,16 +1,13 @@
-"""Hugging Face GPT-2 <-> our GPT: the config fields and the tensor names, both ways. Pure PyTorch.
+"""Hugging Face GPT-2 <-> our `arch=gpt2` GPT: the config fields and the tensor names, both ways. Pure PyTorch
+(model/hf_format.py applies them).
 
 HF's GPT2LMHeadModel holds the same weights as our flat layer list, under other names and with its
 Conv1D weights stored (in, out) where our nn.Linear stores (out, in). HF names here are written without
 the `transformer.` prefix that GPT2LMHeadModel's own state dict adds (the reader accepts both).
 """
 
-from collections.abc import Callable
-
-import torch
-
 from model.config import GPTConfig
-from model.gpt import FIRST_BLOCK_INDEX, gpt_layers
+from model.gpt import FIRST_BLOCK_INDEX
 
 HF_PREFIX = "transformer."
 LAYER_NORM_EPS = 1e-5  # our nn.LayerNorm's default, GPT-2's layer_norm_epsilon
@@ -73,7 +70,7 @@ def gpt_config_from_hf(hf_config: dict, where: str = "model.init_from") -> dict:
     activation = hf_config.get("activation_function", "gelu_new")
     if activation not in HF_ACTIVATIONS:
         raise refuse(f"config.json activation_function={activation!r} is not one of {', '.join(HF_ACTIVATIONS)}")
-    return {**shape, "activation": HF_ACTIVATIONS[activation], "bias": True}
+    return {**shape, "arch": "gpt2", "norm_eps": LAYER_NORM_EPS, "activation": HF_ACTIVATIONS[activation], "bias": True}
 
 
 def hf_config_from_gpt(config: GPTConfig) -> dict:
@@ -90,7 +87,7 @@ def hf_config_from_gpt(config: GPTConfig) -> dict:
         "vocab_size": config.vocab_size,
         "n_inner": None,
         "activation_function": HF_ACTIVATION_OF[config.activation],
-        "layer_norm_epsilon": LAYER_NORM_EPS,
+        "layer_norm_epsilon": config.norm_eps,
         "resid_pdrop": config.dropout,
         "embd_pdrop": config.dropout,
         "attn_pdrop": config.dropout,
@@ -101,7 +98,7 @@ def hf_config_from_gpt(config: GPTConfig) -> dict:
     }
 
 
-def layer_hf_names(config: GPTConfig, flat_index: int) -> dict[str, tuple[str, bool]]:
+def gpt_layer_hf_names(config: GPTConfig, flat_index: int) -> dict[str, tuple[str, bool]]:
     """One flat layer's parameter names -> (HF name, transposed?). The tied LM head (the last entry) is the
     token embedding again, so it reads `wte.weight` too."""
     last_block = FIRST_BLOCK_INDEX + config.n_layer
@@ -115,36 +112,3 @@ def layer_hf_names(config: GPTConfig, flat_index: int) -> dict[str, tuple[str, b
     if flat_index == last_block:
         return {"ln_f.weight": ("ln_f.weight", False), "ln_f.bias": ("ln_f.bias", False)}
     raise IndexError(f"flat layer {flat_index} does not exist in a model of {config.n_layer} blocks")
-
-
-def layer_state_from_hf(config: GPTConfig, flat_index: int, get: Callable[[str], torch.Tensor]) -> dict:
-    """One flat layer's state dict, reading only its own HF tensors through `get(hf_name)`."""
-    state = {}
-    for ours, (theirs, transposed) in layer_hf_names(config, flat_index).items():
-        tensor = get(theirs)
-        state[ours] = tensor.t().contiguous() if transposed else tensor
-    return state
-
-
-def hf_state_from_layers(config: GPTConfig, layer_states: dict[int, dict[str, torch.Tensor]]) -> dict:
-    """Our per-flat-layer state dicts -> GPT2LMHeadModel's state dict (`transformer.` names, Conv1D weights
-    transposed back). The tied LM head is left out, as HF's own save_pretrained does."""
-    state = {}
-    for flat_index, layer_state in layer_states.items():
-        for ours, (theirs, transposed) in layer_hf_names(config, flat_index).items():
-            tensor = layer_state[ours]
-            state[HF_PREFIX + theirs] = tensor.t().contiguous() if transposed else tensor
-    return state
-
-
-def hf_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor name the model reads -> its shape in the HF file, from our layers built on the meta
-    device (so the two can never disagree)."""
-    shapes = {}
-    with torch.device("meta"):
-        for flat_index, recipe in enumerate(gpt_layers(config, seed=0)):
-            params = dict(recipe.build().named_parameters())
-            for ours, (theirs, transposed) in layer_hf_names(config, flat_index).items():
-                shape = tuple(params[ours].shape)
-                shapes[theirs] = shape[::-1] if transposed else shape
-    return shapes

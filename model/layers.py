@@ -46,6 +46,8 @@ def gpt2_init_(module: nn.Module, n_layer: int, seed: int, layer_index: int) -> 
 class TokenEmbedding(nn.Module):
     """Token ids (B, T) -> embeddings (B, T, C). Its weight is also the LM head (tied)."""
 
+    head_weight_name = "wte.weight"
+
     def __init__(self, config: GPTConfig, seed: int, layer_index: int = 0):
         super().__init__()
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
@@ -53,6 +55,10 @@ class TokenEmbedding(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.wte(idx)  # (B, T, C)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.wte.weight
 
 
 def head_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -62,12 +68,12 @@ def head_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return linear(x, weight)
 
 
-def lm_head(embedding: TokenEmbedding, x: torch.Tensor) -> torch.Tensor:
-    """Final hidden states (B, T, C) -> logits (B, T, vocab) through the tied embedding."""
-    return head_logits(x, embedding.wte.weight)
+def lm_head(embedding: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Final hidden states (B, T, C) -> logits (B, T, vocab) through the tied embedding (its `head_weight`)."""
+    return head_logits(x, embedding.head_weight)
 
 
-def final_hidden(embedding: TokenEmbedding, x: torch.Tensor) -> torch.Tensor:
+def final_hidden(embedding: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The LM head under the fused loss (model.loss_chunk_tokens > 0): the final hidden states (B, T, C) pass
     through, and the loss makes the logits chunk by chunk from the tied weight the stage holds."""
     return x
@@ -135,9 +141,9 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig, seed: int, layer_index: int):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
         self.mlp = MLP(config)
         gpt2_init_(self, config.n_layer, seed, layer_index)
 
@@ -154,7 +160,7 @@ class Block(nn.Module):
 class FinalNorm(nn.Module):
     def __init__(self, config: GPTConfig, seed: int, layer_index: int):
         super().__init__()
-        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ln_f(x)

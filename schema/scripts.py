@@ -57,19 +57,28 @@ class GenerateConfig:
 
 @dataclass
 class ExportConfig:
-    """python export_hf.py checkpoint=PATH out=DIR"""
+    """python export_hf.py checkpoint=PATH out=DIR max_shard_bytes=N"""
 
     checkpoint: str | None = None
     """The checkpoint to export: a run directory (its latest checkpoint), its checkpoints/ directory or a
     checkpoints/step_NNNNNNNN directory."""
     out: str | None = None
-    """A new (or empty) directory to write the Hugging Face GPT-2 into: config.json, model.safetensors, and for a
-    BPE tokenizer tokenizer.json and tokenizer_config.json. Never overwritten."""
+    """A new (or empty) directory to write the Hugging Face model into, of the model type it came from (gpt2, llama,
+    qwen2, mistral): config.json, model.safetensors (or shards and model.safetensors.index.json), and for a BPE
+    tokenizer tokenizer.json and tokenizer_config.json. Never overwritten."""
+    max_shard_bytes: int = 5_000_000_000
+    """Largest weight file, in bytes: fp32 weights above it are split into model-0000K-of-0000N.safetensors shards
+    plus model.safetensors.index.json, as save_pretrained does (a tensor bigger than this gets a shard of its own).
+    Default 5 GB."""
 
     def validate(self) -> None:
         _check_checkpoint(self.checkpoint)
         if not self.out:
             raise ValueError(f"out={self.out!r} is not set: give a new directory to write the Hugging Face model into")
+        if self.max_shard_bytes < 1:
+            raise ValueError(
+                f"max_shard_bytes={self.max_shard_bytes} is invalid: it must be a positive number of bytes"
+            )
 
 
 SCRIPT_SCHEMAS = {"generate_schema": GenerateConfig, "export_hf_schema": ExportConfig}

@@ -33,16 +33,16 @@ ENGINE_DRIVER = REPO / "tests" / "fixtures" / "engine_runs.py"
 
 @dataclass(frozen=True)
 class Case:
-    """One train.py run: its overrides (as on the command line), its world size, and files to write first into
-    the case's scratch directory, which `{scratch}` in an override names. `{runs}` names the directory that holds
-    every case's run directory (<module>-<case>): a case may resume from an earlier case's checkpoint."""
+    """One train.py run: its overrides (as on the command line), its world size, and files (text or bytes) to write
+    first into the case's scratch directory, which `{scratch}` in an override names. `{runs}` names the directory
+    that holds every case's run directory (<module>-<case>): a case may resume from an earlier case's checkpoint."""
 
     overrides: tuple[str, ...]
     nproc: int = 2
-    files: Mapping[str, str] = field(default_factory=dict)
+    files: Mapping[str, str | bytes] = field(default_factory=dict)
 
 
-def case(*overrides: str, nproc: int = 2, files: Mapping[str, str] | None = None) -> Case:
+def case(*overrides: str, nproc: int = 2, files: Mapping[str, str | bytes] | None = None) -> Case:
     return Case(tuple(overrides), nproc, dict(files or {}))
 
 
@@ -144,8 +144,11 @@ class SharedRuns:
             job = _job_name(module, name)
             files = scratch / "files" / job
             files.mkdir(parents=True)
-            for file_name, text in c.files.items():
-                (files / file_name).write_text(text, encoding="utf-8")
+            for file_name, content in c.files.items():
+                if isinstance(content, bytes):
+                    (files / file_name).write_bytes(content)
+                else:
+                    (files / file_name).write_text(content, encoding="utf-8")
             overrides = tuple(
                 o.replace("{scratch}", str(files)).replace("{runs}", str(scratch / "sweep")) for o in c.overrides
             )

@@ -34,9 +34,17 @@ def test_every_model_preset_composes(model):
     assert run.model.n_embd % run.model.n_head == 0
 
 
-def test_presets_cover_the_gpt2_and_gpt3_families():
+def test_presets_cover_the_gpt2_gpt3_and_llama_families():
     assert set(MODELS) == {
         "tiny",
+        "tiny-llama",
+        "llama3.2-1b",
+        "llama3-8b",
+        "llama3-70b",
+        "qwen2.5-0.5b",
+        "qwen2.5-7b",
+        "mistral-7b",
+        "smollm2-135m",
         "gpt2",
         "gpt2-medium",
         "gpt2-large",

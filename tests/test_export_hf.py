@@ -1,5 +1,5 @@
 """Hugging Face GPT-2 in and out: a small random GPT2LMHeadModel, built locally (no hub), imported into model.GPT
-through model/hf_gpt2.py, exported by harness/hf_export.py and reloaded by transformers gives HF's logits, and
+through model/hf_format.py, exported by harness/hf_export.py and reloaded by transformers gives HF's logits, and
 our greedy sampler gives HF's greedy tokens."""
 
 import json
@@ -10,7 +10,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from harness.hf_export import write_hf_dir
 from model import GPT, GPTConfig, gpt_layers, module_entries
-from model.hf_gpt2 import HF_PREFIX, gpt_config_from_hf, layer_state_from_hf
+from model.hf_format import layer_state_from_hf
+from model.hf_gpt2 import HF_PREFIX, gpt_config_from_hf
 from model.sampling import SamplingConfig, generate
 
 SHAPE = {"n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 32, "vocab_size": 256}

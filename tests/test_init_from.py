@@ -12,7 +12,8 @@ from data.synthetic import SyntheticTokenSource
 from harness.hf_checkpoint import open_hf_dir, open_tensors
 from harness.init_from import check_tensors
 from model import GPT, GPTConfig, lm_loss
-from model.hf_gpt2 import gpt_config_from_hf, hf_state_from_layers, layer_hf_names, layer_state_from_hf
+from model.hf_format import hf_state_from_layers, layer_hf_names, layer_state_from_hf
+from model.hf_gpt2 import gpt_config_from_hf
 from tests.runs import TINY, launch, metrics, python_run
 
 HF_SHAPE = dict(n_layer=2, n_head=2, n_embd=32, n_positions=32, vocab_size=256)
@@ -195,7 +196,7 @@ def bad_dir(case: str, good, tmp_path):
 
 BAD_DIRS = {
     "missing directory": "is not a directory",
-    "no weights file": "holds no weights: expected model.safetensors or pytorch_model.bin",
+    "no weights file": "holds no weights: expected model.safetensors or model.safetensors.index.json or pytorch",
     "malformed config.json": "config.json is not valid JSON",
     "n_inner not 4h": "config.json n_inner=64 is not 4 * n_embd = 128",
     "untied": "config.json tie_word_embeddings is false",

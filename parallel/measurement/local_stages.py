@@ -14,7 +14,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn as nn
 
-from model import LayerRecipe, build_layers
+from model import LayerRecipe, build_layers, head_module
 from model.fused_loss import HeadLoss
 from parallel.measurement.activation_meter import ActivationMeter
 from parallel.planning.layout import PipelineLayout
@@ -41,8 +41,7 @@ class LocalPipeline:
     def __init__(self, layout: PipelineLayout, precision: str = "fp32"):
         self.stages = [LocalStage(layout.recipes, s, p, precision) for s, p in zip(layout.stages, layout.plans)]
         self.loss = HeadLoss.of(layout.recipes)
-        # The last layer is the LM head: its function is partial(head, token embedding), the tied module.
-        self.head_weight = self.stages[-1].funcs[-1].args[0].wte.weight
+        self.head_weight = head_module(self.stages[-1].funcs[-1]).head_weight
 
     def parameters(self):
         return [p for stage in self.stages for p in stage.parameters()]

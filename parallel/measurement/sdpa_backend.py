@@ -30,7 +30,9 @@ def sdpa_backend(shape: Shape, target: Target, dropout_p: float) -> str:
     device = torch.device("cuda", torch.cuda.current_device()) if target.device == "cuda" else torch.device("cpu")
     head = shape.h // shape.a
     q = torch.zeros(1, shape.a, shape.s, head, dtype=target.torch_dtype, device=device, requires_grad=True)
-    out = F.scaled_dot_product_attention(q, q, q, dropout_p=dropout_p, is_causal=True)  # (1, nh, T, hs)
+    kv = q[:, : shape.g or shape.a]  # (1, g, T, hs): grouped-query attention (llama) narrows the kernels' choice
+    gqa = kv.shape[1] != shape.a
+    out = F.scaled_dot_product_attention(q, kv, kv, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
     return BACKEND_OF_NODE.get(out.grad_fn.name(), "math")
 
 

@@ -28,6 +28,7 @@ from contextlib import nullcontext
 
 import torch
 
+from model import head_module
 from model.fused_loss import HeadLoss
 from model.weight_grad import WeightGradStore, split_backward
 from parallel.measurement.local_stages import LocalStage
@@ -102,7 +103,7 @@ class StageReplay:
             output = run_stage(self.stage.funcs, self.plan, x, recompute)
         self.outputs[buffer] = output
         if self.last:
-            head_weight = self.stage.funcs[-1].args[0].wte.weight  # the tied LM head's embedding
+            head_weight = head_module(self.stage.funcs[-1]).head_weight  # tied (the embedding's) or untied
             self.loss = self.loss_fn(output, self.labels[buffer], head_weight)
 
     def _backward(self, buffer: int) -> None:

@@ -96,11 +96,12 @@ def _elementwise_bytes(shape: Shape, target: Target, modules: Sequence[str]) -> 
     if "core_attn" in modules and attention_kernel(shape, target) in ("math", "sdpa-math"):
         traffic += (2 + (3 if shape.dropout else 0)) * shape.scores * d  # scale-mask-softmax, dropout
     if "mlp_act" in modules or "mlp" in modules:
-        traffic += 8 * bsh * d  # GELU over 4h channels
+        # GELU reads and writes f channels; the SwiGLU product reads two and writes one
+        traffic += (3 if shape.arch == "llama" else 2) * shape.b * shape.s * shape.mlp_width * d
     if "mlp" in modules and shape.dropout:
         traffic += 3 * bsh * d
     if "layernorm" in modules:
-        traffic += 4 * bsh * d  # two LayerNorms
+        traffic += 4 * bsh * d  # two norms
     return traffic
 
 

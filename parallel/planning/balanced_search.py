@@ -7,7 +7,7 @@ slowest stage, and single-block moves keep what shortens the simulated 1F1B step
 
 import math
 
-from model import Block
+from model import BLOCK_CLASSES
 from parallel.planning.partition import StageRange, balanced_block_counts
 from parallel.planning.stage_planner import StagePlanner
 from parallel.planning.stage_price import StagePrice, simulate_priced
@@ -40,8 +40,8 @@ class _BlockCountPrices:
         """Stage `stage` holding `blocks` blocks: blocks are identical, so only its ends matter."""
         recipes = self.planner.pricing.recipes
         n_layers, last = len(recipes), self.planner.pricing.run.topology.pipeline_stages - 1
-        first_block = next(i for i, r in enumerate(recipes) if r.module_class is Block)
-        after_blocks = max(i for i, r in enumerate(recipes) if r.module_class is Block) + 1
+        first_block = next(i for i, r in enumerate(recipes) if r.module_class in BLOCK_CLASSES)
+        after_blocks = max(i for i, r in enumerate(recipes) if r.module_class in BLOCK_CLASSES) + 1
         start = 0 if stage == 0 else (after_blocks - blocks if stage == last else first_block)
         stop = n_layers if stage == last else start + blocks + (first_block if stage == 0 else 0)
         return StageRange(stage, start, stop)

@@ -176,8 +176,9 @@ class SelectiveRecompute(PlannedRecompute):
     """Option of the `recompute` config group (`+recompute=selective`); must stay "selective"."""
     modules: list[str] = field(default_factory=lambda: ["core_attn"])
     """What to recompute: `core_attn` (softmax(QK^T)V with its dropout), `mlp_act` (the GELU output
-    read by the second MLP matmul), `layernorm` (the LayerNorm outputs read by the QKV and first MLP
-    matmuls), `mlp` (the whole MLP with its dropout)."""
+    read by the second MLP matmul; under model.arch=llama the SwiGLU product read by the down projection),
+    `layernorm` (the LayerNorm outputs read by the QKV and first MLP matmuls; under llama the two RMSNorm
+    outputs), `mlp` (the whole MLP with its dropout)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -12,25 +12,30 @@ tensor backward needs has been packed again ("early stop", torch's default). A n
 dropout. Dropout saves after that matmul has run (CPU: the noise it multiplies by; CUDA: its mask).
 
 Model FLOPs per token = 6 (N + h V) + 12 L h s, where N is the parameter count (the model's own, on the meta
-device) without the token and position embeddings (a lookup does no matmul) and h V is the tied LM head: its
-weight *is* the token embedding, so N leaves it out, but it runs a (h x V) matmul per token, which we count (as
-Megatron-LM's formula does). Drop `head_flops_per_token` to get the 6N + 12 L h s of Kaplan / PaLM.
+device) without the token and position embeddings (a lookup does no matmul) and without an untied LM head, and h V
+is the LM head: a tied head's weight *is* the token embedding, so N leaves it out, but it runs a (h x V) matmul per
+token, which we count (as Megatron-LM's formula does). Drop `head_flops_per_token` to get the 6N + 12 L h s of
+Kaplan / PaLM. Grouped-query attention and the SwiGLU MLP change only N (k and v projections h g/a wide, three
+(h x f) matrices): the formula holds for both architectures.
 """
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from model import Block, GPTConfig, LayerRecipe
+from model import BLOCK_CLASSES, GPTConfig, LayerRecipe, LMHead
 from model.layers import PositionEmbedding, TokenEmbedding
+from model.llama_layers import LlamaEmbedding
 from parallel.planning.shapes import Shape
 from parallel.planning.stage_plan import StagePlan
 
 
 def block_forward_flops(shape: Shape) -> int:
-    """One block, one micro-batch: QKV (3h^2), output projection (h^2), MLP (8h^2) per token, plus
-    QK^T and (softmax) x V over the full square."""
+    """One block, one micro-batch: q and output projections (2 h^2), k and v (2 h kv, kv = h g / a), the MLP's
+    matmuls per token (gpt2: 2 h f with f = 4h, so 12 h^2 in all; llama's SwiGLU: 3 h f), plus QK^T and (softmax)
+    x V over the full square."""
     tokens = shape.b * shape.s
-    return 2 * tokens * 12 * shape.h * shape.h + 2 * 2 * shape.b * shape.s * shape.s * shape.h
+    projections = 2 * shape.h * shape.h + 2 * shape.h * shape.kv_width
+    return 2 * tokens * projections + mlp_forward_flops(shape) + attention_core_forward_flops(shape)
 
 
 def attention_core_forward_flops(shape: Shape) -> int:
@@ -38,7 +43,8 @@ def attention_core_forward_flops(shape: Shape) -> int:
 
 
 def mlp_forward_flops(shape: Shape) -> int:
-    return 2 * shape.b * shape.s * 8 * shape.h * shape.h
+    matrices = 3 if shape.arch == "llama" else 2  # gate, up, down / c_fc, c_proj
+    return 2 * shape.b * shape.s * matrices * shape.mlp_width * shape.h
 
 
 def head_forward_flops(shape: Shape) -> int:
@@ -47,7 +53,7 @@ def head_forward_flops(shape: Shape) -> int:
 
 def mlp_output_matmul_flops(shape: Shape) -> int:
     """The MLP's second matmul: what torch's early stop skips at the end of a region without dropout."""
-    return 2 * shape.b * shape.s * 4 * shape.h * shape.h
+    return 2 * shape.b * shape.s * shape.mlp_width * shape.h
 
 
 def selective_recompute_flops(shape: Shape, modules: Sequence[str], kernel: str) -> int:
@@ -56,7 +62,8 @@ def selective_recompute_flops(shape: Shape, modules: Sequence[str], kernel: str)
     core_attn: with explicit ops (`math`, and SDPA's math backend) the checkpoint stops before the final
     (probs x V) matmul, so only QK^T is redone; a fused kernel (`sdpa-flash`, `sdpa-fused`) is one op and
     is redone whole. mlp: both matmuls, or only the first when dropout is off (early stop). mlp_act (GELU)
-    and layernorm are elementwise: 0 in this count (not 0 time)."""
+    and layernorm are elementwise: 0 in this count (not 0 time). Llama's MLP ends in the down projection, a matmul
+    (no dropout): early stop skips it too."""
     flops = 0
     if "core_attn" in modules:
         core = attention_core_forward_flops(shape)
@@ -73,10 +80,11 @@ def segment_recompute_flops(shape: Shape, blocks: int) -> int:
 
 
 def non_embedding_params(recipes: Sequence[LayerRecipe], param_counts: Sequence[int]) -> int:
-    """N: the blocks and the final LayerNorm (biases and gains included), without the token and position
-    embeddings (the tied LM head is the token embedding). `param_counts`: model.layer_param_counts(recipes), the
+    """N: the blocks and the final norm (biases and gains included), without the token and position embeddings and
+    without an untied LM head (model_flops_per_token counts every LM head as h V). `param_counts`:
+    model.layer_param_counts(recipes), the
     one count of parameters (on the meta device) that the memory model and the partition read too."""
-    embeddings = (TokenEmbedding, PositionEmbedding)
+    embeddings = (TokenEmbedding, PositionEmbedding, LlamaEmbedding, LMHead)
     return sum(count for recipe, count in zip(recipes, param_counts) if recipe.module_class not in embeddings)
 
 
@@ -116,17 +124,17 @@ def stage_flops(
     forward = recompute = 0
     for local, flat in enumerate(layers):
         recipe = recipes[flat]
-        if recipe.module_class is Block:
+        if recipe.module_class in BLOCK_CLASSES:
             forward += block_forward_flops(shape)
             if local in plan.selective:
                 recompute += selective_recompute_flops(shape, plan.selective[local], kernel)
-        elif recipe.forward_fn is not None:
+        elif recipe.forward_fn is not None or recipe.module_class is LMHead:
             forward += head_forward_flops(shape)
             # The fused loss makes each chunk's logits again in backward (model/fused_loss.py).
             recompute += head_forward_flops(shape) if shape.loss_chunk_tokens else 0
     for start, stop in plan.segments:
         recompute += segment_recompute_flops(
-            shape, sum(recipes[layers[i]].module_class is Block for i in range(start, stop))
+            shape, sum(recipes[layers[i]].module_class in BLOCK_CLASSES for i in range(start, stop))
         )
     return StageFlops(forward, recompute)
 

@@ -8,7 +8,7 @@ the same layout, built by `build_layout` alone.
 
 from dataclasses import dataclass
 
-from model import Block, GPTConfig, LayerRecipe, gpt_layers
+from model import BLOCK_CLASSES, GPTConfig, LayerRecipe, gpt_layers
 from parallel.planning.auto_recompute import CostTable, StageBudget, analytic_costs
 from parallel.planning.balanced_search import balanced_counts
 from parallel.planning.budget_refusal import BudgetTooSmall, alternatives, smallest_budget_gb
@@ -52,7 +52,7 @@ class PipelineLayout:
         """One warning per stage that holds no transformer block: it idles while the others compute."""
         warnings = []
         for stage in self.stages:
-            if any(self.recipes[i].module_class is Block for i in stage.layers):
+            if any(self.recipes[i].module_class in BLOCK_CLASSES for i in stage.layers):
                 continue
             names = " ".join(self.recipes[i].name for i in stage.layers)
             warnings.append(
@@ -69,7 +69,7 @@ class PipelineLayout:
             names = []
             for local, flat in enumerate(stage.layers):
                 recipe = self.recipes[flat]
-                choice = plan.choice_of(local) if recipe.module_class is Block else ""
+                choice = plan.choice_of(local) if recipe.module_class in BLOCK_CLASSES else ""
                 names.append(f"{flat}:{recipe.name}" + (f"[{choice}]" if choice and choice != "none" else ""))
             line = f"stage {stage.stage}: layers {stage.start}..{stage.stop - 1} ({len(names)} layers) "
             line += " ".join(names)
@@ -124,7 +124,7 @@ class PipelineLayout:
                 "choices": [
                     p.choice_of(local)
                     for local, flat in enumerate(s.layers)
-                    if self.recipes[flat].module_class is Block
+                    if self.recipes[flat].module_class in BLOCK_CLASSES
                 ],
                 # full(1) and full(stage) make the same choices: the segments tell them apart
                 "segments": [[s.start + a, s.start + b] for a, b in p.segments],
@@ -182,7 +182,7 @@ def build_layout(
 
 
 def _blocks(recipes: list[LayerRecipe], stage: StageRange) -> int:
-    return sum(recipes[i].module_class is Block for i in stage.layers)
+    return sum(recipes[i].module_class in BLOCK_CLASSES for i in stage.layers)
 
 
 def _fastest_partition(

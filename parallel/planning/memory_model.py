@@ -15,8 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import combinations
 
-from model import Block, LayerRecipe
+from model import BLOCK_CLASSES, LayerRecipe, LMHead
 from model.layers import FinalNorm, PositionEmbedding, TokenEmbedding
+from model.llama_layers import LlamaEmbedding, LlamaFinalNorm
 from parallel.planning.config import RECOMPUTE_MODULES
 from parallel.planning.shapes import DTYPE_BYTES, FP32, Shape, Target
 from parallel.planning.stage_plan import StagePlan
@@ -63,13 +64,14 @@ def attention_core_items(shape: Shape, target: Target) -> list[Item]:
         # (no dropout: the second matmul keeps the softmax output itself, counted once)
         items.append(("attention output, contiguous (output projection input)", bsh * d))
         return items
-    # Fused kernels keep q, k, v (views of the QKV projection output), their output (which, laid out
+    # Fused kernels keep q, k, v (gpt2: views of the QKV projection output; llama: the rotated q and k, v a view of
+    # its projection's output, k and v g/a as wide: SDPA reads grouped heads itself), their output (which, laid out
     # (B, T, nh, hs), is also the output projection's input: one storage) and the fp32 log-sum-exp. CUDA's
     # memory-efficient kernel (fp32, or where flash does not apply) pads its log-sum-exp rows to a multiple of 32;
     # flash keeps s of them: counting the padded rows never plans too little.
     rows = -(-shape.s // 32) * 32 if target.device == "cuda" else shape.s
     return [
-        ("q, k, v (views of the QKV output)", 3 * bsh * d),
+        ("q, k, v", (bsh + 2 * shape.b * shape.s * shape.kv_width) * d),
         ("attention output (output projection input, same storage)", bsh * d),
         ("log-sum-exp", shape.b * shape.a * rows * FP32),
     ]
@@ -111,6 +113,46 @@ def block_items(shape: Shape, target: Target, modules: Sequence[str] = ()) -> li
     return items
 
 
+def llama_block_items(shape: Shape, target: Target, modules: Sequence[str] = ()) -> list[Item]:
+    """What one Llama block keeps (model/llama_layers.py; no dropout there) with no recompute or with selective
+    recompute of `modules`: `layernorm` discards the RMSNorm outputs, `mlp_act` the SwiGLU product. RMSNorm keeps
+    its input and an fp32 rstd per token (model/rms_norm.py); the rotary embedding keeps its cos and sin, (s, hs)
+    each; the attention core is attention_core_items' (the explicit ops repeat k and v to nh heads first, which
+    their batched matmuls keep as copies of the full width); the SwiGLU product keeps gate and up, the down
+    projection the product."""
+    d, bsh, bs = target.dtype_bytes, shape.bsh, shape.b * shape.s
+    kv, ffn = bs * shape.kv_width * d, bs * shape.mlp_width * d
+    mods = set(modules)
+    items: list[Item] = [("block input (input_layernorm input)", bsh * d), ("input_layernorm rstd (fp32)", bs * FP32)]
+    if "layernorm" not in mods:
+        items.append(("input_layernorm output (q, k, v projections' input)", bsh * d))
+    items.append(("rotary cos and sin", 2 * shape.s * shape.head_size * d))
+    if "core_attn" in mods:
+        items += [
+            ("rotated q and k, and v (checkpoint inputs)", bsh * d + 2 * kv),
+            ("attention output (o_proj input)", bsh * d),
+        ]
+    else:
+        items += attention_core_items(shape, target)
+    if "mlp" in mods and "layernorm" in mods:
+        items.append(("post_attention_layernorm input (checkpoint input of the norm + MLP)", bsh * d))
+        return items
+    items += [("post_attention_layernorm input", bsh * d), ("post_attention_layernorm rstd (fp32)", bs * FP32)]
+    if "layernorm" not in mods:
+        items.append(("post_attention_layernorm output (gate and up projections' input)", bsh * d))
+    if "mlp" in mods:
+        return items  # the MLP checkpoint holds the norm's output, counted above
+    items += [("gate projection output", ffn), ("up projection output", ffn)]
+    if "mlp_act" not in mods:
+        items.append(("SwiGLU product (down projection input)", ffn))
+    return items
+
+
+def block_kept_items(shape: Shape, target: Target, modules: Sequence[str] = ()) -> list[Item]:
+    """block_items or llama_block_items, by the shape's architecture."""
+    return (llama_block_items if shape.arch == "llama" else block_items)(shape, target, modules)
+
+
 def block_full_items(shape: Shape, target: Target, segment_start: bool) -> list[Item]:
     """Full recompute: a segment keeps only its input, by reference; blocks inside keep nothing."""
     return [("segment input (checkpoint input)", shape.bsh * target.dtype_bytes)] if segment_start else []
@@ -128,6 +170,8 @@ def position_embedding_items(shape: Shape, target: Target) -> list[Item]:
 
 
 def final_norm_items(shape: Shape, target: Target) -> list[Item]:
+    if shape.arch == "llama":
+        return [("norm input", shape.bsh * target.dtype_bytes), ("norm rstd (fp32)", shape.b * shape.s * FP32)]
     return [
         ("ln_f input", shape.bsh * target.dtype_bytes),
         ("ln_f mean and rstd", 2 * shape.b * shape.s * target.ln_stat_bytes),
@@ -159,8 +203,18 @@ def loss_items(shape: Shape, target: Target) -> list[Item]:
 def weight_grad_items(shape: Shape, target: Target) -> list[Item]:
     """What one block holds from its B to its W under zb-h1 (model/weight_grad.py's store): each Linear's
     input and output gradient. The same under every plan: a recomputed input is the recompute's tensor, held
-    past the backward that made it, and everything else of the micro-batch is freed with its graph."""
+    past the backward that made it, and everything else of the micro-batch is freed with its graph. Llama's q, k
+    and v projections share one input storage, as do its gate and up projections."""
     d, bsh = target.dtype_bytes, shape.bsh
+    if shape.arch == "llama":
+        bs = shape.b * shape.s
+        kv, ffn = bs * shape.kv_width * d, bs * shape.mlp_width * d
+        return [
+            ("q, k, v projections' input and output gradients", 2 * bsh * d + 2 * kv),
+            ("o_proj input and output gradient", 2 * bsh * d),
+            ("gate and up projections' input and output gradients", bsh * d + 2 * ffn),
+            ("down projection input and output gradient", ffn + bsh * d),
+        ]
     return [
         ("QKV projection input and output gradient", bsh * d + 3 * bsh * d),
         ("attention output projection input and output gradient", 2 * bsh * d),
@@ -170,7 +224,7 @@ def weight_grad_items(shape: Shape, target: Target) -> list[Item]:
 
 
 def lm_head_weight_grad_items(shape: Shape, target: Target) -> list[Item]:
-    """The tied LM head's share from B to W: its input and the logits' gradient."""
+    """The unfused LM head's share from B to W (tied or not): its input and the logits' gradient."""
     d = target.dtype_bytes
     return [("LM head input and logits gradient", shape.bsh * d + shape.b * shape.s * shape.vocab * d)]
 
@@ -179,9 +233,9 @@ def stage_weight_grad_bytes(recipes: Sequence[LayerRecipe], layers: range, shape
     """Bytes one micro-batch holds on the stage between its B and its W (zb-h1)."""
     held = 0
     for flat in layers:
-        if recipes[flat].module_class is Block:
+        if recipes[flat].module_class in BLOCK_CLASSES:
             held += total(weight_grad_items(shape, target))
-        elif recipes[flat].forward_fn is not None and not shape.loss_chunk_tokens:
+        elif is_head(recipes[flat]) and not shape.loss_chunk_tokens:
             # The fused loss makes the head's weight gradient chunk by chunk inside B: nothing to defer.
             held += total(lm_head_weight_grad_items(shape, target))
     return held
@@ -229,19 +283,19 @@ def stage_activations(
         recipe = recipes[flat]
         cls = recipe.module_class
         choice = "-"
-        if cls is Block:
+        if cls in BLOCK_CLASSES:
             choice = plan.choice_of(local)
             if choice == "full":
                 items = block_full_items(shape, target, local in segment_starts)
             else:
-                items = block_items(shape, target, plan.selective.get(local, ()))
-        elif recipe.forward_fn is not None:
+                items = block_kept_items(shape, target, plan.selective.get(local, ()))
+        elif is_head(recipe):
             items = lm_head_items(shape, target)
-        elif cls is TokenEmbedding:
+        elif cls in (TokenEmbedding, LlamaEmbedding):
             items = token_embedding_items(shape, target)
         elif cls is PositionEmbedding:
             items = position_embedding_items(shape, target)
-        elif cls is FinalNorm:
+        elif cls in (FinalNorm, LlamaFinalNorm):
             items = final_norm_items(shape, target)
         else:
             raise TypeError(f"no activation model for layer {flat} ({cls.__name__})")
@@ -249,6 +303,11 @@ def stage_activations(
     if is_last:
         out.append(LayerActivation(-1, "loss", "-", tuple(loss_items(shape, target))))
     return out
+
+
+def is_head(recipe: LayerRecipe) -> bool:
+    """The LM head: the tied embedding run as a function, or the untied LMHead module."""
+    return recipe.forward_fn is not None or recipe.module_class is LMHead
 
 
 def causal_mask_bytes(shape: Shape, target: Target) -> int:
@@ -301,17 +360,17 @@ def model_state_bytes(params: int, precision: str, zero_stage: int, data_paralle
 
 
 def largest_parameter(recipes: Sequence[LayerRecipe], layers: range, shape: Shape) -> int:
-    """Elements of the stage's largest parameter tensor: the (V, C) token embedding (the tied LM head's too), the
-    (s, C) positions, or a block's (4C, C) MLP weights."""
+    """Elements of the stage's largest parameter tensor: the (V, C) token embedding (the tied LM head's too) or
+    untied LM head, the (s, C) positions, or a block's (f, C) MLP weights (its q projection's (C, C) when wider)."""
     sizes = [0]
     for flat in layers:
         cls = recipes[flat].module_class
-        if cls is TokenEmbedding:  # also the LM head, which runs the same module
+        if cls in (TokenEmbedding, LlamaEmbedding, LMHead):  # a tied LM head runs the embedding's module
             sizes.append(shape.vocab * shape.h)
         elif cls is PositionEmbedding:
             sizes.append(shape.s * shape.h)
-        elif cls is Block:
-            sizes.append(4 * shape.h * shape.h)
+        elif cls in BLOCK_CLASSES:
+            sizes.append(max(shape.mlp_width, shape.h) * shape.h)
     return max(sizes)
 
 

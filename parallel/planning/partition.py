@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from model import Block, LayerRecipe, layer_param_counts
+from model import BLOCK_CLASSES, LayerRecipe, layer_param_counts
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ def balanced_block_counts(
 def stages_of_block_counts(recipes: Sequence[LayerRecipe], counts: Sequence[int]) -> list[StageRange]:
     """Stage ranges holding `counts` blocks each: the layers before the first block (embeddings) on the
     first stage, those after the last block (final norm, head) on the last."""
-    block_at = [i for i, r in enumerate(recipes) if r.module_class is Block]
+    block_at = [i for i, r in enumerate(recipes) if r.module_class in BLOCK_CLASSES]
     cuts, seen = [0], 0
     for n in counts[:-1]:
         seen += n

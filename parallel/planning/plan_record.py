@@ -117,7 +117,10 @@ class ChoiceEstimate:
 @dataclass(frozen=True)
 class PaperBytes:
     """Korthikanti et al. 2022, bytes per block for 16-bit training with dropout and materialised scores:
-    sbh(34 + 5as/h) without recompute, 34sbh selective (attention core), 2sbh full."""
+    sbh(34 + 5as/h) without recompute, 34sbh selective (attention core), 2sbh full. For a Llama block (no
+    dropout, RMSNorm, rotary q and k, g KV heads, SwiGLU of width f; docs/llama.md derives it), with materialised
+    scores: sbh(16 + 6f/h + 2as/h) + 8sb + 4sh/a without recompute, sbh(12 + 4g/a + 6f/h) + 8sb + 4sh/a selective,
+    2sbh full (s b h: b sequences of s tokens)."""
 
     none: float
     selective: float
@@ -126,6 +129,11 @@ class PaperBytes:
     @classmethod
     def of(cls, shape: Shape) -> "PaperBytes":
         sbh = shape.bsh
+        if shape.arch == "llama":
+            h, a, f, g = shape.h, shape.a, shape.mlp_width, shape.g or shape.a
+            small = 8 * shape.b * shape.s + 4 * shape.s * h / a  # two fp32 rstd per token; rotary cos and sin
+            none = sbh * (16 + 6 * f / h + 2 * a * shape.s / h) + small
+            return cls(none, sbh * (12 + 4 * g / a + 6 * f / h) + small, 2.0 * sbh)
         return cls(sbh * (34 + 5 * shape.a * shape.s / shape.h), 34.0 * sbh, 2.0 * sbh)
 
 

@@ -6,7 +6,7 @@ back.
 `plan_run` returns a typed `RunPlan` (parallel/planning/plan_record.py: its JSON and the dry run's table).
 """
 
-from model import Block, GPTConfig
+from model import BLOCK_CLASSES, GPTConfig
 from parallel.planning.auto_recompute import StageBudget, analytic_costs
 from parallel.planning.config import FullRecompute, NoRecompute, RecomputeConfig, SelectiveRecompute
 from parallel.planning.flops import (
@@ -140,7 +140,7 @@ def _step_time(layout: PipelineLayout, prices: list[StagePrice], model_flops: in
     costs = [price.costs for price in prices]
     early = [price.plan.early for price in prices]
     timeline = simulate_priced(prices)
-    is_block = [[layout.recipes[i].module_class is Block for i in s.layers] for s in layout.stages]
+    is_block = [[layout.recipes[i].module_class in BLOCK_CLASSES for i in s.layers] for s in layout.stages]
     # Like with like: each uniform mode under the layout's schedule and early-recompute setting.
     by_mode = {
         mode: simulate_priced(

@@ -103,6 +103,14 @@ class Shape:
     """model.loss_chunk_tokens: 0 is the unfused LM head and loss (whole logits)."""
     packed_dropout: bool = False
     """model.packed_dropout: dropout masks kept 8 per byte."""
+    arch: str = "gpt2"
+    """model.arch: which block (memory_model's items, flops' matmuls)."""
+    g: int = 0
+    """Key/value heads (model.n_kv_head); 0: a."""
+    f: int = 0
+    """MLP width (model.intermediate_size); 0: 4h."""
+    tied: bool = True
+    """model.tie_embeddings: the LM head is the token embedding (one tied all-reduce between the end stages)."""
 
     @classmethod
     def of(cls, model: GPTConfig, micro_batch_size: int) -> "Shape":
@@ -116,11 +124,28 @@ class Shape:
             model.attention,
             model.loss_chunk_tokens,
             model.packed_dropout,
+            model.arch,
+            model.kv_heads,
+            model.mlp_width,
+            model.tie_embeddings,
         )
 
     @property
     def bsh(self) -> int:
         return self.b * self.s * self.h
+
+    @property
+    def kv_width(self) -> int:
+        """Channels of k (and of v): h g / a."""
+        return self.h * (self.g or self.a) // self.a
+
+    @property
+    def mlp_width(self) -> int:
+        return self.f or 4 * self.h
+
+    @property
+    def head_size(self) -> int:
+        return self.h // self.a
 
     @property
     def scores(self) -> int:

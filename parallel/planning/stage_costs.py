@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from model import LayerRecipe
 from parallel.planning.memory_model import (
     LayerActivation,
-    block_items,
+    block_kept_items,
     causal_mask_bytes,
     largest_parameter,
     model_state_bytes,
@@ -52,7 +52,7 @@ def block_options(shape: Shape, target: Target, cost: Callable[[tuple[str, ...]]
         BlockOption(
             "selective:" + "+".join(combo) if combo else "none",
             combo,
-            total(block_items(shape, target, combo)),
+            total(block_kept_items(shape, target, combo)),
             float(cost(combo)) if combo else 0.0,
             max(block_backward_bytes(shape, target, combo).values()),
         )

@@ -2,7 +2,7 @@
 the micro-batches it holds in flight), for real stage ranges and for the balanced search's hypothetical ones.
 """
 
-from model import Block
+from model import BLOCK_CLASSES
 from parallel.planning.auto_recompute import (
     CostTable,
     StageBudget,
@@ -31,8 +31,8 @@ class StagePlanner:
 
     def plan(self, stage: StageRange) -> tuple[StagePlan, StageBudget | None]:
         recipes, run = self.pricing.recipes, self.pricing.run
-        positions = [local for local, flat in enumerate(stage.layers) if recipes[flat].module_class is Block]
-        is_block = [recipes[i].module_class is Block for i in stage.layers]
+        positions = [local for local, flat in enumerate(stage.layers) if recipes[flat].module_class in BLOCK_CLASSES]
+        is_block = [recipes[i].module_class in BLOCK_CLASSES for i in stage.layers]
         auto = isinstance(self.recompute, AutoRecompute)
         if isinstance(self.recompute, NoRecompute) or (not auto and not positions):
             return StagePlan(), None

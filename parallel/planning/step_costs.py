@@ -13,7 +13,7 @@ table, seconds for a measured one), so the planner and the simulator price a cho
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from model import Block, LayerRecipe
+from model import BLOCK_CLASSES, LayerRecipe
 from parallel.planning.auto_recompute import MACHINE_BALANCE, CostTable
 from parallel.planning.flops import (
     attention_core_forward_flops,
@@ -184,7 +184,7 @@ def time_model(shape: Shape, run: RunShape, table: CostTable, rates: DeviceRates
         block_weight_grad=block_w,
         head_weight_grad=head_w,
         transfer=seconds.get("transfer", bsh * d / rates.link_bytes_per_s),
-        tied_weight_bytes=shape.vocab * shape.h * d,
+        tied_weight_bytes=shape.vocab * shape.h * d if shape.tied else 0,  # an untied head has no tied reduce
         param_bytes=d,
         optimizer_per_param=seconds["optimizer_per_param"],
     )
@@ -200,7 +200,7 @@ def stage_range_costs(
 ) -> StageCosts:
     """One stage's costs: the layers `stage` spans (a real stage, or the balanced search's hypothetical one)
     under `plan`. `param_counts`: model.layer_param_counts(recipes)."""
-    is_block = [recipes[i].module_class is Block for i in stage.layers]
+    is_block = [recipes[i].module_class in BLOCK_CLASSES for i in stage.layers]
     blocks_in = {(a, b): sum(is_block[a:b]) for a, b in plan.segments}
     return model.stage(
         stage.stage,

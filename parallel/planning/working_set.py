@@ -11,6 +11,10 @@ that much less. Every figure below is therefore `none`'s, plus the savings of th
 
 d: the dtype's bytes, N = b s tokens, C = h, S = b a s^2 scores, c: the bytes the attention core computes in (d for
 `math`, fp32 for SDPA's math backend).
+
+Llama blocks (model.arch=llama) get the same moments with their widths (k and v h g/a, the MLP f wide, three MLP
+matrices, RMSNorm's fp32 rstd): the analogue of each GPT-2 figure, derived, not yet held to the allocator's peak by a
+test as GPT-2's are (their kept bytes are: memory_model.llama_block_items).
 """
 
 import functools
@@ -23,7 +27,7 @@ from parallel.planning.memory_model import (
     LayerActivation,
     attention_core_items,
     attention_kernel,
-    block_items,
+    block_kept_items,
     dropout_mask_bytes,
     lm_head_weight_grad_items,
     total,
@@ -40,6 +44,7 @@ SEGMENT = "segment recompute"
 """Either moment in a block of a full-recompute segment, which the backward remakes at once."""
 LOSS = "loss backward"
 EMBEDDING = "embedding backward"
+EMBEDDING_NAMES = ("TokenEmbedding", "LlamaEmbedding")
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,8 @@ def _remade_copies(shape: Shape, target: Target) -> int:
     with the explicit ops unless b = 1 (the reshapes are views then), with SDPA's math backend unless fp32 at b = 1
     (its v is a view then)."""
     kernel = attention_kernel(shape, target)
+    if shape.arch == "llama":  # the checkpoint holds rotated q and k and v; the explicit ops copy all three
+        return (shape.bsh + 2 * shape.b * shape.s * shape.kv_width) * target.dtype_bytes if kernel == "math" else 0
     views = shape.b == 1 and (kernel == "math" or (kernel == "sdpa-math" and target.dtype_bytes == FP32))
     copies = kernel in ("math", "sdpa-math") and not views
     return 3 * shape.bsh * target.dtype_bytes if copies else 0
@@ -139,9 +146,11 @@ def block_backward_bytes(
       output gradients for W (memory_model.weight_grad_items): those are not freed.
     """
     d, bsh = target.dtype_bytes, shape.bsh
-    kept_none = total(block_items(shape, target))
+    kept_none = total(block_kept_items(shape, target))
     core = total(attention_core_items(shape, target)[:-1])  # without the output, which the projection keeps
     before_core = bsh * d + 2 * shape.b * shape.s * target.ln_stat_bytes + bsh * d + core
+    if shape.arch == "llama":  # one fp32 rstd per token, and the rotary cos and sin
+        before_core += shape.b * shape.s * (FP32 - 2 * target.ln_stat_bytes) + 2 * shape.s * shape.head_size * d
     freed = kept_none - before_core
     if split_weights:
         freed -= total(weight_grad_items(shape, target)[1:])
@@ -150,11 +159,15 @@ def block_backward_bytes(
     if "mlp" in modules and "layernorm" in modules:  # one checkpoint over ln_2 and the MLP
         mlp_region.append("layernorm")
     mlp_ln_1_output = bsh * d if "layernorm" in mlp_region else 0
-    mlp_saving = kept_none - total(block_items(shape, target, mlp_region)) - mlp_ln_1_output
-    saving = kept_none - total(block_items(shape, target, modules)) - ln_1_output
-    h = shape.h
-    mlp = 4 * bsh * d + 4 * h * h * d + h * d
-    if split_weights:
+    mlp_saving = kept_none - total(block_kept_items(shape, target, mlp_region)) - mlp_ln_1_output
+    saving = kept_none - total(block_kept_items(shape, target, modules)) - ln_1_output
+    h, ffn = shape.h, shape.b * shape.s * shape.mlp_width * d
+    mlp = ffn + shape.mlp_width * h * d + h * d
+    if shape.arch == "llama":
+        # The down projection's input and weight gradients (no bias); under split_weights the SwiGLU backward's
+        # product, gate and up gradients on top of what W holds (the product and the output gradient).
+        mlp = bsh * d + 4 * ffn if split_weights else ffn + shape.mlp_width * h * d
+    elif split_weights:
         # No weight gradient, but W holds the second matmul's input and output gradient, so GELU's backward (its
         # output's and input's gradients) comes on top of them; the MLP dropout's mask is freed by then.
         mask = dropout_mask_bytes(bsh, shape, target) if shape.dropout else 0
@@ -194,7 +207,7 @@ def backward_working_sets(
         sets[name] = max(sets.get(name, value), value)
 
     none = block_backward_bytes(shape, target, (), split_weights)
-    kept_none = total(block_items(shape, target))
+    kept_none = total(block_kept_items(shape, target))
     held_for_w = total(weight_grad_items(shape, target)) if split_weights else 0
     segment_of = {i: (a, b) for a, b in plan.segments for i in range(a, b)}
     freed = 0
@@ -217,7 +230,7 @@ def backward_working_sets(
             freed += _freed_bytes(layer, shape, target)
     if layers and layers[-1].name == "loss":
         sets[LOSS] = _loss_bytes(shape, target)
-    if layers and layers[0].name == "TokenEmbedding":
+    if layers and layers[0].name in EMBEDDING_NAMES:
         sets[EMBEDDING] = _embedding_bytes(shape, target) - (freed - layers[0].bytes)
     return sets
 
@@ -256,7 +269,7 @@ def stage_working(layers: Sequence[LayerActivation], shape: Shape, target: Targe
             _freed_bytes(layer, shape, target) for layer in layers[blocks[-1] + 1 :]
         )
     last = bool(layers) and layers[-1].name == "loss"
-    first = bool(layers) and layers[0].name == "TokenEmbedding"
+    first = bool(layers) and layers[0].name in EMBEDDING_NAMES
     return StageWorking(
         offset,
         _loss_bytes(shape, target) if last else 0,

@@ -88,23 +88,30 @@ class _EarlyCheckpoint(torch.autograd.Function):
 
 
 class DiscardedOutput:
-    """A producer's output that a consumer saved, remade from the producer's input (no grad: deterministic)."""
+    """A producer's output that a consumer saved, remade from the producer's inputs (no grad: deterministic). Every
+    op of the consumer that saved it (`users`: Llama's q, k and v projections share one norm output) takes the one
+    remade output; it is dropped when the last has."""
 
-    def __init__(self, producer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, bracket: Bracket):
-        self.producer, self.x, self.bracket = producer, x, bracket
+    def __init__(self, producer: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], bracket: Bracket):
+        self.producer, self.inputs, self.bracket = producer, inputs, bracket
         self.output: torch.Tensor | None = None
         self.kept_bytes = 0
+        self.users = 0
 
     def recompute(self, measure: bool = False) -> None:
         with torch.no_grad(), self.bracket():
-            self.output = self.producer(self.x)
+            self.output = self.producer(*self.inputs)
         self.kept_bytes = self.output.untyped_storage().nbytes()
 
     def take(self) -> torch.Tensor:
-        """The recomputed output, made now if no early recompute ran; the region keeps nothing after."""
+        """The recomputed output, made now if no early recompute ran; the region keeps nothing after its last user's
+        take."""
         if self.output is None:
             self.recompute()
-        output, self.output = self.output, None
+        output = self.output
+        self.users -= 1
+        if self.users <= 0:
+            self.output = None
         return output
 
 
@@ -201,8 +208,8 @@ def checkpoint(fn: Callable, *inputs: torch.Tensor, bracket: Bracket) -> torch.T
     return _EarlyCheckpoint.apply(segment, *inputs)
 
 
-def discarded_output(producer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, bracket: Bracket):
-    """A DiscardedOutput of producer(x), registered for the current micro-batch."""
-    region = DiscardedOutput(producer, x, bracket)
+def discarded_output(producer: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], bracket: Bracket):
+    """A DiscardedOutput of producer(*inputs), registered for the current micro-batch."""
+    region = DiscardedOutput(producer, inputs, bracket)
     _registry._pending[-1].append(region)
     return region

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
-from model import LayerRecipe
+from model import LayerRecipe, head_module
 from model.fused_loss import HeadLoss
 from parallel.planning.partition import StageRange
 from parallel.planning.stage_plan import StagePlan
@@ -28,7 +28,7 @@ def layer_specs(recipes: Sequence[LayerRecipe]) -> list[LayerSpec]:
                     recipe.module_class,
                     *recipe.args,
                     forward_fn=recipe.forward_fn,
-                    tied_weight_attr=["wte.weight"],
+                    tied_weight_attr=[recipe.module_class.head_weight_name],
                 )
             )
     return specs
@@ -103,9 +103,9 @@ class RecomputingPipelineModule(PipelineModule):
         """Training forwards of the current step: the index of the micro-batch the next one runs."""
 
     def stage_loss(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """DeepSpeed's loss_fn(outputs, labels), on the last stage: the fused loss reads the tied weight there."""
-        (embedding,) = self.tied_modules.values()
-        return self._head_loss(outputs, labels, embedding.wte.weight)
+        """DeepSpeed's loss_fn(outputs, labels), on the last stage: the fused loss reads the LM head's weight there
+        (the tied embedding's, or the untied head's)."""
+        return self._head_loss(outputs, labels, head_module(self.forward_funcs[-1]).head_weight)
 
     def _partition_layers(self, method="uniform"):
         """DeepSpeed's own methods stay DeepSpeed's (`check_built_as_planned` compares them with the plan);
@@ -137,16 +137,13 @@ class RecomputingPipelineModule(PipelineModule):
 
     def local_layers(self) -> list[tuple[int, nn.Module]]:
         """(flat index, module) of each layer this stage built; the tied LM head is its embedding's module."""
-        return [
-            (self._local_start + i, fn.args[0] if isinstance(fn, partial) else fn)
-            for i, fn in enumerate(self.forward_funcs)
-        ]
+        return [(self._local_start + i, head_module(fn)) for i, fn in enumerate(self.forward_funcs)]
 
     def tied_weight_digest(self) -> str | None:
         """SHA-256 of the tied embedding/LM-head weight held by this stage (first and last stages),
-        so a run can show that both copies stayed identical."""
+        so a run can show that both copies stayed identical; None where there is none (an untied head)."""
         if not self.tied_modules:
             return None
         (module,) = self.tied_modules.values()
-        weight = module.wte.weight.detach().cpu().contiguous()
+        weight = module.head_weight.detach().cpu().contiguous()
         return hashlib.sha256(weight.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
-from model import Block, LayerFn
+from model import BLOCK_CLASSES, Block, LayerFn, LlamaBlock
 from parallel.planning.stage_plan import StagePlan
 from parallel.runtime import early_recompute
 
@@ -152,42 +152,47 @@ def _checkpoint_pair(first: nn.Module, second: nn.Module) -> None:
 
 
 def _discard_output(producer: nn.Module, consumer: nn.Module) -> None:
-    """The consumer stores the producer's input instead of its output, and the producer's output is
+    """The consumer stores the producer's inputs instead of its output, and the producer's output is
     recomputed (without grad) when backward needs it: Megatron's output-discarding recompute.
-    The consumer's own backward then runs on bit-identical values, so gradients are unchanged."""
+    The consumer's own backward then runs on bit-identical values, so gradients are unchanged. Each op of the
+    consumer that saves the output (Llama's q, k and v projections all read one norm output) remakes it."""
     producer_forward, consumer_forward = producer.forward, consumer.forward
-    last: dict[str, torch.Tensor] = {}
+    last: dict[str, tuple[torch.Tensor, ...] | torch.Tensor] = {}
 
-    def remember(x: torch.Tensor) -> torch.Tensor:
+    def remember(*inputs: torch.Tensor) -> torch.Tensor:
         if _plain:
-            return producer_forward(x)
-        last["input"], last["output"] = x, producer_forward(x)
+            return producer_forward(*inputs)
+        last["inputs"], last["output"] = inputs, producer_forward(*inputs)
         return last["output"]
 
     def consume(*args: torch.Tensor) -> torch.Tensor:
         if _plain:
             return consumer_forward(*args)
-        x, out = last.pop("input"), last.pop("output")
+        inputs, out = last.pop("inputs"), last.pop("output")
         storage = out.untyped_storage().data_ptr()
+        region: list[early_recompute.DiscardedOutput] = []  # one per consumer call, however many ops saved `out`
 
         def pack(t: torch.Tensor):
             if t.untyped_storage().data_ptr() != storage:
                 note_stored(t)
                 return t
-            note_stored(x)
-            source = x
+            note_stored(*inputs)
+            source = inputs
             if early_recompute.registering():  # recompute.early: remade by RecomputeEarly ahead of backward
-                source = early_recompute.discarded_output(producer_forward, x, _recompute_bracket)
+                if not region:
+                    region.append(early_recompute.discarded_output(producer_forward, inputs, _recompute_bracket))
+                source = region[0]
+                source.users += 1
             return source, t.size(), t.stride(), t.storage_offset()
 
         def unpack(packed):
             if isinstance(packed, torch.Tensor):
                 return packed
-            x_saved, size, stride, offset = packed
-            if isinstance(x_saved, early_recompute.DiscardedOutput):
-                return x_saved.take().as_strided(size, stride, offset)
+            saved, size, stride, offset = packed
+            if isinstance(saved, early_recompute.DiscardedOutput):
+                return saved.take().as_strided(size, stride, offset)
             with torch.no_grad(), _recompute_bracket():
-                return producer_forward(x_saved).as_strided(size, stride, offset)
+                return producer_forward(*saved).as_strided(size, stride, offset)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             return consumer_forward(*args)
@@ -195,26 +200,38 @@ def _discard_output(producer: nn.Module, consumer: nn.Module) -> None:
     producer.forward, consumer.forward = remember, consume
 
 
-def apply_selective(block: Block, modules: Sequence[str]) -> None:
+def apply_selective(block: Block | LlamaBlock, modules: Sequence[str]) -> None:
+    """gpt2: ln_1, attn, ln_2, mlp, GELU -> c_proj; llama: input_layernorm, self_attn, post_attention_layernorm,
+    mlp, SwiGLU product -> down_proj (`mlp_act` discards the product, made again from gate and up)."""
+    if isinstance(block, LlamaBlock):
+        norm_1, attn, norm_2, mlp, act_consumer = (
+            block.input_layernorm,
+            block.self_attn,
+            block.post_attention_layernorm,
+            block.mlp,
+            block.mlp.down_proj,
+        )
+    else:
+        norm_1, attn, norm_2, mlp, act_consumer = block.ln_1, block.attn, block.ln_2, block.mlp, block.mlp.c_proj
     if "core_attn" in modules:
-        _checkpoint_forward(block.attn.core)
+        _checkpoint_forward(attn.core)
     if "mlp" in modules and "layernorm" in modules:
-        # A checkpoint of the MLP alone would hold ln_2's output by reference: take ln_2 into it.
-        _checkpoint_pair(block.ln_2, block.mlp)
+        # A checkpoint of the MLP alone would hold the norm's output by reference: take the norm into it.
+        _checkpoint_pair(norm_2, mlp)
     elif "mlp" in modules:
-        _checkpoint_forward(block.mlp)
+        _checkpoint_forward(mlp)
     if "mlp_act" in modules:
-        _discard_output(block.mlp.act, block.mlp.c_proj)
+        _discard_output(mlp.act, act_consumer)
     if "layernorm" in modules:
-        _discard_output(block.ln_1, block.attn)
+        _discard_output(norm_1, attn)
         if "mlp" not in modules:
-            _discard_output(block.ln_2, block.mlp)
+            _discard_output(norm_2, mlp)
 
 
 def apply_plan(funcs: Sequence[LayerFn], plan: StagePlan) -> None:
     """Install the plan's selective recompute on the stage's built blocks (once, at build time)."""
     for index, modules in plan.selective.items():
         block = funcs[index]
-        if not isinstance(block, Block):
-            raise TypeError(f"local layer {index} is {type(block).__name__}, not a Block")
+        if not isinstance(block, BLOCK_CLASSES):
+            raise TypeError(f"local layer {index} is {type(block).__name__}, not a block")
         apply_selective(block, modules)

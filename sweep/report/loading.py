@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from model import Block, GPTConfig
+from model import BLOCK_CLASSES, GPTConfig
 from parallel.planning.config import AutoRecompute
 from parallel.planning.layout import PipelineLayout, build_layout
 from parallel.planning.plan_record import RunPlan
@@ -243,7 +243,9 @@ def _recorded_plans(job: Job, layout: PipelineLayout) -> list[StagePlan] | None:
         return None
     plans = []
     for entry, stage in zip(record, layout.stages):
-        blocks = [local for local, flat in enumerate(stage.layers) if layout.recipes[flat].module_class is Block]
+        blocks = [
+            local for local, flat in enumerate(stage.layers) if layout.recipes[flat].module_class in BLOCK_CLASSES
+        ]
         choices = entry.get("choices", [])
         if list(entry.get("layers", [])) != [stage.start, stage.stop] or len(choices) != len(blocks):
             return None

@@ -1,0 +1,48 @@
+"""Rotary position embeddings in Hugging Face's rotate-half convention (channel i pairs with i + hs/2), so
+Hugging Face's q and k weights load unpermuted; with Llama 3.1's frequency scaling."""
+
+import math
+
+import torch
+
+from model.config import GPTConfig
+
+
+def inverse_frequencies(config: GPTConfig) -> torch.Tensor:
+    """The hs/2 rotation frequencies (fp32): theta^(-2i/hs), and under rope_scaling=llama3 the long wavelengths
+    slowed by rope_factor, smoothly between the two wavelength bounds (transformers' `_compute_llama3_parameters`)."""
+    hs = config.head_size
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hs, 2, dtype=torch.int64).float() / hs))  # (hs/2,)
+    if config.rope_scaling == "none":
+        return inv_freq
+    original = config.rope_original_max_positions
+    low_wavelen = original / config.rope_low_freq_factor
+    high_wavelen = original / config.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / config.rope_factor, inv_freq)
+    smooth = (original / wavelen - config.rope_low_freq_factor) / (
+        config.rope_high_freq_factor - config.rope_low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / config.rope_factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotary_cos_sin(
+    config: GPTConfig, start: int, length: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (T, hs) of positions start .. start + T - 1, computed in fp32 and rounded to `dtype`."""
+    positions = torch.arange(start, start + length, device=device, dtype=torch.float32)  # (T,)
+    freqs = torch.outer(positions, inverse_frequencies(config).to(device))  # (T, hs/2)
+    angles = torch.cat((freqs, freqs), dim=-1)  # (T, hs)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, heads, T, hs) rotated by position: keeps cos and sin (T, hs) for backward, not x."""
+    return x * cos + rotate_half(x) * sin
