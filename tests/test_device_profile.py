@@ -143,6 +143,12 @@ def test_a_dry_run_records_which_costs_priced_its_plan(tmp_path):
     assert "stagecheck: costs: analytic: device profile " in result.stdout and "is unreadable" in result.stdout
     assert json.loads((tmp_path / "damaged" / "plan.json").read_text())["step_time_costs"] == "analytic"
 
+    # an architecture without an op list (model.arch=llama) plans with the analytic costs and says so
+    llama = [a if a != "model=tiny" else "model=tiny-llama" for a in DRY]
+    result = python_run(tmp_path / "llama", *llama, f"train.device_profile={named}", env=env)
+    assert "stagecheck: costs: analytic: a device profile prices model.arch=gpt2 blocks" in result.stdout
+    assert json.loads((tmp_path / "llama" / "plan.json").read_text())["cost_source"]["kind"] == "analytic"
+
     # auto, and this device's profile in the cache: every run on the device uses it
     (cache / signature_of("cpu", "fp32", 1).file_name()).write_text(named.read_text())
     result = python_run(tmp_path / "cached", *DRY, env=env)

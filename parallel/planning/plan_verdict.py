@@ -41,7 +41,7 @@ class Replanner:
         """(the largest stage's predicted peak bytes, the predicted step) of the setting's layout; None where it plans
         nothing (a budget no plan fits, a schedule it refuses)."""
         costs = None
-        if self.profile is not None and self.profile.signature.precision == run.target.precision:
+        if self.profile is not None and self.profile.signature.precision == run.target.precision:  # else analytic
             costs = profiled_costs(self.profile, Shape.of(self.model, run.micro_batch_size), run.target)
         try:
             layout = build_layout(
