@@ -13,16 +13,18 @@ largest segment's recompute working set. Not a test: timings depend on the machi
 
 import argparse
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from model import GPTConfig
+from parallel.measurement.device_profile import measure_to
 from parallel.measurement.local_stages import LocalPipeline
-from parallel.measurement.recompute_profile import profile_block
-from parallel.planning.auto_recompute import measured_costs
 from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.planning.layout import build_layout
+from parallel.planning.op_costs import profile_seconds, profiled_costs
 from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import GIB, MIB, RunShape, Shape, Target, Topology
 
@@ -89,11 +91,12 @@ def main() -> None:
     need_full, need_sel = (p.plan.stages[0].predicted_peak_bytes for p in (full, selective))
     budget = need_full + 0.75 * (need_sel - need_full)
     auto_cfg = AutoRecompute(budget_gb=budget / GIB, reserve_gb=0.0)
-    seconds = profile_block(cfg, args.micro_batch_size, "cpu", "fp32")
+    with tempfile.TemporaryDirectory() as tmp:  # this process's device profile (one thread, no links)
+        profile = measure_to(Path(tmp) / "profile.json", "cpu", "fp32", links=False)
     plans = [
         full,
         Plan("auto", cfg, auto_cfg, run),
-        Plan("auto(profiled)", cfg, auto_cfg, run, measured_costs(shape, target, seconds)),
+        Plan("auto(profiled)", cfg, auto_cfg, run, profiled_costs(profile, shape, target)),
         selective,
         Plan("none", cfg, NoRecompute(), run),
     ]
@@ -124,7 +127,8 @@ def main() -> None:
         f"stage 0 needs: uniform full(1) {need_full / MIB:.2f} MiB, uniform selective {need_sel / MIB:.2f} MiB "
         f"-> budget {budget / MIB:.2f} MiB (recompute.budget_gb={budget / GIB:.6f})"
     )
-    print("profile (s per block forward part): " + ", ".join(f"{k} {v:.4f}" for k, v in seconds.items()))
+    seconds = profile_seconds(profile, shape, target)
+    print("device profile priced (s per micro-batch): " + ", ".join(f"{k} {v:.4g}" for k, v in seconds.items()))
     print()
     print(
         "| plan | stage 0 choices | stage 1 choices | measured peak MiB (s0, s1) | fits | tokens/s (median) "

@@ -92,14 +92,9 @@ def launch_env() -> dict:
     return env
 
 
-def launch(cfg: GPTConfig, variant: Variant, steps: int, run_dir: Path) -> tuple[float, float]:
-    """One real 2-rank training run; returns (CPU seconds, wall seconds) of the whole launch."""
-    cmd = [
-        str(DEEPSPEED),
-        "--num_gpus",
-        str(STAGES),
-        "--master_port",
-        str(free_port()),
+def train_args(cfg: GPTConfig, variant: Variant, steps: int, run_dir: Path) -> list[str]:
+    """`train.py` and its overrides for one variant (a launch's, or its dry run's with `dry_run=true` added)."""
+    return [
         "train.py",
         f"hydra.run.dir={run_dir}",
         "data=synthetic",
@@ -122,6 +117,12 @@ def launch(cfg: GPTConfig, variant: Variant, steps: int, run_dir: Path) -> tuple
         f"parallel.partition_method={variant.partition}",
         *variant.overrides,
     ]
+
+
+def launch(cfg: GPTConfig, variant: Variant, steps: int, run_dir: Path) -> tuple[float, float]:
+    """One real 2-rank training run; returns (CPU seconds, wall seconds) of the whole launch."""
+    cmd = [str(DEEPSPEED), "--num_gpus", str(STAGES), "--master_port", str(free_port())]
+    cmd += train_args(cfg, variant, steps, run_dir)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     wall = time.monotonic()
     result = subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=900)

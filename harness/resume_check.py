@@ -40,6 +40,8 @@ MAY_CHANGE = frozenset(
         "train.nan_skip_limit",
         "train.inject_nan_at_steps",
         "train.device",
+        "train.device_profile",  # the costs: the partition they price is compared (check_partition)
+        "train.device_memory_gb",  # the dry run's verdict only
         "train.precision",  # compared as resolved (auto is bf16 on cuda, fp32 on cpu)
         "parallel.pipeline_stages",  # the grid, compared as resolved
         "parallel.data_parallel_size",
@@ -136,8 +138,10 @@ def check_partition(resume: Resume | None, parts: list[int]) -> None:
         return
     raise ValueError(
         f"the checkpoint {resume.checkpoint} has stages starting at layers {resume.saved_partition}, this launch "
-        f"plans {parts}: a changed recompute plan or parallel.partition_method moved a stage boundary. Resume with "
-        f"the saved +recompute and parallel.partition_method (config.yaml of its run directory)"
+        f"plans {parts}: a changed recompute plan, parallel.partition_method or device profile (the costs that price "
+        f"a balanced partition) moved a stage boundary. Resume with the saved +recompute, parallel.partition_method "
+        f"and train.device_profile (config.yaml of its run directory; its summary.json's cost_source names the "
+        f"profile it planned with)"
     )
 
 

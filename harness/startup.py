@@ -18,7 +18,7 @@ from harness.init_from import resolve_init_from
 from harness.job import JobHooks
 from harness.resume_check import ResumeCommand, check_partition, check_resume
 from harness.run_dir import check_run_dir, remove_if_empty
-from harness.run_layout import layout_of, replans_with_profile
+from harness.run_layout import layout_of
 from model import gpt_layers, model_param_count
 from parallel.runtime.accelerator import use_accelerator
 from parallel.runtime.dist_env import DistEnv, read_dist_env
@@ -37,8 +37,7 @@ def run_from_hydra(cfg: DictConfig, job: JobHooks) -> None:
             return
         ctx = validate(cfg, run_dir, env, job)
         layout = layout_of(ctx)  # recompute=auto may not fit its budget
-        if not replans_with_profile(ctx, layout):  # else the trainer checks the partition it profiles
-            check_partition(ctx.resume, layout.parts)
+        check_partition(ctx.resume, layout.parts)
         if not ctx.run.dry_run:  # a dry run loads no DeepSpeed
             use_accelerator(ctx.target.device)
     except ValueError as error:

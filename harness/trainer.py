@@ -13,16 +13,12 @@ from harness.evaluation import Evaluator, val_summary
 from harness.files import atomic_write_text
 from harness.init_from import hf_initial_weights
 from harness.metrics import MetricsLog, median_after_warmup
-from harness.resume_check import check_partition
 from harness.run_control import RunControl
-from harness.run_layout import layout_of, replans_with_profile
 from harness.run_summary import done_line, wandb_sync_command
 from harness.timeline import publish_trace
 from harness.wandb_logger import open_wandb
-from parallel.measurement.recompute_profile import profile_block
 from parallel.measurement.sdpa_backend import check_planned_backend, sdpa_backend
 from parallel.measurement.trace import StepTracer
-from parallel.planning.auto_recompute import measured_costs
 from parallel.planning.layout import PipelineLayout
 from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import Shape
@@ -33,26 +29,6 @@ from schema.training import TrainConfig
 # DeepSpeed's pipeline sends activations with c10d broadcasts inside autograd; torch warns once per
 # rank that the op has no autograd kernel. DeepSpeed handles those gradients itself: noise.
 warnings.filterwarnings("ignore", message="c10d::broadcast_: an autograd kernel was not registered")
-
-
-def replan_with_profile(ctx: RunContext) -> PipelineLayout:
-    """recompute.profile: rank 0 times each choice on one block of this device and every rank plans with
-    those seconds, so all ranks agree on one plan (the budget check already passed at start-up: fitting
-    depends on bytes only, never on costs)."""
-    run, target = ctx.run, ctx.target
-    seconds = [
-        profile_block(run.model, run.train.micro_batch_size, target.device, target.precision)
-        if ctx.env.rank == 0
-        else None
-    ]
-    torch.distributed.broadcast_object_list(seconds, src=0)
-    if ctx.env.rank == 0:
-        print(
-            "stagecheck: recompute profile (s per block forward part): "
-            + ", ".join(f"{k} {v:.4g}" for k, v in seconds[0].items()),
-            flush=True,
-        )
-    return layout_of(ctx, measured_costs(Shape.of(run.model, run.train.micro_batch_size), target, seconds[0]))
 
 
 def write_config(ctx: RunContext) -> None:
@@ -93,12 +69,6 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
         one_micro_batch = Shape.of(run.model, run.train.micro_batch_size)
         backend = sdpa_backend(one_micro_batch, target, run.model.dropout)
         check_planned_backend(backend, one_micro_batch, target)
-    if replans_with_profile(ctx, layout):
-        layout = replan_with_profile(ctx)
-        check_partition(ctx.resume, layout.parts)  # measured costs can move a boundary under partition_method=balanced
-        if rank == 0:
-            for line in ["plan with the profiled costs:"] + layout.describe():
-                print("stagecheck: " + line, flush=True)
     if layout.budgets is not None and rank == 0:
         for line in layout.describe_budgets(run.recompute):
             print("stagecheck: " + line, flush=True)
@@ -223,9 +193,8 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
             "tokens_per_s": median_after_warmup([r["tokens_per_s"] for r in records]),
             "step_time_s": median_after_warmup([r["step_time_s"] for r in records]),
             "predicted_step_time_s": plan.predicted_step_time_s,  # parallel/planning/step_sim.py
-            "step_time_costs": plan.step_time.costs
-            if plan.step_time
-            else None,  # measured (recompute.profile) or analytic
+            "step_time_costs": plan.step_time.costs if plan.step_time else None,  # measured (a profile) or analytic
+            "cost_source": plan.step_time.cost_source if plan.step_time else None,  # the profile's path and date
             "tied_weight_sha256_per_rank": digests,
             "node_per_rank": [node for _, node in gathered],  # SLURM node name (SLURMD_NODENAME), else host name
             **accounted,

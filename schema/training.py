@@ -60,6 +60,15 @@ class TrainConfig(OptimConfig):
     peak_tflops: float | None = None
     """Peak dense TFLOP/s of one device at train.precision, for MFU and HFU; null looks the GPU up in
     parallel/planning/flops.py's PEAK_TFLOPS table (none on CPU or an unknown GPU: MFU is then not reported)."""
+    device_profile: str = "auto"
+    """The device profile whose measured costs price the plan (`python -m parallel.measurement.device_profile`
+    writes one): auto, this device's cached profile when there is one (a missing, stale, damaged or foreign one
+    is said and the analytic costs are used); analytic, the FLOP/byte model at realistic rates; or a profile's
+    path (refused at start-up when it cannot price this run)."""
+    device_memory_gb: float | None = None
+    """Memory of one rank's device in GiB, for the dry run's per-stage verdict (fits, or over by how much); null:
+    recompute.budget_gb under +recompute=auto, else an 80 GB H100 on cuda, or this machine's memory shared by the
+    ranks on it on cpu."""
     save_every: int = 100
     """Steps between checkpoints in <run dir>/checkpoints/; 0 saves only at the end of the run and on
     preemption (a checkpoint is always written at the end)."""
@@ -123,6 +132,10 @@ class TrainConfig(OptimConfig):
             raise ValueError(
                 f"train.trace_step={self.trace_step} is invalid: it must be a step in [1, train.steps={self.steps}], "
                 f"0 to disable, or null for the default"
+            )
+        if self.device_memory_gb is not None and self.device_memory_gb <= 0:
+            raise ValueError(
+                f"train.device_memory_gb={self.device_memory_gb} is invalid: it must be > 0 (GiB per rank), or null"
             )
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ValueError(f"train.peak_tflops={self.peak_tflops} is invalid: it must be > 0 (TFLOP/s), or null")

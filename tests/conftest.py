@@ -1,5 +1,5 @@
 """Shared pytest set-up: the `slurm_cluster` fixture (a real two-node Slurm on this machine), one intra-op thread for
-in-process tests, the shared launches of tests/shared_runs.py, and the quick tier's guard."""
+in-process tests, no cached device profile, the shared launches of tests/shared_runs.py, and the quick tier's guard."""
 
 import os
 
@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from parallel.planning.device_profile_file import CACHE_ENV
 from tests.runs import QUICK_TIER, refuse_in_quick_tier
 from tests.shared_runs import SharedRuns, shared_runs_of
 
@@ -21,6 +22,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def no_cached_device_profile(tmp_path_factory):
+    """Runs plan with the analytic costs unless a test names a profile: a device profile cached on this machine
+    (train.device_profile=auto) would change every plan. Launched runs inherit the variable."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("device_profiles")))
+        yield
 
 
 @pytest.fixture(autouse=True, scope="session")

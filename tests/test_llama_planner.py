@@ -12,7 +12,6 @@ from torch.utils.flop_counter import FlopCounterMode
 from model import GPT, GPTConfig, LlamaBlock, lm_loss
 from model.weight_grad import WeightGradStore, split_backward
 from parallel.measurement.local_stages import LocalPipeline
-from parallel.measurement.recompute_profile import profile_block
 from parallel.measurement.stage_replay import StageReplay
 from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.planning.layout import build_layout
@@ -202,11 +201,3 @@ def test_each_stages_predicted_peak_is_within_10_percent_of_its_measured_peak(mo
         measured = StageReplay(layout, index, run).measure_peak()
         assert measured.unaccounted_bytes == 0
         assert abs(measured.peak_bytes / stage.predicted_peak_bytes - 1) <= 0.10, (index, stage.peak_tensor_terms)
-
-
-def test_recompute_profile_times_every_part_of_the_llama_block():
-    """recompute.profile=true's block profile (the costs auto recompute then plans with) runs the Llama block's own
-    parts: the core on rotated q and k, the SwiGLU product on gate and up, both RMSNorms, an untied head."""
-    seconds = profile_block(llama(n_layer=2), micro_batch_size=2, device="cpu", precision="fp32", repeats=1)
-    parts = ("block", "core_attn", "mlp", "mlp_act", "layernorm", "block_forward", "block_backward", "head_forward")
-    assert all(seconds[part] > 0 for part in parts)

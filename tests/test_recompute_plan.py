@@ -5,7 +5,10 @@ import torch
 
 from model import GPT, Block, GPTConfig, lm_loss
 from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
-from parallel.planning.stage_plan import plan_stage
+from parallel.planning.layout import build_layout
+from parallel.planning.run_plan import plan_run
+from parallel.planning.shapes import RunShape, Target, Topology
+from parallel.planning.stage_plan import StagePlan, plan_stage
 from parallel.runtime.recompute import apply_plan, run_stage
 
 STAGE = [False, False, True, True, True, True, True]  # embeddings, then 5 blocks
@@ -80,3 +83,23 @@ def test_recompute_is_bit_exact_with_dropout(recompute):
 def test_invalid_recompute_options(config, message):
     with pytest.raises(ValueError, match=message):
         config()
+
+
+def test_a_stage_whose_peak_would_not_fall_runs_without_recompute():
+    """Under full(stage) the last of 2 stages holds one micro-batch and its backward remakes all that `none` keeps:
+    recomputing there would cost time on the critical path and save no memory, so that stage runs without recompute.
+    Stage 0 (2 in flight) keeps its segment, and full(1), which lowers both stages' peaks, stays on both."""
+    cfg = GPTConfig(n_layer=8, n_head=8, n_embd=256, seq_len=512, vocab_size=256, dropout=0.1, attention="math")
+    run = RunShape(Topology(2), Target("cpu", "fp32"), micro_batches=4, micro_batch_size=1)
+
+    def planned(recompute):
+        layout = build_layout(cfg, recompute, run, "type:Block", 0)
+        return layout.plans, [s.predicted_peak_bytes for s in plan_run(cfg, recompute, layout, run).stages]
+
+    none_plans, none_peaks = planned(NoRecompute())
+    stage_plans, stage_peaks = planned(FullRecompute(interval="stage"))
+    one_plans, one_peaks = planned(FullRecompute(interval="1"))
+    assert stage_plans[0].segments == ((2, 6),) and stage_plans[1] == StagePlan()
+    assert stage_peaks[0] < none_peaks[0] and stage_peaks[1] == none_peaks[1]
+    assert [len(p.segments) for p in one_plans] == [4, 4]
+    assert all(one < none for one, none in zip(one_peaks, none_peaks))

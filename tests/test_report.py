@@ -9,8 +9,13 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
-from parallel.planning.shapes import MIB
+from model import GPTConfig
+from parallel.planning.config import FullRecompute, NoRecompute
+from parallel.planning.layout import build_layout
+from parallel.planning.run_plan import plan_run
+from parallel.planning.shapes import MIB, RunShape, Target, Topology
 from sweep.report import write_report
 from sweep.report.loading import load_jobs
 from sweep.report.table import rows
@@ -155,3 +160,51 @@ def test_auto_jobs_of_a_second_multirun_join_the_report(sweep):
     assert planned == auto.summary["activation_bytes_per_stage"]
     markdown = write_report(sweep, wandb=False)["markdown"].read_text()
     assert table_row(markdown, "auto_0")[1:3] == ["auto", "budget 0.0135 GiB"]
+
+
+def dry_run_sweep(root: Path, partition: str) -> Path:
+    """A dry-run sweep as `train.py -m dry_run=true` leaves it: multirun.yaml and one plan.json per job, no
+    config.yaml, no summary.json (the plans made in-process by the planner the dry run calls)."""
+    cfg = GPTConfig(n_layer=6, n_head=4, n_embd=128, seq_len=128, dropout=0.1)
+    run = RunShape(Topology(2), Target("cpu", "fp32"), micro_batches=4, micro_batch_size=2)
+    for num, recompute in enumerate((NoRecompute(), FullRecompute(interval="1"))):
+        plan = plan_run(cfg, recompute, build_layout(cfg, recompute, run, partition, 1234), run)
+        (root / str(num)).mkdir(parents=True)
+        (root / str(num) / "plan.json").write_text(json.dumps(plan.to_json()))
+    (root / "multirun.yaml").write_text(yaml.safe_dump({"parallel": {"partition_method": partition}}))
+    return root
+
+
+def column(markdown: str, name: str, job: str) -> str:
+    (header,) = [row for row in markdown.splitlines() if row.startswith("| job |")]
+    names = [cell.strip() for cell in header.strip("|").split("|")]
+    return table_row(markdown, job)[names.index(name)]
+
+
+def test_a_dry_run_sweep_shows_each_plans_step_time_and_blocks_and_draws_its_figure(tmp_path):
+    sweep = dry_run_sweep(tmp_path / "dry", "balanced")
+    out = write_report(sweep, wandb=False)
+    markdown = out["markdown"].read_text()
+    assert "2 planned only (dry run)" in markdown
+    for job in load_jobs(sweep):
+        assert column(markdown, "step time pred.", job.num) == f"{job.plan.predicted_step_time_s * 1e3:,.1f}"
+        assert column(markdown, "blocks/stage", job.num) == "/".join(str(s.blocks) for s in job.plan.stages)
+        assert column(markdown, "step time", job.num) == "n/a"  # nothing measured
+    assert out["png"] is not None and out["png"].exists() and "![memory per stage" in markdown
+
+
+def test_blocks_per_stage_are_shown_only_where_the_partition_can_move(tmp_path):
+    fixed = write_report(dry_run_sweep(tmp_path / "fixed", "type:Block"), wandb=False)["markdown"].read_text()
+    assert "blocks/stage" not in fixed
+    columns, table = rows(load_jobs(tmp_path / "fixed"))
+    assert [row[columns.index("blocks_per_stage")] for row in table] == [[3, 3], [3, 3]]
+
+
+def test_the_figure_plots_peak_tensor_bytes_not_the_cpu_resident_set(sweep):
+    """On CPU, peak_memory_bytes_per_stage is the resident set (the interpreter and its libraries: no plan predicts
+    it); the figure's memory panel takes the measured peak tensor bytes, which the planner predicts."""
+    jobs = {job.num: job for job in load_jobs(sweep)}
+    assert jobs["0"].summary["peak_memory_kind"] == "cpu_max_rss" and jobs["0"].measured_peak_tensors() is None
+    summary = fixture_summary("0") | {"measured_peak_tensor_bytes_per_stage": [5 * MIB, 4 * MIB]}
+    (sweep / "0" / "summary.json").write_text(json.dumps(summary))
+    assert load_jobs(sweep)[0].measured_peak_tensors() == [5 * MIB, 4 * MIB]

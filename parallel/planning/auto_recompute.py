@@ -33,6 +33,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from parallel.planning.device_profile_file import ANALYTIC, CostSource
 from parallel.planning.flops import block_forward_flops, mlp_output_matmul_flops, selective_recompute_flops
 from parallel.planning.memory_model import attention_kernel, block_full_items, total
 from parallel.planning.shapes import Shape, Target
@@ -60,7 +61,10 @@ class CostTable:
     segment_discount: float = 0.0
     """Cost a segment saves once (torch's early stop skips the last matmul when nothing after it is saved)."""
     profile: dict[str, float] | None = None
-    """Measured tables only: the profile's seconds (parallel/measurement/recompute_profile.py), costs in seconds."""
+    """Measured tables only: the seconds of a block's parts priced from a device profile
+    (parallel/planning/op_costs.py), costs in seconds."""
+    source: CostSource = ANALYTIC
+    """Which costs these are: a device profile (its path and date) or analytic."""
 
 
 @dataclass(frozen=True)
@@ -122,15 +126,16 @@ def analytic_costs(shape: Shape, target: Target) -> CostTable:
     )
 
 
-def measured_costs(shape: Shape, target: Target, seconds: dict[str, float]) -> CostTable:
-    """Costs from a profile of one block: seconds of the forward of `block`, `core_attn`, `mlp`,
-    `mlp_act` and `layernorm` (both LayerNorms); the step-time model reads the rest of the profile."""
+def measured_costs(shape: Shape, target: Target, seconds: dict[str, float], source: CostSource) -> CostTable:
+    """Costs in seconds of one block: the forward of `block`, `core_attn`, `mlp`, `mlp_act` and `layernorm` (both
+    LayerNorms); the step-time model reads the rest of `seconds`."""
     return _table(
         shape,
         target,
         lambda modules: sum(seconds[m] for m in modules),
         full_block_cost=seconds["block"],
         profile=dict(seconds),
+        source=source,
     )
 
 
@@ -141,6 +146,7 @@ def _table(
     full_block_cost: float,
     segment_discount: float = 0.0,
     profile: dict[str, float] | None = None,
+    source: CostSource = ANALYTIC,
 ) -> CostTable:
     options = block_options(shape, target, cost)
     return CostTable(
@@ -150,6 +156,7 @@ def _table(
         float(full_block_cost),
         float(segment_discount),
         profile,
+        source,
     )
 
 

@@ -144,7 +144,9 @@ class PlannedRecompute:
 
 @dataclass
 class FullRecompute(PlannedRecompute):
-    """Store only segment inputs; recompute each segment's forward in backward."""
+    """Store only segment inputs; recompute each segment's forward in backward. A stage whose predicted peak would not
+    fall under it runs without recompute (under `stage`, a last stage holding one micro-batch remakes in its backward
+    all that `none` keeps); the dry run's stage lines show it."""
 
     mode: str = "full"
     """Option of the `recompute` config group (`+recompute=full`); must stay "full"."""
@@ -167,7 +169,8 @@ class FullRecompute(PlannedRecompute):
 
 @dataclass
 class SelectiveRecompute(PlannedRecompute):
-    """Recompute, inside each block, only what is cheap to redo but costly to store."""
+    """Recompute, inside each block, only what is cheap to redo but costly to store; not on a stage whose predicted
+    peak would not fall under it."""
 
     mode: str = "selective"
     """Option of the `recompute` config group (`+recompute=selective`); must stay "selective"."""
@@ -204,9 +207,6 @@ class AutoRecompute:
     reserve_gb: float = 2.0
     """Safety margin in GiB subtracted from the budget (allocator fragmentation, CUDA context, kernels'
     workspaces: what the planner does not model)."""
-    profile: bool = False
-    """Time each recompute choice on one block on the real device at start-up, and use those seconds as
-    costs instead of the analytic FLOP/byte model."""
     early: bool | None = None
     """Run each micro-batch's recompute before the stage waits for its output gradient (see
     `+recompute=full`'s `recompute.early`); null: the planner chooses, per run, the setting with the shorter

@@ -21,6 +21,9 @@ from parallel.planning.stage_planner import StagePlanner
 from parallel.planning.stage_price import StagePricing
 from parallel.planning.step_costs import DeviceRates, TimeModel, analytic_rates, time_model
 
+DEEPSPEED_PARTITIONS = ("uniform", "parameters", "type:Block")
+"""DeepSpeed's own partition methods, which `balanced` prices beside its own split."""
+
 
 @dataclass(frozen=True)
 class PipelineLayout:
@@ -36,6 +39,9 @@ class PipelineLayout:
     each plan's `early` and `deferred_weights`."""
     schedule_options: tuple[ScheduleOption, ...] = ()
     """Every schedule x early setting the planner priced for these plans (the dry run's table)."""
+    partition_candidates: tuple[tuple[str, float | None], ...] = ()
+    """`balanced` only: each partition it priced (its own block counts, then DeepSpeed's methods) with its
+    simulated step under its fastest allowed schedule (None: it fits no plan in the budget); it runs the fastest."""
 
     @property
     def parts(self) -> list[int]:
@@ -70,6 +76,12 @@ class PipelineLayout:
             if plan.micro_batches is not None and plan.micro_batches < plan.in_flight:
                 line += f" | recompute for {plan.micro_batches} of {plan.in_flight} in-flight micro-batches"
             lines.append(line)
+        if self.partition_candidates:
+            chosen = min((c for c in self.partition_candidates if c[1] is not None), key=lambda c: c[1])
+            priced = ", ".join(
+                f"{name} {'no fit' if t is None else f'{t:.4g} s'}" for name, t in self.partition_candidates
+            )
+            lines.append(f"partition balanced: {chosen[0]}, the fastest simulated step of {priced}")
         if self.schedule != "1f1b" or any(p.early for p in self.plans):
             early = ", ".join(str(s) for s, p in enumerate(self.plans) if p.early) or "none"
             line = f"schedule {self.schedule} | early recompute on stages: {early}"
@@ -143,13 +155,20 @@ def build_layout(
     timing = time_model(shape, run, table, rates or analytic_rates(run.target.device, run.target.precision))
     planner = StagePlanner(StagePricing.of(recipes, run, shape, timing), recompute, table)
     num_stages = run.topology.pipeline_stages
+    early = getattr(recompute, "early", False)
+    candidates: tuple[tuple[str, float | None], ...] = ()
     if partition_method != "balanced":
         stages = partition_layers(recipes, num_stages, partition_method)
     elif model.n_layer < num_stages:
         # Some stage must go without a block: DeepSpeed's layer-count split at least gives each a layer.
         stages = partition_layers(recipes, num_stages, "uniform")
     else:
-        stages = stages_of_block_counts(recipes, balanced_counts(planner, model.n_layer, num_stages))
+        counts = balanced_counts(planner, model.n_layer, num_stages)
+        own = ("blocks " + "/".join(map(str, counts)), stages_of_block_counts(recipes, counts))
+        splits = [(method, partition_layers(recipes, num_stages, method)) for method in DEEPSPEED_PARTITIONS]
+        # DeepSpeed's splits that give every stage a block: balanced promises that, and its search covers them
+        splits = [(name, st) for name, st in splits if all(_blocks(recipes, stage) for stage in st)]
+        stages, candidates = _fastest_partition(planner, recompute, schedule, early, [own, *splits])
     planned = [planner.plan(stage) for stage in stages]
     plans = [plan for plan, _ in planned]
     budgets = None
@@ -158,8 +177,37 @@ def build_layout(
         if any(b.choice is None for b in budgets):
             priced = _priced_alternatives(model, recompute, run, partition_method, seed) if price_alternatives else []
             raise BudgetTooSmall(recompute, budgets, priced)
-    chosen, options = choose_schedule(planner, stages, plans, schedule, getattr(recompute, "early", False))
-    return PipelineLayout(recipes, stages, list(chosen.plans), budgets, timing, chosen.schedule, options)
+    chosen, options = choose_schedule(planner, stages, plans, schedule, early)
+    return PipelineLayout(recipes, stages, list(chosen.plans), budgets, timing, chosen.schedule, options, candidates)
+
+
+def _blocks(recipes: list[LayerRecipe], stage: StageRange) -> int:
+    return sum(recipes[i].module_class in BLOCK_CLASSES for i in stage.layers)
+
+
+def _fastest_partition(
+    planner: StagePlanner,
+    recompute: RecomputeConfig,
+    schedule: str,
+    early: bool | None,
+    partitions: list[tuple[str, list[StageRange]]],
+) -> tuple[list[StageRange], tuple[tuple[str, float | None], ...]]:
+    """The partition whose plans simulate fastest under their fastest allowed schedule, first wins a tie: balanced's
+    own block counts never lose to a split DeepSpeed could have made. One that fits no plan is priced None (the
+    first is kept then, and the budget check names its stage)."""
+    steps = []
+    for _, stages in partitions:
+        planned = [planner.plan(stage) for stage in stages]
+        step = None
+        if not isinstance(recompute, AutoRecompute) or all(b.choice is not None for _, b in planned):
+            try:
+                step = choose_schedule(planner, stages, [p for p, _ in planned], schedule, early)[0].step_time_s
+            except ValueError:  # no allowed schedule fits the budget with this split
+                pass
+        steps.append(step)
+    priced = [i for i, step in enumerate(steps) if step is not None]
+    best = min(priced, key=lambda i: (steps[i], i)) if priced else 0
+    return partitions[best][1], tuple((name, step) for (name, _), step in zip(partitions, steps))
 
 
 def _priced_alternatives(

@@ -155,7 +155,7 @@ class StepTimeEstimate:
     planned with."""
 
     costs: str
-    """`measured` (recompute.profile) or `analytic` (FLOPs at peak, bytes at bandwidth: a lower bound)."""
+    """`measured` (a device profile's curves) or `analytic` (FLOPs and bytes at realistic rates of the device)."""
     device: str
     """What analytic costs are charged at: `cpu` (a nominal core) or a GPU of parallel/planning/flops.py's table."""
     predicted_step_time_s: float
@@ -164,7 +164,8 @@ class StepTimeEstimate:
     stage_recompute_s: tuple[float, ...]
     """Recompute inside the stage's backward passes, over the step."""
     by_mode_s: dict[str, float]
-    """Predicted step time of `none`, `selective` and `full` on the same stages."""
+    """Predicted step time of `none`, `selective` and `full` on the same stages, under the same schedule and early
+    recompute setting."""
     by_gpu: dict[str, dict[str, float]]
     """CUDA plans: {GPU: {step_time_s, mfu}} with analytic costs at that GPU's peak."""
     schedule: str = "1f1b"
@@ -177,6 +178,8 @@ class StepTimeEstimate:
     """Each schedule x early setting the planner priced ("zb-h1+early", ...): step_time_s, lower_bound_s,
     stage_peak_bytes (predicted peak tensor bytes), deferred_weights (zb-h1, per stage), fits (the budget),
     allowed (by parallel.schedule and recompute.early), chosen."""
+    cost_source: dict = field(default_factory=lambda: {"kind": "analytic", "path": None, "created": None})
+    """Which costs priced the plan: {kind: `profile` or `analytic`, path and created (UTC) of the device profile}."""
 
 
 @dataclass(frozen=True)
@@ -285,9 +288,13 @@ class RunPlan:
 
     def step_time_lines(self) -> list[str]:
         st = self.step_time
-        source = "measured costs" if st.costs == "measured" else f"analytic costs at {st.device} peak: a lower bound"
+        source = (
+            f"device profile {st.cost_source['path']}, measured {st.cost_source['created']}"
+            if st.costs == "measured"
+            else f"analytic costs at realistic {st.device} rates, no device profile"
+        )
         lines = [
-            f"predicted_step_time_s {st.predicted_step_time_s:.4g} ({source}) | same stages: "
+            f"predicted_step_time_s {st.predicted_step_time_s:.4g} ({source}) | same stages and schedule: "
             + ", ".join(f"{mode} {t:.4g}" for mode, t in st.by_mode_s.items()),
             "predicted per stage (s): busy "
             + " ".join(f"{t:.4g}" for t in st.stage_busy_s)
@@ -313,7 +320,8 @@ class RunPlan:
                 )
         for gpu, figures in st.by_gpu.items():
             lines.append(
-                f"predicted on {gpu} (analytic costs at peak, not measured): step {figures['step_time_s']:.4g} s, "
+                f"predicted on {gpu} (analytic costs at realistic rates, not measured): step "
+                f"{figures['step_time_s']:.4g} s, "
                 f"MFU {figures['mfu']:.1%}"
             )
         return lines

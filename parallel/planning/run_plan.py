@@ -6,8 +6,6 @@ back.
 `plan_run` returns a typed `RunPlan` (parallel/planning/plan_record.py: its JSON and the dry run's table).
 """
 
-from dataclasses import replace
-
 from model import BLOCK_CLASSES, GPTConfig
 from parallel.planning.auto_recompute import StageBudget, analytic_costs
 from parallel.planning.config import FullRecompute, NoRecompute, RecomputeConfig, SelectiveRecompute
@@ -31,11 +29,12 @@ from parallel.planning.plan_record import (
     StageEstimate,
     StepTimeEstimate,
 )
+from parallel.planning.schedule_choice import setting_prices
 from parallel.planning.shapes import RunShape, Shape, Target
 from parallel.planning.stage_costs import block_options
 from parallel.planning.stage_plan import plan_stage
 from parallel.planning.stage_price import StagePrice, StagePricing, price_stage, simulate_priced
-from parallel.planning.step_costs import analytic_rates, time_model
+from parallel.planning.step_costs import PEAK_EFFICIENCY, analytic_rates, time_model
 from parallel.planning.step_sim import lower_bound_s
 
 COMPARED_MODES = {"none": NoRecompute(), "selective": SelectiveRecompute(), "full": FullRecompute()}
@@ -142,26 +141,30 @@ def _step_time(layout: PipelineLayout, prices: list[StagePrice], model_flops: in
     early = [price.plan.early for price in prices]
     timeline = simulate_priced(prices)
     is_block = [[layout.recipes[i].module_class in BLOCK_CLASSES for i in s.layers] for s in layout.stages]
+    # Like with like: each uniform mode under the layout's schedule and early-recompute setting.
     by_mode = {
         mode: simulate_priced(
-            [price_stage(pricing, s, plan_stage(b, config)) for s, b in zip(layout.stages, is_block)]
+            setting_prices(
+                pricing, layout.stages, [plan_stage(b, config) for b in is_block], layout.schedule, any(early)
+            )
         ).step_time_s
         for mode, config in COMPARED_MODES.items()
     }
     by_gpu = {}
     if run.target.device == "cuda":
         table = analytic_costs(pricing.shape, run.target)
-        # The layout's plans under 1F1B with their recompute inside the backward, whatever the layout's schedule.
-        plain = [replace(plan, early=False, deferred_weights=None) for plan in layout.plans]
         for gpu in GPU_TARGETS:
             rates = analytic_rates("cuda", run.target.precision, gpu=gpu)
             on_gpu = pricing.at(time_model(pricing.shape, run, table, rates))
-            step = simulate_priced([price_stage(on_gpu, s, p) for s, p in zip(layout.stages, plain)]).step_time_s
-            peak = rates.flops_per_s * run.topology.world_size
+            # the layout's own plans and schedule: its early recompute and deferred W's included
+            gpu_prices = [price_stage(on_gpu, s, p, layout.schedule) for s, p in zip(layout.stages, layout.plans)]
+            step = simulate_priced(gpu_prices).step_time_s
+            peak = rates.flops_per_s / PEAK_EFFICIENCY * run.topology.world_size
             by_gpu[rates.name] = {"step_time_s": step, "mfu": model_flops / step / peak}
     stages = range(len(layout.stages))
     return StepTimeEstimate(
         costs=timing.source,
+        cost_source=vars(timing.table.source),
         device=timing.rates.name,
         predicted_step_time_s=timeline.step_time_s,
         stage_busy_s=tuple(timeline.busy_s(s) for s in stages),

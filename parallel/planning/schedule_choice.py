@@ -11,7 +11,7 @@ from parallel.planning.schedules import SCHEDULES
 from parallel.planning.shapes import GIB
 from parallel.planning.stage_plan import StagePlan
 from parallel.planning.stage_planner import StagePlanner
-from parallel.planning.stage_price import price_stage, simulate_priced
+from parallel.planning.stage_price import StagePrice, StagePricing, price_stage, simulate_priced
 from parallel.planning.step_sim import lower_bound_s
 
 
@@ -65,33 +65,41 @@ def choose_schedule(
     return min(candidates, key=lambda o: o.step_time_s), tuple(options)
 
 
-def _price_schedule(
-    planner: StagePlanner, stages: list[StageRange], plans: list[StagePlan], kind: str, early: bool, allowed: bool
-) -> ScheduleOption:
+def setting_prices(
+    pricing: StagePricing, stages: list[StageRange], plans: list[StagePlan], kind: str, early: bool
+) -> list[StagePrice]:
+    """The plans under schedule `kind` with early recompute on (`early`: on every stage that recomputes, but the
+    last) or off, and ZB-H1's deferrals: each stage priced. The run plan prices the uniform modes it compares with
+    this too, so that they run the layout's own schedule."""
     last = len(stages) - 1
     plans = [
         replace(p, early=early and s < last and bool(p.segments or p.selective), deferred_weights=None)
         for s, p in enumerate(plans)
     ]
     if kind == "zb-h1":
-        plans = _deferrals(planner, stages, plans)
-    pricing = planner.pricing
-    prices = [price_stage(pricing, st, p, kind) for st, p in zip(stages, plans)]
+        plans = _deferrals(pricing, stages, plans)
+    return [price_stage(pricing, st, p, kind) for st, p in zip(stages, plans)]
+
+
+def _price_schedule(
+    planner: StagePlanner, stages: list[StageRange], plans: list[StagePlan], kind: str, early: bool, allowed: bool
+) -> ScheduleOption:
+    prices = setting_prices(planner.pricing, stages, plans, kind, early)
     peaks = tuple(price.memory.predicted_peak_bytes for price in prices)
     fits = not isinstance(planner.recompute, AutoRecompute) or all(peak <= planner.usable for peak in peaks)
     return ScheduleOption(
         kind,
         early,
-        tuple(plans),
+        tuple(price.plan for price in prices),
         simulate_priced(prices).step_time_s,
-        lower_bound_s([price.costs for price in prices], pricing.run.micro_batches, early),
+        lower_bound_s([price.costs for price in prices], planner.pricing.run.micro_batches, early),
         peaks,
         fits,
         allowed,
     )
 
 
-def _deferrals(planner: StagePlanner, stages: list[StageRange], plans: list[StagePlan]) -> list[StagePlan]:
+def _deferrals(pricing: StagePricing, stages: list[StageRange], plans: list[StagePlan]) -> list[StagePlan]:
     """ZB-H1's bound, per stage: the most deferred W's (up to the stage index, ZB-H1's own count) that keep
     the stage's predicted peak (each backward's working set inside it) within the fullest stage's
     1F1B peak of the same plans. That is ZB-H1's promise
@@ -101,7 +109,7 @@ def _deferrals(planner: StagePlanner, stages: list[StageRange], plans: list[Stag
     fit: the stage then defers none, and its B and W are 1F1B's backward cut in two."""
 
     def peak(stage: StageRange, plan: StagePlan, kind: str) -> int:
-        return price_stage(planner.pricing, stage, plan, kind).memory.predicted_peak_bytes
+        return price_stage(pricing, stage, plan, kind).memory.predicted_peak_bytes
 
     bound = max(peak(st, p, "1f1b") for st, p in zip(stages, plans))
     out = []

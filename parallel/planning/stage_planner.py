@@ -11,9 +11,10 @@ from parallel.planning.auto_recompute import (
     least_stage_bytes,
     to_stage_plan,
 )
-from parallel.planning.config import AutoRecompute, RecomputeConfig
+from parallel.planning.config import AutoRecompute, NoRecompute, RecomputeConfig
 from parallel.planning.partition import StageRange
 from parallel.planning.shapes import GIB
+from parallel.planning.stage_costs import StageMemory
 from parallel.planning.stage_plan import StagePlan, plan_stage
 from parallel.planning.stage_price import StagePrice, StagePricing, price_stage
 from parallel.planning.working_set import stage_working
@@ -33,11 +34,11 @@ class StagePlanner:
         positions = [local for local, flat in enumerate(stage.layers) if recipes[flat].module_class in BLOCK_CLASSES]
         is_block = [recipes[i].module_class in BLOCK_CLASSES for i in stage.layers]
         auto = isinstance(self.recompute, AutoRecompute)
-        if not auto and getattr(self.recompute, "micro_batches", None) is None:  # none has no micro_batches
-            return plan_stage(is_block, self.recompute), None
+        if isinstance(self.recompute, NoRecompute) or (not auto and not positions):
+            return StagePlan(), None
         memory = price_stage(self.pricing, stage, StagePlan()).memory
         if not auto:  # which micro-batches recompute depends on how many the stage holds
-            return plan_stage(is_block, self.recompute, memory.in_flight), None
+            return self._lowering(stage, plan_stage(is_block, self.recompute, memory.in_flight), memory), None
         room = self.usable - memory.fixed_bytes
         working = stage_working(memory.plain_layers, self.pricing.shape, run.target, memory.optimizer_floor)
         n, in_flight = len(positions), memory.in_flight
@@ -48,6 +49,14 @@ class StagePlanner:
         least = memory.fixed_bytes + least_stage_bytes(n, self.table, in_flight, working)
         budget = StageBudget(stage.stage, int(self.usable), in_flight, memory.fixed_bytes, working, choice, least)
         return (to_stage_plan(choice, positions, self.table, memory.in_flight) if choice else StagePlan()), budget
+
+    def _lowering(self, stage: StageRange, plan: StagePlan, plain: StageMemory) -> StagePlan:
+        """`plan`, or no recompute where the plan would not lower the stage's predicted peak below `plain`'s (the
+        stage with no recompute): a last stage holding one micro-batch under full(stage) remakes in its backward
+        all that `none` keeps, so recomputing there costs time on the critical path and saves no memory."""
+        if price_stage(self.pricing, stage, plan).memory.predicted_peak_bytes < plain.predicted_peak_bytes:
+            return plan
+        return StagePlan()
 
     def price(self, stage: StageRange) -> StagePrice | None:
         """The stage under its plan and 1F1B (the schedule plans are chosen for); None when auto finds no plan

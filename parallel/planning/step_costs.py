@@ -1,11 +1,10 @@
 """Seconds of each pipeline instruction on each stage (step_sim.StageCosts), for the step-time simulator
 (parallel/planning/step_sim.py).
 
-Two sources, one shape. `measured`: `recompute.profile=true` times a block's forward, backward and
-recompute parts, the embeddings and the head with its loss on the device (parallel/measurement/recompute_profile.py).
-`analytic` (the fallback, and the only choice in a dry run): FLOPs at the device's peak plus the
-elementwise work's bytes at its memory bandwidth, transfers at a link bandwidth. Analytic seconds assume
-peak throughput, so they are a lower bound on the time a real device takes.
+Two sources, one shape. `measured`: a device profile's curves priced into a block's parts
+(parallel/planning/op_costs.py), the embeddings, the head with its loss, the optimizer and the links.
+`analytic` (no profile for the device): FLOPs at a realistic share of the device's peak plus the elementwise
+work's bytes at its memory bandwidth, transfers at a link bandwidth.
 
 The recompute a plan adds is read from the auto planner's CostTable (FLOP-equivalents for the analytic
 table, seconds for a measured one), so the planner and the simulator price a choice the same way.
@@ -31,6 +30,11 @@ from parallel.planning.step_sim import StageCosts
 # rank whose GPU is unknown is planned as an H100. Stage-to-stage links: one 400 Gb/s NIC between GPU
 # nodes; gloo over loopback between CPU processes.
 CPU_FLOPS_PER_S = 5e10
+PEAK_EFFICIENCY = 0.6
+"""The share of a GPU's (or train.peak_tflops') peak the analytic model charges matmuls and bandwidth at: large
+16-bit GEMMs reach 60-75% of the dense peak under cuBLAS, and published large runs 38-52% MFU over the whole step
+(bubbles and communication, which the simulator adds itself). The CPU's nominal core is a measured-like rate
+already."""
 DEFAULT_GPU = "H100"
 LINK_BYTES_PER_S = {"cuda": 50e9, "cpu": 2e9}
 ADAM_BYTES_PER_PARAM = 7 * FP32
@@ -43,7 +47,7 @@ class DeviceRates:
 
     name: str
     flops_per_s: float
-    """Peak matmul throughput at the run's precision."""
+    """Matmul throughput at the run's precision (a realistic share of the peak: PEAK_EFFICIENCY)."""
     bytes_per_s: float
     """Memory bandwidth, for elementwise work (the planner's machine balance: peak FLOP/s per byte/s)."""
     link_bytes_per_s: float
@@ -54,12 +58,12 @@ def analytic_rates(
     device: str, precision: str, peak_tflops: float | None = None, gpu: str | None = None
 ) -> DeviceRates:
     """`peak_tflops` (train.peak_tflops) wins; else the GPU's entry in parallel/planning/flops.py's table (`gpu`, or
-    an H100 when unknown); a CPU gets a nominal core."""
+    an H100 when unknown); a CPU gets a nominal core. A peak is charged at PEAK_EFFICIENCY of itself."""
     if device == "cpu":
-        name, flops = "cpu", (peak_tflops * 1e12 if peak_tflops else CPU_FLOPS_PER_S)
+        name, flops = "cpu", (peak_tflops * 1e12 * PEAK_EFFICIENCY if peak_tflops else CPU_FLOPS_PER_S)
     else:
         name = gpu if gpu and lookup_peak_tflops(gpu, precision) else DEFAULT_GPU
-        flops = (peak_tflops or lookup_peak_tflops(name, precision)) * 1e12
+        flops = (peak_tflops or lookup_peak_tflops(name, precision)) * 1e12 * PEAK_EFFICIENCY
     return DeviceRates(name, flops, flops / MACHINE_BALANCE[device], LINK_BYTES_PER_S[device])
 
 
@@ -68,7 +72,7 @@ class TimeModel:
     """Seconds per micro-batch of the model's parts on one device, and the price of the CostTable's unit."""
 
     source: str
-    """`measured` (a profile on the device) or `analytic`."""
+    """`measured` (a device profile) or `analytic`."""
     rates: DeviceRates
     table: CostTable
     seconds_per_cost: float
@@ -128,7 +132,7 @@ class TimeModel:
 
 
 def time_model(shape: Shape, run: RunShape, table: CostTable, rates: DeviceRates) -> TimeModel:
-    """Measured where the table carries a profile (parallel/measurement/recompute_profile.py's keys), analytic
+    """Measured where the table carries a profile's seconds (parallel/planning/op_costs.py's keys), analytic
     elsewhere."""
     d, bsh, tokens = run.target.dtype_bytes, shape.bsh, shape.b * shape.s
     flops, bandwidth = rates.flops_per_s, rates.bytes_per_s
@@ -152,15 +156,16 @@ def time_model(shape: Shape, run: RunShape, table: CostTable, rates: DeviceRates
         "head_backward": (2 + bool(shape.loss_chunk_tokens)) * head_forward_flops(shape) / flops + head_elementwise,
         "optimizer_per_param": ADAM_BYTES_PER_PARAM / bandwidth,
     }
-    # A measured table's costs are seconds: its profile replaces the analytic parts it times.
+    # A measured table's costs are seconds: its profile replaces the analytic parts it prices; its links (two
+    # processes measured them) replace the nominal ones.
     seconds.update(table.profile or {})
+    if "link_bytes_per_s" in seconds:
+        rates = replace(rates, link_bytes_per_s=seconds["link_bytes_per_s"])
     # W, the weight-gradient matmuls: one forward's worth of each Linear's FLOPs (the attention core has no
-    # weight). Analytic: those FLOPs at peak. Measured: the profile times a backward whole, so W is its
-    # matmul-FLOP share of it (of a backward's 2x forward matmuls, the Linears' weight gradients are one half).
+    # weight). Analytic: those FLOPs at the matmul rate. Measured: the weight-gradient matmuls of the op list.
     block_w_flops = block_forward_flops(shape) - attention_core_forward_flops(shape)
     if measured:
-        block_w = seconds["block_backward"] * block_w_flops / (2 * block_forward_flops(shape))
-        head_w = seconds["head_backward"] / 2
+        block_w, head_w = seconds["block_weight_grad"], seconds["head_weight_grad"]
     else:
         block_w, head_w = block_w_flops / flops, head_forward_flops(shape) / flops
     if shape.loss_chunk_tokens:
@@ -178,7 +183,7 @@ def time_model(shape: Shape, run: RunShape, table: CostTable, rates: DeviceRates
         head_backward=seconds["head_backward"],
         block_weight_grad=block_w,
         head_weight_grad=head_w,
-        transfer=bsh * d / rates.link_bytes_per_s,
+        transfer=seconds.get("transfer", bsh * d / rates.link_bytes_per_s),
         tied_weight_bytes=shape.vocab * shape.h * d if shape.tied else 0,  # an untied head has no tied reduce
         param_bytes=d,
         optimizer_per_param=seconds["optimizer_per_param"],

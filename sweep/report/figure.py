@@ -1,6 +1,7 @@
-"""report.png: per stage, peak activation memory and peak memory (MiB) against throughput (tokens/s), one
+"""report.png: per stage, peak activation memory and peak tensor memory (MiB) against throughput (tokens/s), one
 marker per recompute mode and one colour per setting; the planner's prediction (hollow) just beside each
-measurement (filled)."""
+measurement (filled). A job planned only (a dry-run sweep) stands at its predicted throughput, with its predictions
+alone."""
 
 from pathlib import Path
 
@@ -14,7 +15,7 @@ MARKERS = {"none": "o", "full": "s", "selective": "^", "auto": "D"}
 
 def render_png(jobs: list[Job], path: Path) -> bool:
     """Memory per stage (MiB) against tokens/s: filled = measured, hollow = predicted; returns False when no
-    job has both a throughput and a memory figure."""
+    job has both a throughput (measured, or predicted for a job planned only) and a memory figure."""
     # Imported here: the backend must be chosen before pyplot is imported, and a training process that imports
     # the multirun callback (and so this package) should not pay for matplotlib.
     import matplotlib
@@ -23,12 +24,14 @@ def render_png(jobs: list[Job], path: Path) -> bool:
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
-    done = [j for j in jobs if j.status == "done" and j.tokens_per_s]
+    throughput = {j.num: j.tokens_per_s if j.status == "done" else j.predicted_tokens_per_s for j in jobs}
+    done = [j for j in jobs if j.status in ("done", "planned") and throughput[j.num]]
     if not done:
         return False
-    stages = max(len(j.measured_peak_activation() or j.measured_peak_memory() or []) for j in done)
+    stages = max(len(j.measured_peak_activation() or j.predicted_peak_activation() or []) for j in done)
     if stages == 0:
         return False
+    planned_only = any(j.status == "planned" for j in done)
     axes_keys = varying_axes(jobs)
     order = list(MARKERS)
     variants = sorted(
@@ -38,18 +41,18 @@ def render_png(jobs: list[Job], path: Path) -> bool:
     colors = {v: plt.get_cmap("tab10")(i % 10) for i, v in enumerate(variants)}
     panels = [
         ("peak activation memory per stage (MiB)", Job.measured_peak_activation, Job.predicted_peak_activation),
-        ("peak memory per stage (MiB)", Job.measured_peak_memory, Job.predicted_peak_memory),
+        ("peak tensor memory per stage (MiB)", Job.measured_peak_tensors, Job.predicted_peak_memory),
     ]
     fig, grid = plt.subplots(
         len(panels), stages, figsize=(5.2 * stages + 3.4, 4.2 * len(panels)), squeeze=False, layout="constrained"
     )
-    xs = [j.tokens_per_s for j in done]
+    xs = [throughput[j.num] for j in done]
     span = (max(xs) - min(xs)) or max(xs) * 0.1
     for row, (title, measured_of, predicted_of) in enumerate(panels):
         for stage in range(stages):
             ax = grid[row][stage]
             for job in done:
-                x = job.tokens_per_s
+                x = throughput[job.num]
                 color, marker = colors[job.variant], MARKERS.get(job.mode, "P")
                 m = (measured_of(job) or [None] * stages)[stage] if stage < len(measured_of(job) or []) else None
                 p = (predicted_of(job) or [None] * stages)[stage] if stage < len(predicted_of(job) or []) else None
@@ -69,26 +72,24 @@ def render_png(jobs: list[Job], path: Path) -> bool:
                     )
                 if m is not None and p is not None:
                     ax.plot([x - dx, x + dx], [m / MIB, p / MIB], color=color, linewidth=0.8, alpha=0.6)
-                if axes_keys and m is not None:
+                label_at = m if m is not None else p  # a job planned only has its prediction alone
+                if axes_keys and label_at is not None:
                     ax.annotate(
                         axis_label(job, axes_keys),
-                        (x, m / MIB),
+                        (x, label_at / MIB),
                         textcoords="offset points",
                         xytext=(6, 4),
                         fontsize=7,
                         color=color,
                     )
             ax.set_title(f"stage {stage}: {title.split(' per stage')[0]}", fontsize=10)
-            ax.set_xlabel("throughput (tokens/s)")
+            ax.set_xlabel("throughput (tokens/s)" + ("; planned only: predicted" if planned_only else ""))
             ax.set_ylabel(title.replace(" per stage", ""))
             ax.grid(True, alpha=0.3)
             top = max(ax.get_ylim()[1], 1e-3) * 1.12  # room above the highest marker
             ax.set_ylim(-0.025 * top, top)  # and below the lowest: nothing clipped at 0
             low, high = min(xs) - span * 0.15, max(xs) + span * 0.15
             ax.set_xlim(max(0.0, low), high)
-    if any((j.summary or {}).get("peak_memory_kind") == "cpu_max_rss" for j in done):
-        for stage in range(stages):
-            grid[1][stage].set_ylabel("peak memory (MiB; CPU: resident set)")
     handles = [
         Line2D(
             [], [], marker=MARKERS.get(v.split("/")[0], "P"), color=colors[v], linestyle="none", markersize=8, label=v

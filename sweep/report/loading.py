@@ -5,7 +5,7 @@ Per-stage figures are lists, one entry per stage, None where unknown; bytes thro
 """
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import yaml
@@ -35,6 +35,8 @@ class Job:
     failure: str | None = None
     plan_source: str = "summary.json"
     """Where the predictions come from: plan.json, config.yaml (planned by this report) or summary.json."""
+    sweep_partition_method: str | None = None
+    """The sweep's parallel.partition_method (multirun.yaml), for a job without config.yaml (a dry run writes none)."""
 
     @property
     def status(self) -> str:
@@ -141,8 +143,40 @@ class Job:
 
     @property
     def predicted_step_time_s(self) -> float | None:
-        """The step-time simulator's prediction for the job's plan, where the run recorded one."""
-        return (self.summary or {}).get("predicted_step_time_s")
+        """The step-time simulator's prediction for the job's plan, where the run recorded one: its summary.json's,
+        else its own plan.json's (a dry-run job has only that)."""
+        recorded = (self.summary or {}).get("predicted_step_time_s")
+        if recorded is None and self.plan is not None and self.plan_source == "plan.json":
+            return self.plan.predicted_step_time_s
+        return recorded
+
+    @property
+    def predicted_tokens_per_s(self) -> float | None:
+        """Tokens per predicted step (predicted_step_time_s), for a job planned only."""
+        step, plan = self.predicted_step_time_s, self.plan
+        if not step or plan is None:
+            return None
+        return plan.micro_batches * plan.micro_batch_size * plan.seq_len * plan.data_parallel_size / step
+
+    def blocks_per_stage(self) -> list[int] | None:
+        """Transformer blocks on each stage: the plan's, else the trained layout's (summary.json)."""
+        if self.plan is not None:
+            return [s.blocks for s in self.plan.stages]
+        layout = (self.summary or {}).get("layout")
+        return [len(stage.get("choices", [])) for stage in layout] if layout else None
+
+    @property
+    def partition_method(self) -> str | None:
+        return (self.config.get("parallel") or {}).get("partition_method", self.sweep_partition_method)
+
+    def measured_peak_tensors(self) -> list | None:
+        """The most live tensor bytes per stage on train.measure_step (the allocator's view, what the planner
+        predicts); on CUDA without it, the allocator's peak. Never the CPU resident set: it holds the interpreter
+        and its libraries, which no plan predicts."""
+        s = self.summary or {}
+        if s.get("measured_peak_tensor_bytes_per_stage"):
+            return s["measured_peak_tensor_bytes_per_stage"]
+        return s.get("peak_memory_bytes_per_stage") if s.get("peak_memory_kind") == "cuda_max_allocated" else None
 
     @property
     def bubble_fraction_per_stage(self) -> list | None:
@@ -180,7 +214,9 @@ def plan_from_config(job: Job) -> RunPlan | None:
     s, cfg = job.summary or {}, job.config
     try:
         model = GPTConfig(**cfg["model"])
-        recompute = GROUP_SCHEMAS["recompute"][job.mode](**job.recompute)
+        schema = GROUP_SCHEMAS["recompute"][job.mode]
+        known = {f.name for f in fields(schema)}  # a job recorded before an option went (recompute.profile) still plans
+        recompute = schema(**{k: v for k, v in job.recompute.items() if k in known})
         run = RunShape(
             Topology(s["pipeline_stages"], s["data_parallel_size"]),
             Target(s["device"], s["precision"]),
@@ -237,6 +273,13 @@ def load_jobs(sweep_dir: Path, plan_missing: bool = True) -> list[Job]:
     """Every job directory of the sweep, in job order. `plan_missing`: plan trained jobs that wrote no
     plan.json from their config (their `plan_source` says which)."""
     jobs = []
+    try:
+        sweep_config = yaml.safe_load((sweep_dir / "multirun.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        sweep_config = {}
+    sweep_partition = ((sweep_config if isinstance(sweep_config, dict) else {}).get("parallel") or {}).get(
+        "partition_method"
+    )
     dirs = [
         p
         for p in sweep_dir.iterdir()
@@ -244,6 +287,7 @@ def load_jobs(sweep_dir: Path, plan_missing: bool = True) -> list[Job]:
     ]
     for path in sorted(dirs, key=_job_order):
         job = Job(path.name, path, _read_json(path / "summary.json"), _read_plan(path / "plan.json"))
+        job.sweep_partition_method = sweep_partition
         try:
             job.config = yaml.safe_load((path / "config.yaml").read_text()) or {}
         except (OSError, yaml.YAMLError):

@@ -8,7 +8,7 @@ from pathlib import Path
 from parallel.planning.shapes import MIB
 from sweep.job import FAILED
 from sweep.report.loading import Job
-from sweep.report.table import rows, varying_axes
+from sweep.report.table import partition_varies, rows, varying_axes
 
 FIGURE = "![memory per stage against tokens/s](report.png)"
 NO_FIGURE = "(no figure: no job has both a throughput and a memory figure)"
@@ -47,7 +47,8 @@ def render_markdown(sweep_dir: Path, jobs: list[Job], figure: bool = True) -> st
     """report.md's text; `figure`: report.png was drawn (else a line says why there is none)."""
     columns, table = rows(jobs)
     axes = varying_axes(jobs)
-    n_axes = len(axes)
+    blocks_column = ["blocks/stage"] if partition_varies(jobs) else []
+    n_axes = len(axes) + len(blocks_column)
     done = [j for j in jobs if j.status == "done"]
     kinds = sorted({(j.summary or {}).get("peak_memory_kind", "?") for j in done})
     lines = [
@@ -79,7 +80,12 @@ def render_markdown(sweep_dir: Path, jobs: list[Job], figure: bool = True) -> st
         "the backward's working set). "
         "*val loss*: the last held-out loss (n/a: trained without train.eval_every). *step time*: median after "
         "warm-up, in ms; *pred.*: the step-time simulator's; *bubble*: idle share of the traced step per stage "
-        "(train.trace_step; timelines below).",
+        "(train.trace_step; timelines below)."
+        + (
+            " *blocks/stage*: transformer blocks on stage 0 / 1 / ... (the partition differs between jobs)."
+            if blocks_column
+            else ""
+        ),
         "",
     ]
     sources = {}
@@ -97,6 +103,7 @@ def render_markdown(sweep_dir: Path, jobs: list[Job], figure: bool = True) -> st
         "mode",
         "interval/modules",
         *axes,
+        *blocks_column,
         "tokens/s",
         "overhead",
         "act/mb",
@@ -116,13 +123,14 @@ def render_markdown(sweep_dir: Path, jobs: list[Job], figure: bool = True) -> st
     for job, row in zip(jobs, table):
         if job.status == "failed":
             continue
-        *row, step_time, predicted_time, bubbles = row
+        *row, step_time, predicted_time, bubbles, blocks = row
         (num, _, mode, setting, *axis_values, tps, overhead, act, pred, error, peak, saving, mem, pred_mem, val) = row
         cells = [
             num,
             mode,
             setting,
             *[str(v) for v in axis_values],
+            *(["n/a" if blocks is None else "/".join(map(str, blocks))] if blocks_column else []),
             "n/a" if tps is None else f"{tps:,.0f}",
             _pct(overhead),
             _mib(act),

@@ -62,6 +62,13 @@ def axis_label(job: Job, axes: list[str]) -> str:
     return " ".join(f"{AXIS_NAMES[k]}={shape[k]}" if AXIS_NAMES[k] else str(shape[k]) for k in axes)
 
 
+def partition_varies(jobs: list[Job]) -> bool:
+    """Whether the report shows the blocks per stage: a `balanced` partition (it moves with the recompute mode, as
+    the planner prices each stage under it) or blocks that differ between jobs."""
+    blocks = {repr(j.blocks_per_stage()) for j in jobs if j.status in ("done", "planned")}
+    return len(blocks) > 1 or any(j.partition_method == "balanced" for j in jobs)
+
+
 def rows(jobs: list[Job]) -> tuple[list[str], list[list[Any]]]:
     """The report table as plain values (bytes, ratios), one row per job: for W&B and the markdown."""
     base = baselines(jobs)
@@ -85,6 +92,7 @@ def rows(jobs: list[Job]) -> tuple[list[str], list[list[Any]]]:
         "step_time_s",
         "predicted_step_time_s",
         "bubble_fraction_per_stage",
+        "blocks_per_stage",
     ]
     table = []
     for job in jobs:
@@ -125,6 +133,7 @@ def rows(jobs: list[Job]) -> tuple[list[str], list[list[Any]]]:
                 job.step_time_s,
                 job.predicted_step_time_s,
                 job.bubble_fraction_per_stage,
+                job.blocks_per_stage(),
             ]
         )
     return columns, table

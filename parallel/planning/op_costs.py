@@ -1,0 +1,150 @@
+"""A block priced from a device profile: each architecture is a list of ops (matmuls with their FLOPs, elementwise
+and normalisation passes with their elements, the attention core, the loss), each op priced on its measured
+curve (parallel/planning/device_profile_file.py). Another architecture is one more op list.
+
+The result is the seconds a measured CostTable (auto_recompute.measured_costs) and the step-time model
+(parallel/planning/step_costs.py) read: the forward of a block and of each part selective recompute redoes, a
+block's forward and backward with autograd, its weight-gradient share (ZB-H1's W), the embeddings, the head with
+its loss, the optimizer per parameter, and the links between ranks.
+"""
+
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+from parallel.planning.auto_recompute import CostTable, measured_costs
+from parallel.planning.device_profile_file import DeviceProfile
+from parallel.planning.shapes import Shape, Target
+
+
+@dataclass(frozen=True)
+class Op:
+    curve: str
+    """The profile curve that prices it (device_profile_file.CURVES)."""
+    size: float
+    """The curve's x: FLOPs of a matmul, elements of an elementwise pass, ..."""
+    weight_grad: bool = False
+    """A backward matmul that makes a Linear's weight gradient: ZB-H1 can defer it (W)."""
+
+    def seconds(self, profile: DeviceProfile) -> float:
+        return profile.seconds(self.curve, self.size)
+
+
+@dataclass(frozen=True)
+class AttentionOp:
+    """The attention core (model.attention's kernel), priced between the head sizes the profile measured."""
+
+    kernel: str
+    dropout: bool
+    scores: float
+    """Score elements: b x heads x s x s."""
+    head_size: int
+    backward: bool = False
+    weight_grad = False  # the core has no weights: nothing for ZB-H1 to defer
+
+    def seconds(self, profile: DeviceProfile) -> float:
+        return profile.attention_seconds(self.kernel, self.dropout, self.scores, self.head_size, self.backward)
+
+
+@dataclass(frozen=True)
+class BlockOps:
+    """One block's forward, split by what selective recompute can redo, and its backward."""
+
+    parts: dict[str, tuple[Op | AttentionOp, ...]]
+    """Forward ops of each recomputable module (`core_attn`, `mlp`, `mlp_act`, `layernorm`) and of the rest."""
+    backward: tuple[Op | AttentionOp, ...]
+
+    @property
+    def forward(self) -> tuple[Op | AttentionOp, ...]:
+        return tuple(op for name, ops in self.parts.items() if name != "mlp_act" for op in ops)
+
+
+def _linear(tokens: int, fan_in: int, fan_out: int) -> tuple[Op, tuple[Op, Op]]:
+    """A Linear's forward matmul and its backward: the input's gradient and the weight's (same FLOPs each)."""
+    flops = 2 * tokens * fan_in * fan_out
+    return Op("matmul", flops), (Op("matmul", flops), Op("matmul", flops, weight_grad=True))
+
+
+def _dropout(elements: int, dropout: bool) -> tuple[tuple[Op, ...], tuple[Op, ...]]:
+    return ((Op("dropout", elements),), (Op("dropout_backward", elements),)) if dropout else ((), ())
+
+
+def gpt_block_ops(shape: Shape) -> BlockOps:
+    """model/layers.py's Block: pre-LayerNorm attention and GELU MLP, dropout on the residual branches (and on the
+    attention probabilities, inside the attention core's curve)."""
+    tokens, h = shape.b * shape.s, shape.h
+    qkv, qkv_back = _linear(tokens, h, 3 * h)
+    proj, proj_back = _linear(tokens, h, h)
+    fc, fc_back = _linear(tokens, h, 4 * h)
+    out, out_back = _linear(tokens, 4 * h, h)
+    drop, drop_back = _dropout(tokens * h, shape.dropout)
+    core = AttentionOp(shape.attention, shape.dropout, shape.scores, h // shape.a)
+    mlp = (fc, Op("gelu", tokens * 4 * h), out, *drop)
+    return BlockOps(
+        parts={
+            "layernorm": (Op("layernorm", tokens * h),) * 2,
+            "core_attn": (core,),
+            "mlp": mlp,
+            "mlp_act": (mlp[1],),
+            "rest": (qkv, proj, *drop, Op("add", tokens * h), Op("add", tokens * h)),
+        },
+        backward=(
+            *(Op("layernorm_backward", tokens * h),) * 2,
+            *qkv_back,
+            replace(core, backward=True),
+            *proj_back,
+            *fc_back,
+            Op("gelu_backward", tokens * 4 * h),
+            *out_back,
+            *drop_back * 2,
+            # the residual stream's gradient is the sum of each branch's and the skip's
+            Op("add", tokens * h),
+            Op("add", tokens * h),
+        ),
+    )
+
+
+ARCHITECTURES = {"gpt2": gpt_block_ops}
+"""The block architectures (model.arch) a profile prices, by their op lists. model.arch=llama has none yet: its
+RMSNorm, rotary embedding and SwiGLU need curves of their own; its runs plan with the analytic costs
+(harness/device_costs.py says so)."""
+
+
+def _seconds(profile: DeviceProfile, ops: Iterable[Op | AttentionOp]) -> float:
+    return sum(op.seconds(profile) for op in ops)
+
+
+def profile_seconds(profile: DeviceProfile, shape: Shape, target: Target) -> dict[str, float]:
+    """One micro-batch's seconds of each part the planner prices (see the module docstring), for shape.arch's
+    blocks (one of ARCHITECTURES)."""
+    block = ARCHITECTURES[shape.arch](shape)
+    tokens, h, d = shape.b * shape.s, shape.h, target.dtype_bytes
+    seconds = {name: _seconds(profile, ops) for name, ops in block.parts.items() if name != "rest"}
+    seconds["block"] = seconds["block_forward"] = _seconds(profile, block.forward)
+    seconds["block_backward"] = _seconds(profile, block.backward)
+    seconds["block_weight_grad"] = _seconds(profile, (op for op in block.backward if op.weight_grad))
+    drop, drop_back = _dropout(tokens * h, shape.dropout)
+    # token gather, position add, dropout; backward: the dropout, the tokens' scatter, the positions' sum
+    seconds["embedding_forward"] = _seconds(profile, (Op("embedding", tokens * h), Op("add", tokens * h), *drop))
+    seconds["embedding_backward"] = _seconds(
+        profile, (*drop_back, Op("embedding_backward", tokens * h), Op("add", tokens * h))
+    )
+    loss = "loss_chunked" if shape.loss_chunk_tokens else "loss_unfused"
+    head = tokens * h * shape.vocab
+    seconds["head_forward"] = _seconds(profile, (Op("layernorm", tokens * h), Op(loss, head)))
+    seconds["head_backward"] = _seconds(profile, (Op("layernorm_backward", tokens * h), Op(loss + "_backward", head)))
+    # The unfused head's backward holds one weight-gradient matmul; the fused one makes it chunk by chunk (none to
+    # defer: step_costs.time_model).
+    seconds["head_weight_grad"] = 0.0 if shape.loss_chunk_tokens else profile.seconds("matmul", 2 * head)
+    block_params = 12 * h * h
+    seconds["optimizer_per_param"] = profile.seconds("adamw", block_params) / block_params
+    if profile.has_links:
+        seconds["transfer"] = profile.seconds("p2p", tokens * h * d)
+        # a 2-rank all-reduce moves its bytes once each way: the ring's rate at a block's gradients
+        grad_bytes = block_params * d
+        seconds["link_bytes_per_s"] = grad_bytes / profile.seconds("allreduce", grad_bytes)
+    return seconds
+
+
+def profiled_costs(profile: DeviceProfile, shape: Shape, target: Target) -> CostTable:
+    """The auto planner's and the step-time model's costs, in seconds, from a device profile."""
+    return measured_costs(shape, target, profile_seconds(profile, shape, target), profile.source)

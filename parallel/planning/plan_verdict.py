@@ -1,0 +1,141 @@
+"""The dry run's last word: does each stage fit the target's memory, by how much it is over, and the one change that
+helps most (each candidate planned again and compared); and when the step idles, what would fill it (a schedule the
+options do not allow, more micro-batches), priced.
+"""
+
+from dataclasses import dataclass, replace
+
+from model import GPTConfig
+from parallel.planning.budget_refusal import alternatives
+from parallel.planning.config import AutoRecompute, FullRecompute, RecomputeConfig
+from parallel.planning.device_profile_file import DeviceProfile
+from parallel.planning.layout import build_layout
+from parallel.planning.op_costs import profiled_costs
+from parallel.planning.plan_record import RunPlan
+from parallel.planning.shapes import GIB, RunShape, Shape
+from parallel.planning.step_costs import DeviceRates
+
+GPU_MEMORY_GIB = 80.0
+"""The memory of the GPU a CUDA dry run is planned on (an 80 GB H100, parallel/planning/step_costs.py's DEFAULT_GPU)
+when train.device_memory_gb does not say."""
+IDLE_ADVICE = 0.25
+"""Share of the step every stage idles above which the dry run says what would fill the bubble."""
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.3f}" if n < 10 * GIB else f"{n / GIB:.1f}"
+
+
+@dataclass(frozen=True)
+class Replanner:
+    """Plans the same model with one setting changed, priced with the same costs."""
+
+    model: GPTConfig
+    partition_method: str
+    seed: int
+    profile: DeviceProfile | None
+    """The costs' device profile (None: analytic), priced again at each setting's shape and precision."""
+    rates: DeviceRates
+
+    def plan(self, recompute: RecomputeConfig, run: RunShape, schedule: str) -> tuple[int, float] | None:
+        """(the largest stage's predicted peak bytes, the predicted step) of the setting's layout; None where it plans
+        nothing (a budget no plan fits, a schedule it refuses)."""
+        costs = None
+        if self.profile is not None and self.profile.signature.precision == run.target.precision:  # else analytic
+            costs = profiled_costs(self.profile, Shape.of(self.model, run.micro_batch_size), run.target)
+        try:
+            layout = build_layout(
+                self.model,
+                recompute,
+                run,
+                self.partition_method,
+                self.seed,
+                costs,
+                self.rates,
+                schedule,
+                price_alternatives=False,
+            )
+        except ValueError:
+            return None
+        chosen = next(
+            o for o in layout.schedule_options if o.schedule == layout.schedule and o.plans == tuple(layout.plans)
+        )
+        return max(chosen.peak_bytes), chosen.step_time_s
+
+
+def verdict_lines(
+    plan: RunPlan,
+    memory_bytes: int,
+    memory_name: str,
+    replanner: Replanner,
+    recompute: RecomputeConfig,
+    run: RunShape,
+    schedule: str,
+) -> list[str]:
+    """One line per stage against `memory_bytes` (`memory_name` says whose memory it is), the change that helps most
+    when a stage is over, and the bubble advice. `schedule`: parallel.schedule as set."""
+    peaks = [s.predicted_peak_bytes for s in plan.stages]
+    lines = [f"verdict against {_gib(memory_bytes)} GiB per rank ({memory_name}):"]
+    for stage, peak in enumerate(peaks):
+        state = "fits" if peak <= memory_bytes else f"over by {_gib(peak - memory_bytes)} GiB"
+        lines.append(f"stage {stage}: predicted peak {_gib(peak)} GiB: {state}")
+    if max(peaks) > memory_bytes:
+        lines.append(_most_helpful(memory_bytes, replanner, recompute, run, schedule))
+    return lines + _bubble_advice(plan, replanner, recompute, run, schedule)
+
+
+def _most_helpful(memory_bytes: int, replanner: Replanner, recompute: RecomputeConfig, run: RunShape, schedule: str):
+    """Of the changes that fit every stage, the fastest; if none fits, the one that lowers the largest peak most."""
+    settings: list[tuple[str, RecomputeConfig, RunShape, str]] = []
+    fixed = "1f1b" if schedule == "auto" else schedule
+    if not isinstance(recompute, AutoRecompute):
+        auto = AutoRecompute(budget_gb=memory_bytes / GIB, reserve_gb=0.0)
+        settings.append((f"+recompute=auto recompute.budget_gb={memory_bytes / GIB:.4g}", auto, run, "auto"))
+        full = FullRecompute(interval="stage")
+        if recompute != full:
+            settings.append(("+recompute=full recompute.interval=stage", full, run, fixed))
+    settings += [(name, recompute, other, schedule) for name, other in alternatives(replanner.model, run)]
+    priced = []
+    for name, setting_recompute, setting_run, setting_schedule in settings:
+        other = replanner.plan(setting_recompute, setting_run, setting_schedule)
+        if other is not None:
+            priced.append((name, *other))
+    fitting = [p for p in priced if p[1] <= memory_bytes]
+    if fitting:
+        name, peak, step = min(fitting, key=lambda p: p[2])
+        return f"helps most: {name} (largest stage peak {_gib(peak)} GiB, predicted step {step:.4g} s)"
+    if priced:
+        name, peak, step = min(priced, key=lambda p: p[1])
+        return f"helps most, still over: {name} (largest stage peak {_gib(peak)} GiB, predicted step {step:.4g} s)"
+    return "no single change planned here fits"
+
+
+def _bubble_advice(
+    plan: RunPlan, replanner: Replanner, recompute: RecomputeConfig, run: RunShape, schedule: str
+) -> list[str]:
+    """When every stage idles more than IDLE_ADVICE of the step: the fastest schedule setting the options left out,
+    and twice the micro-batches, each with its predicted time per micro-batch."""
+    st = plan.step_time
+    if st is None or min(st.stage_idle_s) <= IDLE_ADVICE * st.predicted_step_time_s:
+        return []
+    idle = ", ".join(f"{t / st.predicted_step_time_s:.0%}" for t in st.stage_idle_s)
+    lines = [f"bubble: the stages idle {idle} of the predicted step"]
+    chosen = st.predicted_step_time_s
+    barred = [(name, o) for name, o in st.by_schedule.items() if not o["allowed"] and o["fits"]]
+    if barred:
+        name, option = min(barred, key=lambda item: item[1]["step_time_s"])
+        if option["step_time_s"] < chosen:
+            how = "parallel.schedule=auto and recompute.early=null (the planner chooses)"
+            if not isinstance(recompute, AutoRecompute):
+                kind, early = name.split("+")[0], name.endswith("+early")
+                how = f"parallel.schedule={kind}" + (" recompute.early=true" if early else "")
+            lines.append(f"  {name} would be {chosen / option['step_time_s'] - 1:.0%} faster: {how}")
+    more = replace(run, micro_batches=2 * run.micro_batches)
+    doubled = replanner.plan(recompute, more, schedule)
+    if doubled is not None:
+        per_micro_batch = doubled[1] / more.micro_batches
+        lines.append(
+            f"  train.micro_batches={more.micro_batches}: {per_micro_batch:.4g} s per micro-batch against "
+            f"{chosen / run.micro_batches:.4g} s now (a smaller bubble per token)"
+        )
+    return lines
