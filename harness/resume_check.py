@@ -6,7 +6,8 @@ to log, evaluate and save, the recompute plan and the pipeline schedule, the log
 mechanics). Those shape neither the weights nor the tokens nor the partition. The process grid and the precision
 are compared as the run resolved them (`parallel.pipeline_stages=null` and `=2` may be the same grid), and the
 layer partition once the plan is made (`check_partition`): a changed recompute plan can move a stage boundary
-under parallel.partition_method=balanced.
+under parallel.partition_method=balanced. Options naming a file or folder (PATH_OPTIONS) are compared resolved:
+`data.path=corpus.txt` and the same file's absolute path are one value.
 
 A changed train.steps re-stretches the learning-rate decay from the resumed step (parallel/runtime/lr_schedule.py).
 """
@@ -58,10 +59,24 @@ MAY_CHANGE_GROUPS = ("recompute", "logger")
 """Groups whose every option may change: the recompute plan (exact, the same losses) and where metrics go."""
 NOT_RECORDED = frozenset({"train.resume", "train.overwrite"})
 """Options that say how this launch starts, not how the run trains: not listed as changes."""
+PATH_OPTIONS = frozenset(
+    {"data.path", "data.val_path", "data.tokenizer_file", "data.cache_dir", "model.init_from", "train.device_profile"}
+)
+"""Options naming a file or folder: compared resolved against this launch's working directory, so that a path
+typed relative in one launch and absolute in the other is the same option."""
+PATH_KEYWORDS = frozenset({"auto", "analytic"})
+"""train.device_profile's values that name no file."""
 
 
 def may_change(key: str) -> bool:
     return key in MAY_CHANGE or key.split(".")[0] in MAY_CHANGE_GROUPS
+
+
+def comparable(key: str, value):
+    """`value` as compared: a path option's path resolved (`~` expanded, symlinks followed), anything else as is."""
+    if key not in PATH_OPTIONS or not isinstance(value, str) or not value or value in PATH_KEYWORDS:
+        return value
+    return str(Path(value).expanduser().resolve())
 
 
 def flatten(tree, prefix: str = "") -> dict:
@@ -97,7 +112,11 @@ def check_resume(
     if not known:  # the oldest checkpoints hold the model only: nothing else can be compared or recorded
         saved = {"model": point.meta["model"]} if "model" in point.meta else {}
     old, new = flatten(saved), flatten(resolved)
-    differing = {k: [old.get(k), new.get(k)] for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)}
+    differing = {
+        k: [old.get(k), new.get(k)]
+        for k in sorted(old.keys() | new.keys())
+        if comparable(k, old.get(k)) != comparable(k, new.get(k))
+    }
     # An option only one side has was added or removed by an upgrade (a switched data source shows in data.name).
     refused = {k: v for k, v in differing.items() if not may_change(k) and k in old and k in new}
     grid = _grid_differs(point, shape)

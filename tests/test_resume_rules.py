@@ -118,6 +118,19 @@ def test_a_switched_data_source_is_resumed_with_the_group_choice(tmp_path):
     _check(point, tmp_path, shlex.split(command)[4:])
 
 
+def test_a_path_typed_relative_in_one_launch_and_absolute_in_the_other_is_the_same(tmp_path, monkeypatch):
+    """Path options are compared resolved from the working directory; another file is still refused."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("corpus.txt", "other.txt"):
+        (tmp_path / name).write_text("some text to train on\n")
+    relative = ("data=text", "data.path=corpus.txt", "data.cache_dir=cache")
+    point = _checkpoint(tmp_path / "run", relative)
+    absolute = ("data=text", f"data.path={tmp_path / 'corpus.txt'}", f"data.cache_dir={tmp_path}/./cache")
+    assert _check(point, tmp_path / "run", absolute).changed == {}
+    with pytest.raises(ValueError, match=f"data.path: saved 'corpus.txt', this launch '{tmp_path / 'other.txt'}'"):
+        _check(point, tmp_path / "run", ("data=text", f"data.path={tmp_path / 'other.txt'}", "data.cache_dir=cache"))
+
+
 def test_another_grid_or_precision_is_refused_with_the_saved_one(tmp_path):
     point = _checkpoint(tmp_path, (), precision="bf16")
     with pytest.raises(ValueError) as refusal:
