@@ -10,9 +10,9 @@
 Every configuration trains the same GPT shape, single process, on the same batches (the synthetic token
 source), with the same optimizer (torch AdamW): stagecheck's model as one pipeline stage run by
 parallel/measurement/local_stages.py (the StagePlan and run_stage code the DeepSpeed pipeline runs) in each recompute
-mode, and `transformers.GPT2LMHeadModel` built from a `GPT2Config` (random weights, nothing downloaded)
-with gradient checkpointing off and on. The configurations run in rounds, A B C D E, B C D E A, ..., so a
-noisy machine slows them alike; each ratio is taken within a round and printed as min / median / max over
+mode, and `transformers.GPT2LMHeadModel` built from the config.json an export writes (random weights,
+nothing downloaded) with gradient checkpointing off and on. The configurations run in rounds, A B C D E, B C D E A, ...
+so a noisy machine slows them alike; each ratio is taken within a round and printed as min / median / max over
 rounds. Activation bytes per micro-batch are measured the same way for both models: stagecheck's
 ActivationMeter (saved-tensor hooks, each storage once, parameters excluded) on one forward, plus what a
 non-reentrant checkpoint keeps by reference (its inputs), reported through parallel/recompute's observers
@@ -33,6 +33,7 @@ import torch
 
 from data import SyntheticDataConfig, open_token_source
 from model import GPTConfig, lm_loss
+from model.hf_format import hf_config_from_model
 from parallel.measurement.activation_meter import ActivationMeter
 from parallel.measurement.local_stages import LocalPipeline
 from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
@@ -78,52 +79,20 @@ class Stagecheck:
         return sum(stage.meter.bytes_per_micro_batch()[0] for stage in self.pipe.stages)
 
 
-def _hf_llama(cfg: GPTConfig):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _hf_peer(cfg: GPTConfig):
+    """The HF model of `cfg`'s shape, from the config.json an export writes (model/hf_format.py), and its layers."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.n_embd,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.n_layer,
-        num_attention_heads=cfg.n_head,
-        num_key_value_heads=cfg.kv_heads,
-        max_position_embeddings=cfg.seq_len,
-        rms_norm_eps=cfg.norm_eps,
-        rope_theta=cfg.rope_theta,
-        tie_word_embeddings=cfg.tie_embeddings,
+    config = AutoConfig.for_model(
+        **hf_config_from_model(cfg),
         use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,  # byte vocabulary
-        attn_implementation="eager" if cfg.attention == "math" else "sdpa",
-    )
-    model = LlamaForCausalLM(config)
-    return model, model.model.layers
-
-
-def _hf_gpt2(cfg: GPTConfig):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(
-        vocab_size=cfg.vocab_size,
-        n_positions=cfg.seq_len,
-        n_embd=cfg.n_embd,
-        n_layer=cfg.n_layer,
-        n_head=cfg.n_head,
-        activation_function="gelu",  # exact GELU, as stagecheck's nn.GELU()
-        resid_pdrop=cfg.dropout,
-        embd_pdrop=cfg.dropout,
-        attn_pdrop=cfg.dropout,
-        layer_norm_epsilon=1e-5,
-        use_cache=False,
-        tie_word_embeddings=True,
         bos_token_id=0,
         eos_token_id=0,  # byte vocabulary
         # stagecheck's `math` (explicit QK^T, softmax, dropout, x V) is HF's eager path; `sdpa` is sdpa.
         attn_implementation="eager" if cfg.attention == "math" else "sdpa",
     )
-    model = GPT2LMHeadModel(config)
-    return model, model.transformer.h
+    model = AutoModelForCausalLM.from_config(config)
+    return model, model.model.layers if cfg.arch == "llama" else model.transformer.h
 
 
 class HuggingFace:
@@ -132,7 +101,7 @@ class HuggingFace:
 
     def __init__(self, cfg: GPTConfig, checkpointing: bool):
         torch.manual_seed(SEED)
-        self.model, layers = (_hf_llama if cfg.arch == "llama" else _hf_gpt2)(cfg)
+        self.model, layers = _hf_peer(cfg)
         self.model.train()
         if checkpointing:
             enable = getattr(self.model, "activation_checkpointing_enable", None)
