@@ -8,29 +8,16 @@ import torch
 import transformers
 
 from model import GPT, GPTConfig, gpt_layers, lm_loss, module_entries
+from model.hf_format import hf_config_from_model
 from model.llama_layers import LlamaBlock, SwiGLU
 from model.llama_names import flat_index_of, llama_layer_hf_names
 from model.rms_norm import RMSNorm
 
-# Shrunk from the published configs: (HF class, its config class, model_type fields, our fields).
+# Shrunk from the published configs: (the HF class our config exports as, our fields). The HF model is built from the
+# config.json an export writes (model/hf_format.py).
 SHAPES = {
     "llama3.1": (
         transformers.LlamaForCausalLM,
-        transformers.LlamaConfig,
-        {
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "rope_theta": 500000.0,
-            "rope_scaling": {
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 16,
-            },
-            "tie_word_embeddings": False,
-            "rms_norm_eps": 1e-5,
-        },
         {
             "n_head": 4,
             "n_kv_head": 2,
@@ -42,14 +29,6 @@ SHAPES = {
     ),
     "qwen2.5": (
         transformers.Qwen2ForCausalLM,
-        transformers.Qwen2Config,
-        {
-            "num_attention_heads": 4,
-            "num_key_value_heads": 1,
-            "rope_theta": 1000000.0,
-            "tie_word_embeddings": True,
-            "rms_norm_eps": 1e-6,
-        },
         {
             "n_head": 4,
             "n_kv_head": 1,
@@ -61,16 +40,7 @@ SHAPES = {
     ),
     "mistral": (
         transformers.MistralForCausalLM,
-        transformers.MistralConfig,
-        {
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "rope_theta": 1000000.0,
-            "tie_word_embeddings": False,
-            "sliding_window": None,
-            "rms_norm_eps": 1e-5,
-        },
-        {"n_head": 4, "n_kv_head": 2, "rope_theta": 1000000.0, "tie_embeddings": False},
+        {"n_head": 4, "n_kv_head": 2, "rope_theta": 1000000.0, "tie_embeddings": False, "hf_model_type": "mistral"},
     ),
 }
 
@@ -94,19 +64,12 @@ def llama_config(**overrides) -> GPTConfig:
 
 
 def hf_pair(name: str, attention: str = "sdpa"):
-    hf_class, config_class, hf_fields, ours = SHAPES[name]
+    hf_class, ours = SHAPES[name]
     cfg = llama_config(attention=attention, **ours)
-    hf_config = config_class(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.n_embd,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.n_layer,
-        max_position_embeddings=cfg.seq_len,
-        attn_implementation="eager",
-        **hf_fields,
-    )
+    hf_config = transformers.AutoConfig.for_model(**hf_config_from_model(cfg), attn_implementation="eager")
     torch.manual_seed(0)
-    hf = hf_class(hf_config).eval()
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    assert type(hf) is hf_class
     with torch.no_grad():  # transformers zeroes biases and keeps norm gains at 1: make them count
         for n, p in hf.named_parameters():
             if n.endswith("bias") or "norm" in n:
