@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from model import GPT, GPTConfig, LlamaBlock, lm_loss
-from model.weight_grad import WeightGradStore, split_backward
+from model import GPT, GPTConfig, LlamaBlock
+from model.weight_grad import WeightGradStore
 from parallel.measurement.local_stages import LocalPipeline
 from parallel.measurement.stage_replay import StageReplay
 from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
@@ -21,7 +21,8 @@ from parallel.planning.run_plan import block_choices, plan_run
 from parallel.planning.shapes import RunShape, Shape, Target, Topology
 from parallel.planning.stage_plan import StagePlan, plan_stage
 from parallel.runtime.early_recompute import EarlyRecompute
-from parallel.runtime.recompute import apply_plan, run_stage
+from parallel.runtime.recompute import apply_plan
+from tests.test_zero_bubble import two_micro_batches
 
 MODES = [
     NoRecompute(),
@@ -130,21 +131,7 @@ def _llama_grads(recompute, attention: str, early: bool, defer: bool):
     plan = plan_stage([isinstance(f, LlamaBlock) for f in model.forward_funcs], recompute)
     apply_plan(model.forward_funcs, plan)
     idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
-    early_recompute, store = EarlyRecompute(), WeightGradStore()
-    losses = []
-    with split_backward(defer):
-        for _ in range(2):
-            with early_recompute.registering() if early else torch.enable_grad():
-                losses.append(lm_loss(run_stage(model.forward_funcs, plan, idx), idx))
-        for loss in losses:
-            if early:
-                early_recompute.recompute_next()
-            with store.deferring() if defer else torch.enable_grad():
-                loss.backward()
-        while len(store):
-            store.apply_oldest()
-    assert len(early_recompute) == 0
-    return [loss.detach() for loss in losses], [p.grad for p in model.parameters()]
+    return two_micro_batches(model, plan, idx, early, defer, WeightGradStore(), between=lambda: None)
 
 
 @pytest.mark.parametrize(

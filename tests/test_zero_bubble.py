@@ -70,16 +70,24 @@ def gpt_grads(
     plan = plan_stage([isinstance(f, Block) for f in model.forward_funcs], recompute)
     apply_plan(model.forward_funcs, plan)
     idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1)).to(device)
-    early_recompute = EarlyRecompute()
     # One stage holds both the embedding and the tied LM head: that weight's gradient stays immediate.
     store = WeightGradStore(immediate=[model.forward_funcs[0].wte.weight])
     torch.manual_seed(5)  # the dropout stream
+    # The stream moves on before the recompute: it must replay its own state.
+    return two_micro_batches(model, plan, idx, early, defer, store, between=lambda: torch.rand(8, device=device))
+
+
+def two_micro_batches(model: GPT, plan, idx: torch.Tensor, early: bool, defer: bool, store: WeightGradStore, between):
+    """Both forwards of `idx` through `model`'s planned stage (`between()` after each), then both backwards, each
+    after its early recompute when `early`, its weight gradients deferred into `store` when `defer`: the losses and
+    the parameters' gradients."""
+    early_recompute = EarlyRecompute()
     losses = []
     with split_backward(defer):
         for _ in range(2):
             with early_recompute.registering() if early else torch.enable_grad():
                 losses.append(lm_loss(run_stage(model.forward_funcs, plan, idx), idx))
-            torch.rand(8, device=device)  # the stream moves on before the recompute: it must replay its own state
+            between()
         for loss in losses:
             if early:
                 early_recompute.recompute_next()
