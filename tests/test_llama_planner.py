@@ -22,6 +22,7 @@ from parallel.planning.shapes import RunShape, Shape, Target, Topology
 from parallel.planning.stage_plan import StagePlan, plan_stage
 from parallel.runtime.early_recompute import EarlyRecompute
 from parallel.runtime.recompute import apply_plan
+from tests.test_activation_planner import mode_id
 from tests.test_zero_bubble import two_micro_batches
 
 MODES = [
@@ -38,14 +39,6 @@ VARIANTS = [
     ("math", "fp32", True, 0),
     ("math", "bf16", False, 16),
 ]
-
-
-def mode_id(recompute) -> str:
-    if isinstance(recompute, FullRecompute):
-        return f"full-{recompute.interval}"
-    if isinstance(recompute, SelectiveRecompute):
-        return "selective-" + "+".join(recompute.modules)
-    return "none"
 
 
 def llama(**overrides) -> GPTConfig:
