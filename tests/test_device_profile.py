@@ -8,8 +8,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from model import GPTConfig
+from model.llama_layers import LlamaBlock
 from parallel.planning.device_profile_file import (
     CACHE_ENV,
     CURVES,
@@ -163,6 +166,26 @@ def test_a_llama_block_is_priced_from_its_op_list_with_gqa_widths_and_swiglus_th
     assert seconds["head_weight_grad"] == pytest.approx(2 * tokens * h * shape.vocab * 1e-10)
     assert seconds["embedding_forward"] < 1e-9
     assert ARCHITECTURES["llama"].block_params(shape) == 2 * h * h + 2 * h * h // 4 + 3 * h * f
+
+
+def test_the_llama_op_lists_matmuls_are_the_real_blocks_forward_and_backward_matmuls():
+    """FlopCounterMode over model/llama_layers.py's LlamaBlock, forward and backward: its Linear layers' matmuls
+    (aten.mm; the attention core's are batched) are the op list's, FLOP for FLOP, split 1:2."""
+    config = GPTConfig(
+        arch="llama", activation="silu", bias=False, tie_embeddings=False, n_layer=2, n_head=8, n_kv_head=2,
+        n_embd=128, intermediate_size=352, seq_len=64, attention="math",
+    )  # fmt: skip
+    block = LlamaBlock(config, 0, 0)
+    x = torch.randn(2, config.seq_len, config.n_embd, requires_grad=True)  # (B, T, C)
+    with FlopCounterMode(display=False) as counter:
+        y = block(x)
+        y.backward(torch.randn_like(y))
+    ops = llama_block_ops(Shape.of(config, 2))
+    forward, backward = (
+        sum(op.size for op in part if getattr(op, "curve", None) == "matmul") for part in (ops.forward, ops.backward)
+    )
+    assert forward + backward == counter.get_flop_counts()["Global"][torch.ops.aten.mm]
+    assert backward == 2 * forward
 
 
 def test_attention_is_priced_between_the_head_sizes_it_was_measured_at(tmp_path):
