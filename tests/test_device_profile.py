@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from model import ARCHITECTURES as MODEL_ARCHITECTURES
 from model import GPTConfig
 from model.llama_layers import LlamaBlock
 from parallel.planning.device_profile_file import (
@@ -166,6 +167,7 @@ def test_a_llama_block_is_priced_from_its_op_list_with_gqa_widths_and_swiglus_th
     assert seconds["head_weight_grad"] == pytest.approx(2 * tokens * h * shape.vocab * 1e-10)
     assert seconds["embedding_forward"] < 1e-9
     assert ARCHITECTURES["llama"].block_params(shape) == 2 * h * h + 2 * h * h // 4 + 3 * h * f
+    assert set(ARCHITECTURES) == set(MODEL_ARCHITECTURES)  # a profile prices every model.arch
 
 
 def test_the_llama_op_lists_matmuls_are_the_real_blocks_forward_and_backward_matmuls():

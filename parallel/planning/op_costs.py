@@ -171,7 +171,7 @@ ARCHITECTURES = {
         lambda shape: 2 * shape.h * (shape.h + shape.kv_width) + 3 * shape.h * shape.mlp_width,
     ),
 }
-"""The block architectures (model.arch) a profile prices, by their op lists."""
+"""The block architectures a profile prices, by their op lists: every model.arch (tests/test_device_profile.py)."""
 
 
 def _seconds(profile: DeviceProfile, ops: Iterable[Op | AttentionOp]) -> float:
