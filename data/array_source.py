@@ -1,4 +1,4 @@
-"""Source backed by flat uint16 token files (the text cache, or nanoGPT ``train.bin``/``val.bin``)."""
+"""Source backed by flat uint16 or uint32 token files (the text cache, prepared data, or nanoGPT ``train.bin``)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,12 @@ from data.sampling import (
     val_rng,
 )
 
+# nanoGPT's .bin and every cache whose vocabulary fits 16 bits.
+UINT16 = np.dtype(np.uint16)
+
 
 class ArrayTokenSource:
-    """Random windows of a memory-mapped uint16 token array, with a held-out part for validation.
+    """Random windows of a memory-mapped token array (uint16 or uint32), with a held-out part for validation.
 
     The held-out part is either the last ``val_fraction`` of ``path`` (never sampled for training) or a
     separate file ``val_path``; with neither, the source has no validation batches.
@@ -30,6 +33,7 @@ class ArrayTokenSource:
         check_ids: bool = False,
         val_fraction: float = 0.0,
         val_path: str | None = None,
+        dtype: np.dtype = UINT16,
     ) -> None:
         if val_fraction and val_path is not None:
             raise ValueError("ArrayTokenSource: give val_fraction or val_path, not both")
@@ -41,12 +45,12 @@ class ArrayTokenSource:
         # opaque CUDA device-side assert.
         self._check_ids = check_ids
         # Read-only mapping: pages come from the page cache, shared by all ranks on a node.
-        self.tokens = np.memmap(path, dtype=np.uint16, mode="r")  # (N,)
+        self.tokens = np.memmap(path, dtype=dtype, mode="r")  # (N,)
         self.num_tokens = int(self.tokens.shape[0])
         self.train_tokens = self.tokens  # (N_train,)
         self.val_tokens: np.ndarray | None = None  # (N_val,)
         if val_path is not None:
-            self.val_tokens = np.memmap(val_path, dtype=np.uint16, mode="r")
+            self.val_tokens = np.memmap(val_path, dtype=dtype, mode="r")
         elif val_fraction:
             num_train, _ = split_sizes(self.num_tokens, val_fraction)
             self.train_tokens, self.val_tokens = self.tokens[:num_train], self.tokens[num_train:]

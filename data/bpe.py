@@ -22,7 +22,9 @@ log = logging.getLogger(__name__)
 
 # Bump when the training recipe below changes, so tokenizers (and the token caches built with them) trained
 # the old way are not reused.
-BPE_FORMAT = "bpe-v1"
+BPE_FORMAT = "bpe-v2"
+# The BPE's last id: it ends every file of the corpus in the token cache (GPT-2's end-of-text token, and id).
+BPE_EOS_TOKEN = "<|endoftext|>"
 # The BPE learns from at most the first this many bytes of the corpus (whole files, in corpus order): the
 # embedded 12 MB corpus trains whole in about 5 s here, while a many-GB corpus would not fit in memory.
 BPE_TRAIN_BYTES = 256 * 2**20
@@ -56,17 +58,19 @@ def ensure_bpe(files: CorpusFiles, path: str, vocab_size: int) -> tokenizers.Tok
 
 
 def train_bpe(files: CorpusFiles, vocab_size: int) -> tokenizers.Tokenizer:
-    """A byte-level BPE of at most ``vocab_size`` ids (256 byte symbols first, then merges in order)."""
+    """A byte-level BPE of at most ``vocab_size`` ids (256 byte symbols first, then merges in order, then the
+    end-of-sequence token)."""
     tokenizer = tokenizers.Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - 1,  # the end-of-sequence token takes the last id
         # Every byte is a symbol from the start, so text unseen in training still encodes.
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(_training_texts(files), trainer)
+    tokenizer.add_special_tokens([BPE_EOS_TOKEN])
     return tokenizer
 
 

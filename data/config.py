@@ -11,7 +11,9 @@ import os
 import sysconfig
 from dataclasses import dataclass
 
-from data.tokenizer_file import MAX_UINT16_VOCAB_SIZE, read_tokenizer_file
+from data.memmap_files import MemmapFiles, memmap_files
+from data.token_files import MAX_UINT16_VOCAB_SIZE
+from data.tokenizer_file import read_tokenizer_file
 
 # The bytes tokenizer's vocabulary: one id per byte value.
 BYTE_VOCAB_SIZE = 256
@@ -31,8 +33,8 @@ class SyntheticDataConfig:
 
 @dataclass
 class TextDataConfig:
-    """Tokens of a text corpus (bytes, or a byte-level BPE), cached once as a uint16 memmap, with the last
-    data.val_fraction held out for validation."""
+    """Tokens of a text corpus (bytes, or a byte-level BPE), cached once as a memmap (uint16, or uint32 past 65,536
+    ids), with the last data.val_fraction held out for validation."""
 
     name: str = "text"
     """Option of the `data` config group; must stay "text"."""
@@ -55,9 +57,18 @@ class TextDataConfig:
     tokenizer_file: str | None = None
     """A tokenizer.json of the Hugging Face tokenizers library (e.g. GPT-2's own) used for data.tokenizer=bpe
     instead of training one; model.vocab_size must cover its vocabulary. None: train one."""
+    workers: int | None = None
+    """Processes that tokenize the corpus with a BPE when its token cache is built (>= 1; the cache is the same for
+    any number; bytes need none: their encoding is a copy, done by the building rank). None: one per core the
+    building rank may use."""
 
     def validate(self) -> None:
         _check_name(self.name, "text")
+        if self.workers is not None and self.workers < 1:
+            raise ValueError(
+                f"data.workers={self.workers} is invalid: set data.workers to a process count >= 1, or null for one "
+                f"per core"
+            )
         if not 0 < self.val_fraction <= 0.5:
             raise ValueError(
                 f"data.val_fraction={self.val_fraction} is out of range: set data.val_fraction to a fraction in "
@@ -126,66 +137,76 @@ class TextDataConfig:
 
 @dataclass
 class MemmapDataConfig:
-    """An existing nanoGPT-style ``.bin`` file: a flat array of uint16 token ids."""
+    """Token files on disk: a folder prepare_data.py wrote (its stagecheck_data.json gives the dtype, uint16 or
+    uint32, the vocabulary, the validation file and the tokenizer), or a nanoGPT-style ``.bin`` of uint16 ids."""
 
     name: str = "memmap"
     """Option of the `data` config group; must stay "memmap"."""
     path: str = ""
-    """Path of the .bin token file (required; this source has no default corpus)."""
-    vocab_size: int = 50257
-    """Vocabulary size, in token ids, of the tokenizer that wrote the file; must not exceed
-    model.vocab_size. 50257 is GPT-2's BPE."""
+    """The folder prepare_data.py wrote (or its train.bin), or a nanoGPT-style .bin token file (required; this
+    source has no default corpus)."""
+    vocab_size: int | None = None
+    """Vocabulary size, in token ids, of the tokenizer that wrote a bare .bin; must not exceed model.vocab_size.
+    None: the prepared folder's tokenizer, or 50257 (GPT-2's BPE) for a bare .bin. Prepared data refuses a value
+    that disagrees with its metadata."""
     val_path: str | None = None
-    """Path of the held-out .bin token file (nanoGPT's val.bin), same format as data.path; validation batches
-    are drawn from it. None: no held-out data (train.eval_every must stay 0)."""
+    """Path of the held-out token file (nanoGPT's val.bin), same format as data.path; validation batches are drawn
+    from it. None: a prepared folder's val.bin (when it holds tokens), else no held-out data (train.eval_every
+    must stay 0)."""
     tokenizer_file: str | None = None
-    """The tokenizer.json (Hugging Face tokenizers format) that wrote the files, saved with the run so that
-    generate.py can decode; training never reads it. None: the run has no tokenizer."""
+    """The tokenizer.json (Hugging Face tokenizers format) that wrote a bare .bin, saved with the run so that
+    generate.py can decode; training never reads it. A prepared folder carries its own (a file given here must be
+    the same). None: the prepared folder's, or no tokenizer for a bare .bin."""
 
     def validate(self) -> None:
         _check_name(self.name, "memmap")
         if not self.path:
             raise ValueError(
-                "data.path is required when data.name='memmap': set data.path to an existing "
-                "nanoGPT-style .bin file of uint16 tokens"
+                "data.path is required when data.name='memmap': set data.path to a folder prepare_data.py wrote or "
+                "an existing nanoGPT-style .bin file of uint16 tokens"
             )
-        _check_token_file(self.path, "data.path", "train.bin")
-        if self.val_path is not None:
-            _check_token_file(self.val_path, "data.val_path", "val.bin")
         if self.tokenizer_file is not None:
             read_tokenizer_file(self.tokenizer_file)
-        if not 1 <= self.vocab_size <= MAX_UINT16_VOCAB_SIZE:
-            raise ValueError(
-                f"data.vocab_size={self.vocab_size} is out of range: set data.vocab_size to the "
-                f"tokenizer's vocabulary size, an integer in [1, {MAX_UINT16_VOCAB_SIZE}] "
-                f"(tokens are stored as uint16)"
-            )
+        _check_token_file(self.path, "data.path", "train.bin", itemsize=0)
+        files = self.files()
+        _check_token_file(files.path, "data.path", "train.bin", files.dtype.itemsize)
+        if files.val_path is not None:
+            _check_token_file(files.val_path, "data.val_path", "val.bin", files.dtype.itemsize)
+
+    def files(self) -> MemmapFiles:
+        """The token files, dtype and vocabulary this config reads (from the metadata, when there is one)."""
+        return memmap_files(self.path, self.val_path, self.vocab_size, self.tokenizer_file)
 
 
 DataConfig = SyntheticDataConfig | TextDataConfig | MemmapDataConfig
 
 
-def _check_token_file(path: str, option: str, example: str) -> None:
-    hint = f"set {option} to an existing nanoGPT-style .bin file of uint16 tokens (its {example})"
+def _check_token_file(path: str, option: str, example: str, itemsize: int) -> None:
+    """A readable token file of whole ``itemsize``-byte ids (0: only that the path is readable; a folder is
+    allowed, memmap_files checks it)."""
+    hint = f"set {option} to a folder prepare_data.py wrote or an existing nanoGPT-style .bin file (its {example})"
     if not path:
         raise ValueError(f"{option}='' is empty: {hint}")
     if not os.path.exists(path):
         raise ValueError(f"{option}={path!r} does not exist: {hint}")
-    if not os.path.isfile(path):
-        raise ValueError(f"{option}={path!r} is not a regular file: {hint}")
     if not os.access(path, os.R_OK):
         raise ValueError(f"{option}={path!r} is not readable by this user: {hint}")
+    if itemsize == 0:
+        return
+    if not os.path.isfile(path):
+        raise ValueError(f"{option}={path!r} is not a regular file: {hint}")
     size = os.path.getsize(path)
-    if size == 0 or size % 2 != 0:
+    if size == 0 or size % itemsize != 0:
         raise ValueError(
-            f"{option}={path!r} has {size} bytes, which is not a positive whole number of uint16 tokens: {hint}"
+            f"{option}={path!r} has {size} bytes, which is not a positive whole number of "
+            f"{'uint16' if itemsize == 2 else 'uint32'} tokens: {hint}"
         )
 
 
 def data_has_val(config: DataConfig) -> bool:
-    """Whether the source will have validation batches (cheap: reads no file)."""
+    """Whether the source will have validation batches (cheap: reads at most a prepared folder's metadata)."""
     if isinstance(config, MemmapDataConfig):
-        return config.val_path is not None
+        return config.files().val_path is not None
     return isinstance(config, (SyntheticDataConfig, TextDataConfig))
 
 
@@ -201,7 +222,7 @@ def data_vocab_size(config: DataConfig, model_vocab_size: int) -> int:
         # The bound known before training: a small corpus may end with fewer merges, never more.
         return config.bpe_vocab_size
     if isinstance(config, MemmapDataConfig):
-        return config.vocab_size
+        return config.files().vocab_size
     raise TypeError(f"unknown data config type {type(config).__name__}")
 
 
@@ -214,6 +235,8 @@ def check_vocab(config: DataConfig, model_vocab_size: int) -> None:
     needed = data_vocab_size(config, model_vocab_size)
     if needed > model_vocab_size:
         what = f"data.vocab_size={needed} of data.name={config.name!r}"
+        if isinstance(config, MemmapDataConfig):
+            what = config.files().vocab_origin
         if isinstance(config, TextDataConfig):
             what = {
                 "bytes": "256 byte values of data.tokenizer='bytes'",

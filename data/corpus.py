@@ -1,4 +1,4 @@
-"""Which files make up a text corpus, its cache key, its bytes and texts, and how its tokens are written."""
+"""Which files make up a text corpus, its cache key, its bytes and texts, and its files as documents."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import hashlib
 import json
 import os
 import sysconfig
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-import numpy as np
+from data.documents import Chunk
 
 # Bump when the file selection or the token layout changes, so old caches are not reused.
 CACHE_FORMAT = "stagecheck-text-v1"
@@ -115,25 +115,7 @@ def iter_texts(files: CorpusFiles) -> Iterable[str]:
         yield raw.decode("utf-8", errors="replace")
 
 
-def write_tokens(files: CorpusFiles, chunks: Iterable[np.ndarray], out_path: str) -> int:
-    """Write ``chunks`` (the uint16 token ids of ``files``, in order) to ``out_path`` as raw uint16; returns the
-    token count.
-
-    Files are concatenated with no separator: the bytes vocabulary has no spare id for one, and plain
-    concatenation keeps every byte of the source recoverable from the cache.
-    """
-    count = 0
-    with open(out_path, "wb") as out:
-        for chunk in chunks:
-            chunk.astype(np.uint16, copy=False).tofile(out)
-            count += int(chunk.shape[0])
-        out.flush()
-        # Durable before the rename publishes it: a reader must never map a short file.
-        os.fsync(out.fileno())
-    if count == 0:
-        raise ValueError(
-            f"data.path selects no text ({files.origin}: {len(files.paths)} files, none "
-            f"non-empty UTF-8): set data.path to a text file or a folder of text files, or "
-            f"leave it null for the embedded corpus"
-        )
-    return count
+def file_chunks(files: CorpusFiles) -> Iterator[Chunk]:
+    """Each accepted file whole, as one document (data=text reads files whole, as it always has)."""
+    for document, raw in enumerate(iter_file_bytes(files)):
+        yield Chunk("text", files.origin, 1, document, raw)

@@ -14,10 +14,11 @@ import os
 
 import numpy as np
 
-from data.config import DataConfig, MemmapDataConfig, TextDataConfig
+from data.config import BYTE_VOCAB_SIZE, DataConfig, MemmapDataConfig, TextDataConfig, data_vocab_size
 from data.corpus import CorpusFiles, iter_file_bytes, resolve_corpus
 from data.sampling import split_sizes
 from data.text_source import text_cache_path
+from data.token_files import token_dtype
 
 # Start-up reads at most this many ids of a memmap file at each end, and this many in random blocks between.
 ID_SAMPLE_END_TOKENS = 1 << 20
@@ -33,11 +34,12 @@ def check_data_files(config: DataConfig, seq_len: int) -> None:
     if isinstance(config, TextDataConfig):
         _check_text(config, seq_len)
     elif isinstance(config, MemmapDataConfig):
-        for path, option in ((config.path, "data.path"), (config.val_path, "data.val_path")):
+        files = config.files()
+        for path, option in ((files.path, "data.path"), (files.val_path, "data.val_path")):
             if path is not None:
-                tokens = np.memmap(path, dtype=np.uint16, mode="r")  # (N,)
+                tokens = np.memmap(path, dtype=files.dtype, mode="r")  # (N,)
                 _check_length(int(tokens.shape[0]), seq_len, option, path)
-                _check_id_sample(tokens, config.vocab_size, option, path)
+                _check_id_sample(tokens, files.vocab_size, option, path)
 
 
 def _check_text(config: TextDataConfig, seq_len: int) -> None:
@@ -51,7 +53,8 @@ def _check_text(config: TextDataConfig, seq_len: int) -> None:
     needed = min_corpus_tokens(seq_len, config.val_fraction)
     cache = text_cache_path(config)
     if os.path.exists(cache):
-        count, what = os.path.getsize(cache) // 2, f"{config.tokenizer} tokens"
+        itemsize = token_dtype(data_vocab_size(config, BYTE_VOCAB_SIZE)).itemsize
+        count, what = os.path.getsize(cache) // itemsize, f"{config.tokenizer} tokens"
     else:
         count, what = _text_bytes_up_to(files, needed), "bytes of text (tokens, at most)"
     if count == 0:

@@ -61,7 +61,10 @@ def open_token_source(config: DataConfig, model_vocab_size: int) -> TokenSource:
     if isinstance(config, TextDataConfig):
         return open_text_source(config)
     if isinstance(config, MemmapDataConfig):
-        return ArrayTokenSource(config.path, vocab_size=config.vocab_size, check_ids=True, val_path=config.val_path)
+        files = config.files()
+        return ArrayTokenSource(
+            files.path, vocab_size=files.vocab_size, check_ids=True, val_path=files.val_path, dtype=files.dtype
+        )
     raise TypeError(
         f"open_token_source() needs a SyntheticDataConfig, TextDataConfig or MemmapDataConfig, "
         f"got {type(config).__name__} (convert an OmegaConf node with OmegaConf.to_object)"

@@ -1,15 +1,19 @@
-"""Text source: the tokens of a corpus (bytes or a BPE), built once into a shared uint16 cache file."""
+"""Text source: the tokens of a corpus (bytes or a BPE), built once into a shared cache file (uint16, or uint32 for
+a vocabulary past 65,536 ids) by the tokenizing workers prepare_data.py uses, each file ended by the tokenizer's
+end-of-sequence id when it has one."""
 
 from __future__ import annotations
 
 import logging
 import os
-import time
 
 from data.array_source import ArrayTokenSource
 from data.cache import ensure_file
 from data.config import TextDataConfig
-from data.corpus import iter_file_bytes, resolve_corpus, write_tokens
+from data.corpus import file_chunks, resolve_corpus
+from data.encode_worker import EncoderSpec
+from data.token_files import token_dtype
+from data.tokenize_pool import default_workers, tokenize_chunks
 from data.tokenizer import open_tokenizer, tokenizer_tag
 
 log = logging.getLogger(__name__)
@@ -25,22 +29,44 @@ def open_text_source(config: TextDataConfig) -> ArrayTokenSource:
     files, corpus_fingerprint = resolve_corpus(config.path, config.cache_dir)
     path = _cache_path(config, corpus_fingerprint)
     tokenizer = open_tokenizer(config)  # a BPE is trained (once) before the corpus is tokenized with it
+    dtype = token_dtype(tokenizer.vocab_size)
 
     def build(tmp: str) -> None:
-        start = time.perf_counter()
-        count = write_tokens(files, tokenizer.encode_corpus(iter_file_bytes(files)), tmp)
+        spec = EncoderSpec(
+            None if tokenizer.hf is None else tokenizer.hf.to_str(),
+            tokenizer.eos_id,
+            dtype.name,
+            # A single named file is used as it is (see CorpusFiles.require_utf8); a BPE needs characters.
+            text_mode="bytes" if tokenizer.hf is None else "replace",
+        )
+        workers = config.workers or default_workers()
+        if tokenizer.hf is None:
+            workers = 0  # bytes: the encoding is a copy, done in this process (tokenize_chunks)
+        with open(tmp, "wb") as out:
+            counts = tokenize_chunks(
+                file_chunks(files), spec, workers, out, None, total_documents=len(files.paths), label="token cache"
+            )
+            out.flush()
+            os.fsync(out.fileno())  # durable before the rename publishes it: a reader must never map a short file
+        if counts.train_tokens == 0:
+            raise ValueError(
+                f"data.path selects no text ({files.origin}: {len(files.paths)} files, none non-empty UTF-8): set "
+                f"data.path to a text file or a folder of text files, or leave it null for the embedded corpus"
+            )
         log.info(
-            "built text cache %s: %d tokens (%s) from %d files (%s) in %.1f s",
+            "built text cache %s: %d tokens (%s, %s) from %d files (%s) in %.1f s with %d worker processes",
             path,
-            count,
+            counts.train_tokens,
             tokenizer,
-            len(files.paths),
+            dtype.name,
+            counts.train_documents,
             files.origin,
-            time.perf_counter() - start,
+            counts.seconds,
+            workers,
         )
 
     ensure_file(path, build)
-    return ArrayTokenSource(path, vocab_size=tokenizer.vocab_size, val_fraction=config.val_fraction)
+    return ArrayTokenSource(path, vocab_size=tokenizer.vocab_size, val_fraction=config.val_fraction, dtype=dtype)
 
 
 def _cache_path(config: TextDataConfig, corpus_fingerprint: str) -> str:

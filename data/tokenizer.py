@@ -10,31 +10,39 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
-import numpy as np
 import tokenizers
 
-from data.bpe import BPE_FORMAT, bpe_cache_path, ensure_bpe
+from data.bpe import BPE_EOS_TOKEN, BPE_FORMAT, bpe_cache_path, ensure_bpe
 from data.config import BYTE_VOCAB_SIZE, DataConfig, MemmapDataConfig, SyntheticDataConfig, TextDataConfig
 from data.corpus import resolve_corpus
+from data.eos import find_eos
 from data.tokenizer_file import file_digest, read_tokenizer_file
 
 TOKENIZER_FILE = "tokenizer.json"
 META_FILE = "stagecheck_tokenizer.json"
-# Files encoded per call when a corpus is tokenized: the Rust side spreads a batch over all cores.
-_ENCODE_BATCH_FILES = 64
+# How the bytes tokenizer's end-of-sequence id decodes (GPT-2's end-of-text token reads so too).
+BYTES_EOS_TEXT = "<|endoftext|>"
 
 
 class Tokenizer:
     """Text to token ids and back: one id per UTF-8 byte (kind "bytes"), or a Hugging Face tokenizer
     (kind "bpe": the BPE trained on the corpus, or data.tokenizer_file)."""
 
-    def __init__(self, hf: tokenizers.Tokenizer | None = None) -> None:
+    def __init__(self, hf: tokenizers.Tokenizer | None = None, eos_id: int | None = None) -> None:
         self.hf = hf
         self.kind = "bytes" if hf is None else "bpe"
-        self.vocab_size = BYTE_VOCAB_SIZE if hf is None else hf.get_vocab_size(with_added_tokens=True)
+        # The bytes tokenizer of prepared data (prepare_data.py) ends documents with id 256, past the byte values;
+        # data=text's has no such id, so model.vocab_size=256 presets keep fitting it.
+        self.eos_id = eos_id
+        if hf is None:
+            self.vocab_size = BYTE_VOCAB_SIZE + (eos_id is not None)
+            if eos_id not in (None, BYTE_VOCAB_SIZE):
+                raise ValueError(f"the bytes tokenizer's end-of-sequence id is {BYTE_VOCAB_SIZE}, not {eos_id}")
+        else:
+            self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; ValueError naming the characters this tokenizer cannot encode (bytes never
@@ -58,31 +66,22 @@ class Tokenizer:
         if outside:
             raise ValueError(f"token id {outside[0]} is outside the {self}'s vocabulary [0, {self.vocab_size})")
         if self.hf is None:
-            return bytes(ids).decode("utf-8", errors="replace")
+            documents = _split_at(ids, self.eos_id)
+            return BYTES_EOS_TEXT.join(bytes(d).decode("utf-8", errors="replace") for d in documents)
         return self.hf.decode(ids, skip_special_tokens=False)
-
-    def encode_corpus(self, files_bytes: Iterable[bytes]) -> Iterator[np.ndarray]:
-        """The uint16 ids of each file, in order, for the token cache (no per-text checks: a corpus is not a
-        prompt)."""
-        if self.hf is None:
-            for raw in files_bytes:
-                yield np.frombuffer(raw, dtype=np.uint8).astype(np.uint16)
-            return
-        batch: list[str] = []
-        for raw in files_bytes:
-            batch.append(raw.decode("utf-8", errors="replace"))
-            if len(batch) == _ENCODE_BATCH_FILES:
-                yield from self._encode_batch(batch)
-                batch = []
-        yield from self._encode_batch(batch)
-
-    def _encode_batch(self, texts: list[str]) -> Iterator[np.ndarray]:
-        # The fast variant skips the character offsets, which only a prompt's check needs.
-        for encoding in self.hf.encode_batch_fast(texts, add_special_tokens=False):
-            yield np.asarray(encoding.ids, dtype=np.uint16)
 
     def __repr__(self) -> str:
         return f"{self.kind} tokenizer of {self.vocab_size} ids"
+
+
+def _split_at(ids: list[int], separator: int | None) -> list[list[int]]:
+    documents: list[list[int]] = [[]]
+    for i in ids:
+        if i == separator:
+            documents.append([])
+        else:
+            documents[-1].append(i)
+    return documents
 
 
 def _unknown_id(hf: tokenizers.Tokenizer) -> int | None:
@@ -110,7 +109,7 @@ def tokenizer_tag(config: TextDataConfig) -> str:
     if config.tokenizer == "bytes":
         return "bytes"
     if config.tokenizer_file is not None:
-        return f"file-{file_digest(config.tokenizer_file)[:16]}"
+        return f"file-eos-{file_digest(config.tokenizer_file)[:16]}"  # "eos": files ended by its end-of-sequence id
     return f"{BPE_FORMAT}-{config.bpe_vocab_size}"
 
 
@@ -121,12 +120,21 @@ def open_tokenizer(config: DataConfig) -> Tokenizer:
         if config.tokenizer == "bytes":
             return Tokenizer()
         if config.tokenizer_file is not None:
-            return Tokenizer(read_tokenizer_file(config.tokenizer_file))
+            hf = read_tokenizer_file(config.tokenizer_file)
+            eos = find_eos(hf, config.tokenizer_file)  # a tokenizer without one leaves the files unseparated
+            return Tokenizer(hf, eos_id=None if eos is None else eos[1])
         files, corpus_fingerprint = resolve_corpus(config.path, config.cache_dir)
         path = bpe_cache_path(config.cache_dir, corpus_fingerprint, config.bpe_vocab_size)
-        return Tokenizer(ensure_bpe(files, path, config.bpe_vocab_size))
-    if isinstance(config, MemmapDataConfig) and config.tokenizer_file is not None:
-        return Tokenizer(read_tokenizer_file(config.tokenizer_file))
+        hf = ensure_bpe(files, path, config.bpe_vocab_size)
+        return Tokenizer(hf, eos_id=hf.token_to_id(BPE_EOS_TOKEN))
+    if isinstance(config, MemmapDataConfig):
+        meta = config.files().meta
+        if meta.tokenizer_kind == "bytes":
+            return Tokenizer(eos_id=meta.eos_id)
+        if meta.tokenizer_file is not None:
+            return Tokenizer(read_tokenizer_file(meta.tokenizer_file, option=meta.meta_path), eos_id=meta.eos_id)
+        if config.tokenizer_file is not None:
+            return Tokenizer(read_tokenizer_file(config.tokenizer_file))
     raise ValueError(_no_tokenizer_reason(config))
 
 
@@ -144,7 +152,10 @@ def save_tokenizer(tokenizer: Tokenizer, folder: Path) -> None:
         _write_atomic(folder / TOKENIZER_FILE, tokenizer.hf.to_str())
     else:
         (folder / TOKENIZER_FILE).unlink(missing_ok=True)  # an overwritten run's BPE must not outlive it
-    _write_atomic(folder / META_FILE, json.dumps({"kind": tokenizer.kind, "vocab_size": tokenizer.vocab_size}))
+    meta = {"kind": tokenizer.kind, "vocab_size": tokenizer.vocab_size}
+    if tokenizer.eos_id is not None:
+        meta["eos_id"] = tokenizer.eos_id
+    _write_atomic(folder / META_FILE, json.dumps(meta))
 
 
 def save_run_tokenizer(config: DataConfig, folder: Path) -> None:
@@ -175,9 +186,10 @@ def load_tokenizer(folder: Path) -> Tokenizer:
     if kind == "none":
         raise ValueError(meta.get("reason", f"{folder} holds no tokenizer"))
     if kind == "bytes":
-        return Tokenizer()
+        return Tokenizer(eos_id=meta.get("eos_id"))
     if kind == "bpe":
-        return Tokenizer(read_tokenizer_file(str(folder / TOKENIZER_FILE), option=f"the run's {TOKENIZER_FILE}"))
+        hf = read_tokenizer_file(str(folder / TOKENIZER_FILE), option=f"the run's {TOKENIZER_FILE}")
+        return Tokenizer(hf, eos_id=meta.get("eos_id"))
     raise ValueError(f"{meta_path} names an unknown tokenizer kind {kind!r} (allowed: bytes, bpe, none)")
 
 

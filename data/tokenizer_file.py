@@ -7,13 +7,10 @@ import os
 
 import tokenizers
 
-# Token files store uint16, so no tokenizer with a bigger vocabulary fits.
-MAX_UINT16_VOCAB_SIZE = 65536
-
 
 def read_tokenizer_file(path: str, option: str = "data.tokenizer_file") -> tokenizers.Tokenizer:
-    """Load ``path``; ValueError naming ``option`` when it is missing, unreadable, not a tokenizer.json, or has
-    more ids than uint16 token files hold."""
+    """Load ``path``; ValueError naming ``option`` when it is missing, unreadable or not a tokenizer.json (any
+    vocabulary size: token files are uint32 when uint16 is too small)."""
     hint = f"set {option} to a tokenizer.json written by the Hugging Face tokenizers library"
     if not os.path.isfile(path):
         raise ValueError(f"{option}={path!r} is not an existing file: {hint}")
@@ -23,12 +20,6 @@ def read_tokenizer_file(path: str, option: str = "data.tokenizer_file") -> token
         tokenizer = tokenizers.Tokenizer.from_file(path)
     except Exception as error:  # the Rust side raises a bare Exception for every parse error
         raise ValueError(f"{option}={path!r} is not a valid tokenizer.json ({error}): {hint}") from None
-    size = tokenizer.get_vocab_size(with_added_tokens=True)
-    if size > MAX_UINT16_VOCAB_SIZE:
-        raise ValueError(
-            f"{option}={path!r} has {size} token ids, more than the {MAX_UINT16_VOCAB_SIZE} a uint16 token file "
-            f"holds: use a tokenizer with at most {MAX_UINT16_VOCAB_SIZE} ids"
-        )
     return tokenizer
 
 

@@ -55,12 +55,16 @@ def export_hf(config: ExportConfig) -> Path:
 
 def special_tokens(tokenizer: Tokenizer | None) -> dict[str, tuple[str, int] | None]:
     """{"bos_token": (spelling, id), "eos_token": ..., "pad_token": ...}: the tokenizer's own, None where it has none
-    (bytes and our trained BPEs have no special tokens)."""
+    (bytes have no special tokens; the BPE data=text trains has <|endoftext|>). The end-of-sequence id that ended
+    every document in training, when the tokenizer records one, is the eos_token."""
     vocab = tokenizer.hf.get_vocab(with_added_tokens=True) if tokenizer is not None and tokenizer.hf else {}
     candidates = {"bos_token": BOS_TOKENS, "eos_token": EOS_TOKENS, "pad_token": PAD_TOKENS}
-    return {
+    found = {
         role: next(((t, vocab[t]) for t in spellings if t in vocab), None) for role, spellings in candidates.items()
     }
+    if vocab and tokenizer.eos_id is not None:
+        found["eos_token"] = (tokenizer.hf.id_to_token(tokenizer.eos_id), tokenizer.eos_id)
+    return found
 
 
 def write_hf_dir(

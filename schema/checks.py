@@ -109,5 +109,6 @@ def check_data(run: RunConfig) -> None:
     if run.train.eval_every and not data_has_val(run.data):
         raise ValueError(
             f"train.eval_every={run.train.eval_every} needs a held-out split, and this data has none: "
-            f"set data.val_path=FILE (uint16 tokens, like data.path), or train.eval_every=0"
+            f"set data.val_path=FILE (tokens of data.path's dtype), prepare the data with a validation split "
+            f"(prepare_data.py val_fraction=...), or set train.eval_every=0"
         )

@@ -1,4 +1,5 @@
-"""The configs of the commands that use a trained checkpoint, generate.py and export_hf.py, registered with Hydra.
+"""The configs of the commands beside training, registered with Hydra: generate.py and export_hf.py, which use a
+trained checkpoint, and prepare_data.py, which writes token files.
 
 Types are checked when Hydra composes the config; `validate()` checks the values, once, before anything is
 loaded. Options are top-level (`checkpoint=PATH`, not `generate.checkpoint=PATH`), so messages name them so.
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from data.prepare_config import PrepareDataConfig
 from schema.training import DEVICES
 
 CHECKPOINT_HINT = "give a run directory (its latest checkpoint), its checkpoints/ directory or a step directory"
@@ -81,7 +83,12 @@ class ExportConfig:
             )
 
 
-SCRIPT_SCHEMAS = {"generate_schema": GenerateConfig, "export_hf_schema": ExportConfig}
+SCRIPT_SCHEMAS = {
+    "generate_schema": GenerateConfig,
+    "export_hf_schema": ExportConfig,
+    # data/ owns its schemas, as it does the data group's (data/config.py).
+    "prepare_data_schema": PrepareDataConfig,
+}
 
 
 def register_script_schemas() -> None:

@@ -18,7 +18,7 @@ Running one test file launches only that module's runs; the whole suite launches
 
 import json
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,10 +40,18 @@ class Case:
     overrides: tuple[str, ...]
     nproc: int = 2
     files: Mapping[str, str | bytes] = field(default_factory=dict)
+    # Called with the scratch directory after `files` are written, before the launch: writes what a file's
+    # content given here cannot (a corpus prepared into token files).
+    setup: Callable[[Path], None] | None = None
 
 
-def case(*overrides: str, nproc: int = 2, files: Mapping[str, str | bytes] | None = None) -> Case:
-    return Case(tuple(overrides), nproc, dict(files or {}))
+def case(
+    *overrides: str,
+    nproc: int = 2,
+    files: Mapping[str, str | bytes] | None = None,
+    setup: Callable[[Path], None] | None = None,
+) -> Case:
+    return Case(tuple(overrides), nproc, dict(files or {}), setup)
 
 
 @dataclass(frozen=True)
@@ -149,6 +157,8 @@ class SharedRuns:
                     (files / file_name).write_bytes(content)
                 else:
                     (files / file_name).write_text(content, encoding="utf-8")
+            if c.setup is not None:
+                c.setup(files)
             overrides = tuple(
                 o.replace("{scratch}", str(files)).replace("{runs}", str(scratch / "sweep")) for o in c.overrides
             )

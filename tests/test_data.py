@@ -493,8 +493,8 @@ def test_memmap_validate_requires_path():
     with pytest.raises(ValueError) as err:
         MemmapDataConfig().validate()
     assert str(err.value) == (
-        "data.path is required when data.name='memmap': set data.path to an existing "
-        "nanoGPT-style .bin file of uint16 tokens"
+        "data.path is required when data.name='memmap': set data.path to a folder prepare_data.py wrote or an "
+        "existing nanoGPT-style .bin file of uint16 tokens"
     )
 
 
@@ -572,7 +572,7 @@ def test_text_length_is_bounded_by_bytes_then_known_from_the_cache(tmp_path: Pat
     config = TextDataConfig(path=str(corpus), cache_dir=str(tmp_path / "cache"), tokenizer="bpe", bpe_vocab_size=300)
     check_data_files(config, seq_len=32)  # no cache yet: 1200 bytes could be 1200 tokens
     open_token_source(config, 300)  # GPT-2's split and one merge: "ab", 399 x " ab", " "
-    with pytest.raises(ValueError, match=r"has 401 bpe tokens: .* 380 for training and 21 held out.*= 33"):
+    with pytest.raises(ValueError, match=r"has 402 bpe tokens: .* 381 for training and 21 held out.*= 33"):
         check_data_files(config, seq_len=32)
     check_data_files(config, seq_len=20)
 

@@ -486,8 +486,8 @@ def spoilt_dir(case_name: str, tmp_path: Path) -> Path:
         shards = sorted(directory.glob("model-*.safetensors"))
         assert len(shards) > 2
         shards[1].unlink()
-    elif case_name.startswith("tokenizer bigger"):
-        words = {f"w{i}": i for i in range(VOCAB + 10 if case_name.endswith("vocabulary") else 70000)}
+    elif case_name == "tokenizer bigger than the vocabulary":
+        words = {f"w{i}": i for i in range(VOCAB + 10)}
         tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="w0")).save(str(directory / "tokenizer.json"))
     (directory / "config.json").write_text(json.dumps(config))
     return directory
@@ -502,7 +502,6 @@ SPOILT = {
     "model.layers.0.self_attn.o_proj.bias",
     "missing shard": "model.safetensors.index.json names 1 shard files that are missing, e.g. model-00002-of-",
     "tokenizer bigger than the vocabulary": "' has 266 token ids, more than the vocab_size=256 of model.init_from=",
-    "tokenizer bigger than uint16 token files": "has 70000 token ids, more than the 65536 a uint16 token file holds",
 }
 
 

@@ -18,7 +18,7 @@ from tests.runs import TINY, cpu_env
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("model", "data", "parallel", "schema", "harness", "sweep", "hydra_plugins", "bench")
-ENTRY_POINTS = ("train", "report", "generate", "export_hf")
+ENTRY_POINTS = ("train", "report", "generate", "export_hf", "prepare_data")
 
 MAY_IMPORT = {
     "model": set(),
@@ -33,6 +33,7 @@ MAY_IMPORT = {
     "report": {"sweep"},
     "generate": {"harness", "schema"},
     "export_hf": {"harness", "schema"},
+    "prepare_data": {"data", "harness", "schema"},
 }
 """Project packages each part may import (its own modules aside); tests/ may import anything."""
 
@@ -203,9 +204,11 @@ def test_only_parallel_imports_deepspeed():
 
 
 @pytest.mark.parametrize("package", ["model", "data"])
-def test_leaf_packages_import_only_the_standard_library_torch_numpy_and_tokenizers(package):
-    # data/ also tokenizes text with the Hugging Face tokenizers library (a Rust extension with no dependencies).
-    allowed = set(sys.stdlib_module_names) | {"torch", "numpy"} | ({"tokenizers"} if package == "data" else set())
+def test_leaf_packages_import_only_the_standard_library_torch_numpy_and_their_own_libraries(package):
+    # data/ also tokenizes text with the Hugging Face tokenizers library (a Rust extension with no dependencies), and
+    # prepare_data.py's corpora come through it: Parquet (pyarrow), saved datasets (datasets), a progress bar (tqdm).
+    data_libraries = {"tokenizers", "pyarrow", "datasets", "tqdm"}
+    allowed = set(sys.stdlib_module_names) | {"torch", "numpy"} | (data_libraries if package == "data" else set())
     foreign = {
         m: sorted(external - allowed)
         for m, (_, external) in GRAPH.items()

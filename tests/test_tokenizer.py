@@ -39,6 +39,8 @@ CORPUS = "".join(
 )
 # Text the BPE never saw: other scripts, emoji (4-byte UTF-8), combining marks, control characters, CRLF.
 UNICODE = "naïve café 日本語 ελληνικά русский 🎉👩‍💻 e\u0301 \t\x00\x7f\r\n∑∫ \ufeff end"
+# The end-of-sequence token the trained BPE appends after every file of the corpus.
+EOS = "<|endoftext|>"
 
 
 def _write_corpus(tmp_path: Path, text: str = CORPUS) -> Path:
@@ -109,7 +111,8 @@ def test_bpe_text_source_tokens_are_the_corpus(tmp_path: Path):
     source = open_token_source(config, model_vocab_size=300)
     tokenizer = open_tokenizer(config)
     assert source.vocab_size == 300
-    assert tokenizer.decode(np.asarray(source.tokens).tolist()) == CORPUS + UNICODE
+    # The file ends with the BPE's end-of-sequence token, its last id.
+    assert tokenizer.eos_id == 299 and tokenizer.decode(np.asarray(source.tokens).tolist()) == CORPUS + UNICODE + EOS
     assert len(source.val_tokens) == source.num_tokens - len(source.train_tokens) == -(-source.num_tokens // 10)
     inputs, labels = source.batch(seed=0, step=0, dp_rank=0, micro=0, micro_batch_size=4, seq_len=32)
     assert int(inputs.max()) < 300 and tokenizer.decode(inputs[0].tolist()) in CORPUS
@@ -165,14 +168,14 @@ def _open_counting_builds(config: TextDataConfig, log_dir: str, barrier) -> None
     import data.text_source
 
     def counted(real, what):
-        def wrapper(*args):
+        def wrapper(*args, **kwargs):
             Path(log_dir, f"{what}-{os.getpid()}").touch()
-            return real(*args)
+            return real(*args, **kwargs)
 
         return wrapper
 
     data.bpe.train_bpe = counted(data.bpe.train_bpe, "bpe")
-    data.text_source.write_tokens = counted(data.text_source.write_tokens, "tokens")
+    data.text_source.tokenize_chunks = counted(data.text_source.tokenize_chunks, "tokens")
     barrier.wait()  # all race for both builds at once
     open_token_source(config, model_vocab_size=300)
 
@@ -243,7 +246,7 @@ def test_run_tokenizer_round_trips_through_its_folder(tmp_path: Path):
     bpe = open_tokenizer(_bpe_config(tmp_path, _write_corpus(tmp_path)))
     save_tokenizer(bpe, tmp_path / "run")
     meta = json.loads((tmp_path / "run" / "stagecheck_tokenizer.json").read_text())
-    assert meta == {"kind": "bpe", "vocab_size": 300}
+    assert meta == {"kind": "bpe", "vocab_size": 300, "eos_id": 299}
     loaded = load_tokenizer(tmp_path / "run")
     assert (loaded.kind, loaded.vocab_size) == ("bpe", 300)
     assert loaded.encode(UNICODE) == bpe.encode(UNICODE)
