@@ -17,7 +17,7 @@ from parallel.planning.device_profile_file import (
     read_profile,
     signature_of,
 )
-from parallel.planning.op_costs import ARCHITECTURES, profiled_costs
+from parallel.planning.op_costs import profiled_costs
 from parallel.planning.shapes import Shape
 from parallel.runtime.threads import threads_per_rank, usable_cores
 
@@ -53,12 +53,6 @@ def run_profile(ctx: RunContext) -> tuple[DeviceProfile | None, str]:
     option = ctx.run.train.device_profile
     if option == "analytic":
         return None, "costs: analytic (train.device_profile=analytic)"
-    arch = ctx.run.model.arch
-    if arch not in ARCHITECTURES:
-        return None, (
-            f"costs: analytic: a device profile prices model.arch={', '.join(ARCHITECTURES)} blocks, and there is "
-            f"no op list for model.arch={arch} yet"
-        )
     expected = expected_signature(ctx)
     if option == "auto":
         if expected is None:

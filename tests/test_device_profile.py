@@ -8,8 +8,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
 
+from model import ARCHITECTURES as MODEL_ARCHITECTURES
 from model import GPTConfig
+from model.llama_layers import LlamaBlock
 from parallel.planning.device_profile_file import (
     CACHE_ENV,
     CURVES,
@@ -22,8 +26,8 @@ from parallel.planning.device_profile_file import (
     read_profile,
     signature_of,
 )
-from parallel.planning.flops import block_forward_flops
-from parallel.planning.op_costs import gpt_block_ops, profile_seconds
+from parallel.planning.flops import attention_core_forward_flops, block_forward_flops, mlp_forward_flops
+from parallel.planning.op_costs import ARCHITECTURES, gpt_block_ops, llama_block_ops, profile_seconds
 from parallel.planning.shapes import Shape, Target
 from tests.runs import REPO, TINY, cpu_env, python_run
 
@@ -44,6 +48,62 @@ def test_the_fit_predicts_held_out_sizes_of_synthetic_costs_within_3_percent():
     # noise that makes a larger size cheaper is lowered away, never raised (load only adds time)
     noisy = Curve.of([(1e3, 9e-4), (1e4, 4e-5), (1e5, 3e-4)])
     assert [y for _, y in noisy.points] == [4e-5, 4e-5, 3e-4]
+
+
+LLAMA_CURVES = ("rmsnorm", "rotary", "swiglu")
+
+
+def synthetic_curve_seconds(curve: str, size: float) -> float:
+    """synthetic_seconds, scaled per curve (each its own rate); an attention curve's seconds grow linearly with its
+    head size (its matmuls), as the profile's head-size interpolation assumes."""
+    base, _, head = curve.partition("_hs")  # attention_{kernel}[_gqa][_dropout]_hs{head size}[_backward]
+    head_size, _, part = head.partition("_")
+    return (
+        synthetic_attention_seconds(base + "_" * bool(part) + part, int(head_size), size)
+        if head
+        else _scale(curve) * synthetic_seconds(size)
+    )
+
+
+def synthetic_attention_seconds(curve: str, head_size: int, scores: float) -> float:
+    return _scale(curve) * (1 + head_size / 64) * synthetic_seconds(scores)
+
+
+def _scale(curve: str) -> int:
+    return 1 + sum(map(ord, curve)) % 7
+
+
+def test_the_llama_curves_price_held_out_shapes_within_3_percent_of_synthetic_costs(tmp_path):
+    """RMSNorm, the rotary embedding, SwiGLU and grouped-query attention measured at two sizes a decade on
+    synthetic costs: a Llama block at shapes between them (other widths, GQA ratios and MLP widths) is priced within 3%
+    of those costs, op by op, and every op of its list is on one of the curves."""
+    signature = signature_of("cpu", "fp32", 1)
+    grid = [10 ** (3 + i / 2) for i in range(19)]  # 1e3 .. 1e12
+    new = [c for c in CURVES if c.startswith(LLAMA_CURVES) or "_gqa_" in c]
+    assert len(new) == 2 * len(LLAMA_CURVES) + 8  # forward and backward; GQA: 2 kernels x 2 head sizes
+    points = {name: [(x, synthetic_curve_seconds(name, x)) for x in grid] for name in CURVES}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile_json(signature, "2026-12-01T21:30:00+00:00", points)))
+    profile = read_profile(path, signature)
+    used = set()
+    for n_head, n_kv_head, n_embd, f, seq, kernel in ((8, 2, 336, 904, 136, "sdpa"), (6, 3, 276, 730, 88, "math")):
+        config = GPTConfig(
+            arch="llama", activation="silu", bias=False, tie_embeddings=False, n_head=n_head, n_kv_head=n_kv_head,
+            n_embd=n_embd, intermediate_size=f, seq_len=seq, attention=kernel, n_layer=2,
+        )  # fmt: skip
+        shape = Shape.of(config, 3)
+        block = llama_block_ops(shape)
+        for op in (*block.forward, *block.backward):
+            if hasattr(op, "curve"):
+                truth, used = synthetic_curve_seconds(op.curve, op.size), used | {op.curve}
+            else:  # the attention core, on the grouped curves between the head sizes they were measured at
+                assert op.grouped and op.kernel == kernel
+                curve = f"attention_{kernel}_gqa" + "_backward" * op.backward
+                truth = synthetic_attention_seconds(curve, op.head_size, op.scores)
+            assert op.seconds(profile) == pytest.approx(truth, rel=0.03), op
+    assert {c for c in used if c.split("_backward")[0] in LLAMA_CURVES} == {
+        c + part for c in LLAMA_CURVES for part in ("", "_backward")
+    }
 
 
 def linear_profile(signature, per_unit: dict[str, float] | None = None) -> dict:
@@ -76,6 +136,60 @@ def test_a_block_is_priced_from_its_op_list_on_the_profiles_curves(tmp_path):
     assert sum(op.weight_grad for op in ops.backward) == 4  # the four Linear layers' weight gradients
 
 
+def test_a_llama_block_is_priced_from_its_op_list_with_gqa_widths_and_swiglus_three_matrices(tmp_path):
+    signature = signature_of("cpu", "fp32", 1)
+    path = tmp_path / "profile.json"
+    per_unit = {"matmul": 1e-10, **{c: 1e-15 for c in CURVES if c != "matmul"}, "rmsnorm": 1e-11, "swiglu": 1e-12}
+    path.write_text(json.dumps(linear_profile(signature, per_unit)))
+    profile = read_profile(path, signature)
+    config = GPTConfig(
+        arch="llama", activation="silu", bias=False, tie_embeddings=False, n_layer=2, n_head=8, n_kv_head=2,
+        n_embd=128, intermediate_size=352, seq_len=64, vocab_size=256, loss_chunk_tokens=0,
+    )  # fmt: skip
+    shape = Shape.of(config, 2)
+    tokens, h, f = shape.b * shape.s, shape.h, shape.mlp_width
+    seconds = profile_seconds(profile, shape, Target("cpu", "fp32"))
+    linear_flops = block_forward_flops(shape) - attention_core_forward_flops(shape)
+    assert linear_flops == 2 * tokens * (2 * h * h + 2 * h * h // 4 + 3 * h * f)  # k and v are a quarter wide
+    rms, act = 2 * tokens * h * 1e-11, tokens * f * 1e-12
+    assert seconds["block"] == pytest.approx(linear_flops * 1e-10 + rms + act, rel=1e-3)
+    assert seconds["block_weight_grad"] == pytest.approx(linear_flops * 1e-10, rel=1e-3)
+    assert sum(op.weight_grad for op in llama_block_ops(shape).backward) == 7  # q, k, v, o, gate, up, down
+    # the selective parts: the SwiGLU product, both RMSNorms, the whole MLP (its three matrices and the product)
+    assert seconds["mlp_act"] == pytest.approx(act, rel=1e-3)
+    assert seconds["layernorm"] == pytest.approx(rms, rel=1e-3)
+    assert seconds["mlp"] == pytest.approx(mlp_forward_flops(shape) * 1e-10 + act, rel=1e-3)
+    assert seconds["core_attn"] < 1e-6 and llama_block_ops(shape).parts["core_attn"][0].grouped
+    # the untied head (unfused loss): the final RMSNorm and the loss; its weight gradient a matmul of its own to
+    # defer; no positions
+    loss = tokens * h * shape.vocab * 1e-15  # the loss curves' own
+    assert seconds["head_forward"] == pytest.approx(tokens * h * 1e-11 + loss, rel=1e-3)
+    assert seconds["head_weight_grad"] == pytest.approx(2 * tokens * h * shape.vocab * 1e-10)
+    assert seconds["embedding_forward"] < 1e-9
+    assert ARCHITECTURES["llama"].block_params(shape) == 2 * h * h + 2 * h * h // 4 + 3 * h * f
+    assert set(ARCHITECTURES) == set(MODEL_ARCHITECTURES)  # a profile prices every model.arch
+
+
+def test_the_llama_op_lists_matmuls_are_the_real_blocks_forward_and_backward_matmuls():
+    """FlopCounterMode over model/llama_layers.py's LlamaBlock, forward and backward: its Linear layers' matmuls
+    (aten.mm; the attention core's are batched) are the op list's, FLOP for FLOP, split 1:2."""
+    config = GPTConfig(
+        arch="llama", activation="silu", bias=False, tie_embeddings=False, n_layer=2, n_head=8, n_kv_head=2,
+        n_embd=128, intermediate_size=352, seq_len=64, attention="math",
+    )  # fmt: skip
+    block = LlamaBlock(config, 0, 0)
+    x = torch.randn(2, config.seq_len, config.n_embd, requires_grad=True)  # (B, T, C)
+    with FlopCounterMode(display=False) as counter:
+        y = block(x)
+        y.backward(torch.randn_like(y))
+    ops = llama_block_ops(Shape.of(config, 2))
+    forward, backward = (
+        sum(op.size for op in part if getattr(op, "curve", None) == "matmul") for part in (ops.forward, ops.backward)
+    )
+    assert forward + backward == counter.get_flop_counts()["Global"][torch.ops.aten.mm]
+    assert backward == 2 * forward
+
+
 def test_attention_is_priced_between_the_head_sizes_it_was_measured_at(tmp_path):
     """At a given number of score elements, attention's matmuls grow with the head size and its passes over the
     scores do not: linear in the head size between the 32 and 128 curves, the 32 curve below."""
@@ -96,15 +210,22 @@ def test_a_damaged_stale_or_foreign_profile_is_refused_and_says_why(tmp_path):
     cases = {
         "unreadable": "{not json",
         "stale": json.dumps({**good, "format": FORMAT - 1}),
+        # measured before the Llama curves: stale, naming what it lacks
+        "before Llama": json.dumps(
+            {**good, "format": 1, "curves": {k: v for k, v in good["curves"].items() if not k.startswith("rmsnorm")}}
+        ),
         "damaged": json.dumps({**good, "curves": {k: v for k, v in good["curves"].items() if k != "adamw"}}),
         "foreign": json.dumps({**good, "signature": {**good["signature"], "threads": 7}}),
     }
     for word, text in cases.items():
         path = tmp_path / f"{word}.json"
         path.write_text(text)
-        with pytest.raises(ProfileRefused, match=word) as refused:
+        with pytest.raises(ProfileRefused, match="stale" if word == "before Llama" else word) as refused:
             read_profile(path, signature)
         assert "python -m parallel.measurement.device_profile" in str(refused.value)
+    assert "it lacks the curves rmsnorm, rmsnorm_backward)" in str(
+        pytest.raises(ProfileRefused, read_profile, tmp_path / "before Llama.json", signature).value
+    )
     assert "threads 7 (this run: 1)" in str(pytest.raises(ProfileRefused, read_profile, path, signature).value)
     bad_points = {**good, "curves": {**good["curves"], "matmul": [[1e3, math.nan]]}}
     (tmp_path / "nan.json").write_text(json.dumps(bad_points))
@@ -143,11 +264,12 @@ def test_a_dry_run_records_which_costs_priced_its_plan(tmp_path):
     assert "stagecheck: costs: analytic: device profile " in result.stdout and "is unreadable" in result.stdout
     assert json.loads((tmp_path / "damaged" / "plan.json").read_text())["step_time_costs"] == "analytic"
 
-    # an architecture without an op list (model.arch=llama) plans with the analytic costs and says so
+    # model.arch=llama is priced by its own op list (RMSNorm, rotary, SwiGLU, grouped-query attention)
     llama = [a if a != "model=tiny" else "model=tiny-llama" for a in DRY]
     result = python_run(tmp_path / "llama", *llama, f"train.device_profile={named}", env=env)
-    assert "stagecheck: costs: analytic: a device profile prices model.arch=gpt2 blocks" in result.stdout
-    assert json.loads((tmp_path / "llama" / "plan.json").read_text())["cost_source"]["kind"] == "analytic"
+    assert f"stagecheck: costs: device profile {named}" in result.stdout
+    llama_plan = json.loads((tmp_path / "llama" / "plan.json").read_text())
+    assert llama_plan["step_time_costs"] == "measured" and llama_plan["cost_source"]["path"] == str(named)
 
     # auto, and this device's profile in the cache: every run on the device uses it
     (cache / signature_of("cpu", "fp32", 1).file_name()).write_text(named.read_text())

@@ -1,8 +1,9 @@
 """`python -m parallel.measurement.device_profile`: measure this device once, as functions of shape, for the
 planner (parallel/planning/device_profile_file.py's curves): matmul throughput by size; LayerNorm, GELU,
-dropout with its RNG, residual adds and the embedding's gather and scatter by elements; the attention core of
-each kernel, with and without dropout; the fused and unfused loss; AdamW per parameter; and, between two
-processes, point-to-point latency and bandwidth and a two-rank all-reduce.
+dropout with its RNG, residual adds and the embedding's gather and scatter by elements; Llama's RMSNorm, rotary
+embedding and SwiGLU product by elements; the attention core of each kernel, with and without dropout, and with
+grouped key/value heads; the fused and unfused loss; AdamW per parameter; and, between two processes,
+point-to-point latency and bandwidth and a two-rank all-reduce.
 
 The profile is written to the cache, one file per device signature (device, its name, intra-op threads, torch,
 precision), where every run and dry run on that device finds it (`train.device_profile=auto`), or to `--out`.

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
-FORMAT = 1
-"""Bumped whenever the curves change meaning or a curve is added: an older profile is stale and refused."""
+FORMAT = 2
+"""Bumped whenever the curves change meaning or a curve is added: an older profile is stale and refused.
+2: the Llama block's curves (RMSNorm, the rotary embedding, the SwiGLU product, grouped-query attention)."""
 
 CURVES = {
     "matmul": "FLOPs of one (M, K) x (K, N) matmul (2 M K N)",
@@ -30,6 +31,12 @@ CURVES = {
     "add": "elements (a residual add: two reads, one write)",
     "embedding": "elements gathered (token ids x width)",
     "embedding_backward": "elements scattered back into the table's gradient",
+    "rmsnorm": "elements normalised by model/rms_norm.py's RMSNorm (forward)",
+    "rmsnorm_backward": "elements normalised by RMSNorm (backward)",
+    "rotary": "elements rotated by model/rotary.py's apply_rotary (forward)",
+    "rotary_backward": "elements rotated (backward)",
+    "swiglu": "elements of the SwiGLU product silu(gate) * up (forward)",
+    "swiglu_backward": "elements of the SwiGLU product (backward)",
     "loss_chunked": "tokens x width x vocabulary: the fused LM head and loss (forward)",
     "loss_chunked_backward": "tokens x width x vocabulary: the fused LM head and loss (backward)",
     "loss_unfused": "tokens x width x vocabulary: the LM head, then cross-entropy over whole logits (forward)",
@@ -42,9 +49,15 @@ matmuls (in proportion to the head size) plus its passes over the scores (not), 
 them is priced by linear interpolation (DeviceProfile.attention_seconds)."""
 
 
-def attention_curve(kernel: str, dropout: bool, head_size: int) -> str:
-    """The forward curve of model.attention=`kernel` with dropout on or off, at one of HEAD_SIZES."""
-    return f"attention_{kernel}" + ("_dropout" if dropout else "") + f"_hs{head_size}"
+GQA_GROUPS = 2
+"""Query heads per key/value head of the grouped-query attention curves: the explicit kernel repeats k and v to
+every query head and SDPA reads them grouped, so at given score elements the cost hardly depends on the ratio."""
+
+
+def attention_curve(kernel: str, dropout: bool, head_size: int, grouped: bool = False) -> str:
+    """The forward curve of model.attention=`kernel` with dropout on or off, at one of HEAD_SIZES; `grouped`:
+    grouped-query attention (fewer key/value heads than query heads, model.arch=llama, which has no dropout)."""
+    return f"attention_{kernel}" + ("_gqa" if grouped else "") + ("_dropout" if dropout else "") + f"_hs{head_size}"
 
 
 CURVES.update(
@@ -53,6 +66,15 @@ CURVES.update(
         f"{head_size})"
         for kernel in ("sdpa", "math")
         for dropout in (False, True)
+        for head_size in HEAD_SIZES
+        for part, what in (("", "forward"), ("_backward", "backward"))
+    }
+)
+CURVES.update(
+    {
+        attention_curve(kernel, False, head_size, grouped=True) + part: f"score elements, b x query heads x s x s "
+        f"({what}, head size {head_size}, {GQA_GROUPS} query heads per key/value head)"
+        for kernel in ("sdpa", "math")
         for head_size in HEAD_SIZES
         for part, what in (("", "forward"), ("_backward", "backward"))
     }
@@ -178,11 +200,17 @@ class DeviceProfile:
     def seconds(self, curve: str, size: float) -> float:
         return self.curves[curve](size)
 
-    def attention_seconds(self, kernel: str, dropout: bool, scores: float, head_size: int, backward: bool) -> float:
-        """The attention core over `scores` score elements at `head_size`: linear in the head size between (and
-        beyond) HEAD_SIZES' curves; below the smallest, the smallest's."""
+    def attention_seconds(
+        self, kernel: str, dropout: bool, scores: float, head_size: int, backward: bool, grouped: bool = False
+    ) -> float:
+        """The attention core over `scores` score elements at `head_size` (`grouped`: with fewer key/value heads
+        than query heads): linear in the head size between (and beyond) HEAD_SIZES' curves; below the smallest,
+        the smallest's."""
         low, high = HEAD_SIZES
-        at = [self.seconds(attention_curve(kernel, dropout, hs) + "_backward" * backward, scores) for hs in HEAD_SIZES]
+        at = [
+            self.seconds(attention_curve(kernel, dropout, hs, grouped) + "_backward" * backward, scores)
+            for hs in HEAD_SIZES
+        ]
         if head_size <= low:
             return at[0]
         return at[0] + (at[1] - at[0]) * (head_size - low) / (high - low)
@@ -211,8 +239,12 @@ def read_profile(path: Path, expected: DeviceSignature) -> DeviceProfile:
         raise ProfileRefused(f"device profile {path} is unreadable ({error}): {rebuild}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         found = data.get("format") if isinstance(data, dict) else None
+        held = data.get("curves") if isinstance(data, dict) else None
+        lacks = [name for name in CURVES if name not in held] if isinstance(held, dict) else []
         raise ProfileRefused(
-            f"device profile {path} is stale (format {found!r}, this planner reads {FORMAT}): {rebuild}"
+            f"device profile {path} is stale (format {found!r}, this planner reads {FORMAT}"
+            + (f"; it lacks the curves {', '.join(lacks)}" if lacks else "")
+            + f"): {rebuild}"
         )
     try:
         signature = DeviceSignature(**data["signature"])

@@ -8,7 +8,7 @@ block's forward and backward with autograd, its weight-gradient share (ZB-H1's W
 its loss, the optimizer per parameter, and the links between ranks.
 """
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from parallel.planning.auto_recompute import CostTable, measured_costs
@@ -39,10 +39,14 @@ class AttentionOp:
     """Score elements: b x heads x s x s."""
     head_size: int
     backward: bool = False
+    grouped: bool = False
+    """Fewer key/value heads than query heads (grouped-query attention)."""
     weight_grad = False  # the core has no weights: nothing for ZB-H1 to defer
 
     def seconds(self, profile: DeviceProfile) -> float:
-        return profile.attention_seconds(self.kernel, self.dropout, self.scores, self.head_size, self.backward)
+        return profile.attention_seconds(
+            self.kernel, self.dropout, self.scores, self.head_size, self.backward, self.grouped
+        )
 
 
 @dataclass(frozen=True)
@@ -103,10 +107,71 @@ def gpt_block_ops(shape: Shape) -> BlockOps:
     )
 
 
-ARCHITECTURES = {"gpt2": gpt_block_ops}
-"""The block architectures (model.arch) a profile prices, by their op lists. model.arch=llama has none yet: its
-RMSNorm, rotary embedding and SwiGLU need curves of their own; its runs plan with the analytic costs
-(harness/device_costs.py says so)."""
+def llama_block_ops(shape: Shape) -> BlockOps:
+    """model/llama_layers.py's LlamaBlock: pre-RMSNorm grouped-query attention with rotary q and k, and the SwiGLU
+    MLP; no dropout. q, k and v are three Linear layers (k and v kv_width wide), as gate and up are two: the
+    gradients of their shared input are summed (one add per extra layer)."""
+    tokens, h, kv, f = shape.b * shape.s, shape.h, shape.kv_width, shape.mlp_width
+    q, q_back = _linear(tokens, h, h)
+    k, k_back = _linear(tokens, h, kv)
+    v, v_back = _linear(tokens, h, kv)
+    o, o_back = _linear(tokens, h, h)
+    gate, gate_back = _linear(tokens, h, f)
+    up, up_back = _linear(tokens, h, f)
+    down, down_back = _linear(tokens, f, h)
+    core = AttentionOp(shape.attention, False, shape.scores, shape.head_size, grouped=kv < h)
+    rotary = (Op("rotary", tokens * h), Op("rotary", tokens * kv))  # q and k
+    mlp = (gate, up, Op("swiglu", tokens * f), down)
+    return BlockOps(
+        parts={
+            "layernorm": (Op("rmsnorm", tokens * h),) * 2,
+            "core_attn": (core,),
+            "mlp": mlp,
+            "mlp_act": (mlp[2],),
+            "rest": (q, k, v, *rotary, o, Op("add", tokens * h), Op("add", tokens * h)),
+        },
+        backward=(
+            *(Op("rmsnorm_backward", tokens * h),) * 2,
+            *q_back,
+            *k_back,
+            *v_back,
+            *(Op("rotary_backward", op.size) for op in rotary),
+            replace(core, backward=True),
+            *o_back,
+            *gate_back,
+            *up_back,
+            Op("swiglu_backward", tokens * f),
+            *down_back,
+            # the residual stream's two sums, k's and v's input gradients into q's, up's into gate's
+            *(Op("add", tokens * h),) * 5,
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What a profile prices of one model.arch: its block's op list, the embedding and head around the blocks,
+    and the weights a block's optimizer steps."""
+
+    block: Callable[[Shape], BlockOps]
+    norm: str
+    """The curve of the normalisation before the LM head."""
+    learned_positions: bool
+    """A position table added to the token embeddings (and dropout after them): gpt2's, not llama's (rotary)."""
+    block_params: Callable[[Shape], int]
+    """A block's weight matrices' parameters (biases and gains are few)."""
+
+
+ARCHITECTURES = {
+    "gpt2": Architecture(gpt_block_ops, "layernorm", True, lambda shape: 12 * shape.h * shape.h),
+    "llama": Architecture(
+        llama_block_ops,
+        "rmsnorm",
+        False,
+        lambda shape: 2 * shape.h * (shape.h + shape.kv_width) + 3 * shape.h * shape.mlp_width,
+    ),
+}
+"""The block architectures a profile prices, by their op lists: every model.arch (tests/test_device_profile.py)."""
 
 
 def _seconds(profile: DeviceProfile, ops: Iterable[Op | AttentionOp]) -> float:
@@ -116,26 +181,30 @@ def _seconds(profile: DeviceProfile, ops: Iterable[Op | AttentionOp]) -> float:
 def profile_seconds(profile: DeviceProfile, shape: Shape, target: Target) -> dict[str, float]:
     """One micro-batch's seconds of each part the planner prices (see the module docstring), for shape.arch's
     blocks (one of ARCHITECTURES)."""
-    block = ARCHITECTURES[shape.arch](shape)
+    arch = ARCHITECTURES[shape.arch]
+    block = arch.block(shape)
     tokens, h, d = shape.b * shape.s, shape.h, target.dtype_bytes
     seconds = {name: _seconds(profile, ops) for name, ops in block.parts.items() if name != "rest"}
     seconds["block"] = seconds["block_forward"] = _seconds(profile, block.forward)
     seconds["block_backward"] = _seconds(profile, block.backward)
     seconds["block_weight_grad"] = _seconds(profile, (op for op in block.backward if op.weight_grad))
     drop, drop_back = _dropout(tokens * h, shape.dropout)
-    # token gather, position add, dropout; backward: the dropout, the tokens' scatter, the positions' sum
-    seconds["embedding_forward"] = _seconds(profile, (Op("embedding", tokens * h), Op("add", tokens * h), *drop))
-    seconds["embedding_backward"] = _seconds(
-        profile, (*drop_back, Op("embedding_backward", tokens * h), Op("add", tokens * h))
-    )
+    # token gather, and gpt2's position add and dropout; backward: the dropout, the tokens' scatter, the positions'
+    # sum
+    positions = (Op("add", tokens * h),) if arch.learned_positions else ()
+    seconds["embedding_forward"] = _seconds(profile, (Op("embedding", tokens * h), *positions, *drop))
+    seconds["embedding_backward"] = _seconds(profile, (*drop_back, Op("embedding_backward", tokens * h), *positions))
     loss = "loss_chunked" if shape.loss_chunk_tokens else "loss_unfused"
     head = tokens * h * shape.vocab
-    seconds["head_forward"] = _seconds(profile, (Op("layernorm", tokens * h), Op(loss, head)))
-    seconds["head_backward"] = _seconds(profile, (Op("layernorm_backward", tokens * h), Op(loss + "_backward", head)))
-    # The unfused head's backward holds one weight-gradient matmul; the fused one makes it chunk by chunk (none to
-    # defer: step_costs.time_model).
+    seconds["head_forward"] = _seconds(profile, (Op(arch.norm, tokens * h), Op(loss, head)))
+    seconds["head_backward"] = _seconds(
+        profile, (Op(arch.norm + "_backward", tokens * h), Op(loss + "_backward", head))
+    )
+    # The unfused head's backward holds one weight-gradient matmul, tied (gpt2) or the untied head's own (llama:
+    # model/llama_layers.py's LMHead, the same matmul); the fused one makes it chunk by chunk (none to defer:
+    # step_costs.time_model).
     seconds["head_weight_grad"] = 0.0 if shape.loss_chunk_tokens else profile.seconds("matmul", 2 * head)
-    block_params = 12 * h * h
+    block_params = arch.block_params(shape)
     seconds["optimizer_per_param"] = profile.seconds("adamw", block_params) / block_params
     if profile.has_links:
         seconds["transfer"] = profile.seconds("p2p", tokens * h * d)
