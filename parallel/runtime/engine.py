@@ -31,7 +31,7 @@ def init_process_group(env: DistEnv, device: str, timeout_s: float) -> None:
     # device (a script that skipped start-up) stops here rather than train on the wrong one.
     use_accelerator(device)
     if device == "cuda":
-        # Before anything touches CUDA (recompute.profile broadcasts objects before the engine exists): else every
+        # Before anything touches CUDA (a collective before the engine exists would too): else every
         # rank of the node makes its context, and its NCCL communicators, on cuda:0.
         torch.cuda.set_device(env.local_rank)
     export_dist_env(env)
