@@ -19,11 +19,10 @@ from parallel.planning.memory_model import llama_block_items, selective_combinat
 from parallel.planning.plan_record import PaperBytes
 from parallel.planning.run_plan import block_choices, plan_run
 from parallel.planning.shapes import RunShape, Shape, Target, Topology
-from parallel.planning.stage_plan import StagePlan, plan_stage
-from parallel.runtime.early_recompute import EarlyRecompute
+from parallel.planning.stage_plan import plan_stage
 from parallel.runtime.recompute import apply_plan
 from tests.test_activation_planner import mode_id
-from tests.test_zero_bubble import two_micro_batches
+from tests.test_zero_bubble import early_recomputed_bytes, two_micro_batches
 
 MODES = [
     NoRecompute(),
@@ -145,18 +144,10 @@ def test_recompute_early_and_deferred_is_bit_exact_with_none(recompute, attentio
 )
 def test_early_recompute_holds_what_the_memory_model_says(modules):
     cfg = llama(n_layer=1)
-    block = LlamaBlock(cfg, seed=0, layer_index=1)
-    apply_plan([block], StagePlan(selective={0: tuple(modules)}))
-    early_recompute = EarlyRecompute()
-    early_recompute.measure = True
-    x = torch.randn(2, cfg.seq_len, cfg.n_embd, requires_grad=True)
-    with early_recompute.registering():
-        out = block(x)  # (B, T, C)
-    early_recompute.recompute_next()
-    out.sum().backward()
+    recomputed = early_recomputed_bytes(LlamaBlock(cfg, seed=0, layer_index=1), cfg, modules)
     shape, target = Shape.of(cfg, 2), Target("cpu", "fp32")
     saved = total(llama_block_items(shape, target)) - total(llama_block_items(shape, target, tuple(modules)))
-    assert early_recompute.recomputed_bytes == [saved]
+    assert recomputed == [saved]
 
 
 # Llama shapes the peak model was not derived at: each stage replays its own training step with DeepSpeed's buffers

@@ -113,14 +113,9 @@ def test_early_and_deferred_recompute_is_bit_exact_with_none(recompute, attentio
         assert all(torch.equal(g, b) for g, b in zip(grads, base_grads)), (early, defer)
 
 
-@pytest.mark.parametrize(
-    "modules", [["mlp_act"], ["layernorm"], ["mlp"], ["layernorm", "mlp"], ["mlp_act", "layernorm"]], ids="+".join
-)
-def test_early_recompute_holds_what_the_memory_model_says(modules):
-    """The bytes an early recompute keeps until its backward are the block's bytes under none minus under its
-    plan: what parallel/planning/stage_costs.py charges an early-recomputed micro-batch."""
-    cfg = GPTConfig(n_layer=1, n_head=4, n_embd=64, seq_len=32, vocab_size=256, dropout=0.1)
-    block = Block(cfg, seed=0, layer_index=FIRST_BLOCK_INDEX)
+def early_recomputed_bytes(block: torch.nn.Module, cfg: GPTConfig, modules: list[str]) -> list[int]:
+    """The bytes one early recompute of `block` under selective `modules` keeps until its backward, metered on a
+    forward and backward of 2 sequences."""
     apply_plan([block], StagePlan(selective={0: tuple(modules)}))
     early_recompute = EarlyRecompute()
     early_recompute.measure = True
@@ -129,11 +124,22 @@ def test_early_recompute_holds_what_the_memory_model_says(modules):
         out = block(x)  # (B, T, C)
     early_recompute.recompute_next()
     out.sum().backward()
+    return early_recompute.recomputed_bytes
+
+
+@pytest.mark.parametrize(
+    "modules", [["mlp_act"], ["layernorm"], ["mlp"], ["layernorm", "mlp"], ["mlp_act", "layernorm"]], ids="+".join
+)
+def test_early_recompute_holds_what_the_memory_model_says(modules):
+    """The bytes an early recompute keeps until its backward are the block's bytes under none minus under its
+    plan: what parallel/planning/stage_costs.py charges an early-recomputed micro-batch."""
+    cfg = GPTConfig(n_layer=1, n_head=4, n_embd=64, seq_len=32, vocab_size=256, dropout=0.1)
+    recomputed = early_recomputed_bytes(Block(cfg, seed=0, layer_index=FIRST_BLOCK_INDEX), cfg, modules)
     shape, target, layers = Shape.of(cfg, 2), Target("cpu", "fp32"), range(FIRST_BLOCK_INDEX, FIRST_BLOCK_INDEX + 1)
     recipes = gpt_layers(cfg, seed=0)
     kept = stage_activations(recipes, layers, StagePlan(selective={0: tuple(modules)}), shape, target, False)
     plain = stage_activations(recipes, layers, StagePlan(), shape, target, False)
-    assert early_recompute.recomputed_bytes == [sum(a.bytes for a in plain) - sum(a.bytes for a in kept)]
+    assert recomputed == [sum(a.bytes for a in plain) - sum(a.bytes for a in kept)]
 
 
 def _by_combination(ranks: list[dict]) -> dict[str, list[dict]]:
