@@ -172,3 +172,30 @@ def test_each_stages_predicted_peak_is_within_10_percent_of_its_measured_peak(mo
         measured = StageReplay(layout, index, run).measure_peak()
         assert measured.unaccounted_bytes == 0
         assert abs(measured.peak_bytes / stage.predicted_peak_bytes - 1) <= 0.10, (index, stage.peak_tensor_terms)
+
+
+@pytest.mark.parametrize("modules", [["layernorm"], ["layernorm", "mlp_act"], ["layernorm", "core_attn"]])
+def test_layernorm_recompute_remakes_each_norm_once_per_backward(modules):
+    """q, k and v (and gate and up) each save the one RMSNorm output they read: all take one remade output. Five
+    remakes per block before (one per consuming Linear), priced as two."""
+    cfg = llama(n_layer=1)
+    block = LlamaBlock(cfg, seed=0, layer_index=1)
+    calls = {"input_layernorm": 0, "post_attention_layernorm": 0}
+
+    def counting(name, forward):  # installed before the plan, so the recompute's own call of the forward counts too
+        def counted(*args):
+            calls[name] += 1
+            return forward(*args)
+
+        return counted
+
+    for name in calls:
+        norm = getattr(block, name)
+        norm.forward = counting(name, norm.forward)
+    apply_plan([block], plan_stage([True], SelectiveRecompute(modules=modules)))
+    x = torch.randn(2, cfg.seq_len, cfg.n_embd, requires_grad=True)  # (b, s, h)
+    out = block(x)
+    forward_calls = dict(calls)
+    out.backward(torch.randn_like(out))
+    assert forward_calls == {"input_layernorm": 1, "post_attention_layernorm": 1}
+    assert calls == {"input_layernorm": 2, "post_attention_layernorm": 2}

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 from model import BLOCK_CLASSES, Block, LayerFn, LlamaBlock
 from parallel.planning.stage_plan import StagePlan
 from parallel.runtime import early_recompute
+from parallel.runtime.early_recompute import DiscardedOutput
 
 # Tensors kept for backward *outside* autograd's saved-tensor hooks: a non-reentrant checkpoint holds
 # its inputs by reference, and inside a checkpoint or an output-discarding consumer the innermost hooks
@@ -154,8 +155,9 @@ def _checkpoint_pair(first: nn.Module, second: nn.Module) -> None:
 def _discard_output(producer: nn.Module, consumer: nn.Module) -> None:
     """The consumer stores the producer's inputs instead of its output, and the producer's output is
     recomputed (without grad) when backward needs it: Megatron's output-discarding recompute.
-    The consumer's own backward then runs on bit-identical values, so gradients are unchanged. Each op of the
-    consumer that saves the output (Llama's q, k and v projections all read one norm output) remakes it."""
+    The consumer's own backward then runs on bit-identical values, so gradients are unchanged. Every op of the
+    consumer that saves the output (Llama's q, k and v projections all read one norm output) takes one remade output,
+    made once per consumer call (a `DiscardedOutput`, as early recompute remakes it) and dropped after its last user."""
     producer_forward, consumer_forward = producer.forward, consumer.forward
     last: dict[str, tuple[torch.Tensor, ...] | torch.Tensor] = {}
 
@@ -170,29 +172,25 @@ def _discard_output(producer: nn.Module, consumer: nn.Module) -> None:
             return consumer_forward(*args)
         inputs, out = last.pop("inputs"), last.pop("output")
         storage = out.untyped_storage().data_ptr()
-        region: list[early_recompute.DiscardedOutput] = []  # one per consumer call, however many ops saved `out`
+        region: list[DiscardedOutput] = []  # one per consumer call, however many ops saved `out`
 
         def pack(t: torch.Tensor):
             if t.untyped_storage().data_ptr() != storage:
                 note_stored(t)
                 return t
             note_stored(*inputs)
-            source = inputs
-            if early_recompute.registering():  # recompute.early: remade by RecomputeEarly ahead of backward
-                if not region:
-                    region.append(early_recompute.discarded_output(producer_forward, inputs, _recompute_bracket))
-                source = region[0]
-                source.users += 1
-            return source, t.size(), t.stride(), t.storage_offset()
+            if not region:
+                # recompute.early: registered, so RecomputeEarly remakes it ahead of backward
+                make = early_recompute.discarded_output if early_recompute.registering() else DiscardedOutput
+                region.append(make(producer_forward, inputs, _recompute_bracket))
+            region[0].users += 1
+            return region[0], t.size(), t.stride(), t.storage_offset()
 
         def unpack(packed):
             if isinstance(packed, torch.Tensor):
                 return packed
-            saved, size, stride, offset = packed
-            if isinstance(saved, early_recompute.DiscardedOutput):
-                return saved.take().as_strided(size, stride, offset)
-            with torch.no_grad(), _recompute_bracket():
-                return producer_forward(*saved).as_strided(size, stride, offset)
+            remade, size, stride, offset = packed
+            return remade.take().as_strided(size, stride, offset)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             return consumer_forward(*args)
