@@ -15,6 +15,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -127,7 +128,7 @@ def main() -> None:
         f"stage 0 needs: uniform full(1) {need_full / MIB:.2f} MiB, uniform selective {need_sel / MIB:.2f} MiB "
         f"-> budget {budget / MIB:.2f} MiB (recompute.budget_gb={budget / GIB:.6f})"
     )
-    seconds = profile_seconds(profile, shape, target)
+    seconds = {k: v for k, v in asdict(profile_seconds(profile, shape, target)).items() if v is not None}
     print("device profile priced (s per micro-batch): " + ", ".join(f"{k} {v:.4g}" for k, v in seconds.items()))
     print()
     print(

@@ -126,12 +126,12 @@ def test_a_block_is_priced_from_its_op_list_on_the_profiles_curves(tmp_path):
     shape = Shape.of(config, 2)
     seconds = profile_seconds(profile, shape, Target("cpu", "fp32"))
     linear_flops = block_forward_flops(shape) - 4 * shape.b * shape.s * shape.s * shape.h  # the attention core aside
-    assert seconds["block"] == pytest.approx(linear_flops * 1e-10, rel=1e-3)
-    assert seconds["block_backward"] == pytest.approx(2 * linear_flops * 1e-10, rel=1e-3)
-    assert seconds["block_weight_grad"] == pytest.approx(linear_flops * 1e-10, rel=1e-3)  # one of the two
+    assert seconds.block_recompute == pytest.approx(linear_flops * 1e-10, rel=1e-3)
+    assert seconds.block_backward == pytest.approx(2 * linear_flops * 1e-10, rel=1e-3)
+    assert seconds.block_weight_grad == pytest.approx(linear_flops * 1e-10, rel=1e-3)  # one of the two
     mlp_flops = 2 * shape.b * shape.s * 8 * shape.h**2
-    assert seconds["mlp"] == pytest.approx(mlp_flops * 1e-10, rel=1e-3) and seconds["core_attn"] < 1e-6
-    assert seconds["transfer"] == pytest.approx(shape.bsh * 4 / 2e9)  # the p2p curve at one micro-batch's states
+    assert seconds.mlp == pytest.approx(mlp_flops * 1e-10, rel=1e-3) and seconds.core_attn < 1e-6
+    assert seconds.transfer == pytest.approx(shape.bsh * 4 / 2e9)  # the p2p curve at one micro-batch's states
     ops = gpt_block_ops(shape)
     assert sum(op.weight_grad for op in ops.backward) == 4  # the four Linear layers' weight gradients
 
@@ -152,20 +152,20 @@ def test_a_llama_block_is_priced_from_its_op_list_with_gqa_widths_and_swiglus_th
     linear_flops = block_forward_flops(shape) - attention_core_forward_flops(shape)
     assert linear_flops == 2 * tokens * (2 * h * h + 2 * h * h // 4 + 3 * h * f)  # k and v are a quarter wide
     rms, act = 2 * tokens * h * 1e-11, tokens * f * 1e-12
-    assert seconds["block"] == pytest.approx(linear_flops * 1e-10 + rms + act, rel=1e-3)
-    assert seconds["block_weight_grad"] == pytest.approx(linear_flops * 1e-10, rel=1e-3)
+    assert seconds.block_recompute == pytest.approx(linear_flops * 1e-10 + rms + act, rel=1e-3)
+    assert seconds.block_weight_grad == pytest.approx(linear_flops * 1e-10, rel=1e-3)
     assert sum(op.weight_grad for op in llama_block_ops(shape).backward) == 7  # q, k, v, o, gate, up, down
     # the selective parts: the SwiGLU product, both RMSNorms, the whole MLP (its three matrices and the product)
-    assert seconds["mlp_act"] == pytest.approx(act, rel=1e-3)
-    assert seconds["layernorm"] == pytest.approx(rms, rel=1e-3)
-    assert seconds["mlp"] == pytest.approx(mlp_forward_flops(shape) * 1e-10 + act, rel=1e-3)
-    assert seconds["core_attn"] < 1e-6 and llama_block_ops(shape).parts["core_attn"][0].grouped
+    assert seconds.mlp_act == pytest.approx(act, rel=1e-3)
+    assert seconds.layernorm == pytest.approx(rms, rel=1e-3)
+    assert seconds.mlp == pytest.approx(mlp_forward_flops(shape) * 1e-10 + act, rel=1e-3)
+    assert seconds.core_attn < 1e-6 and llama_block_ops(shape).parts["core_attn"][0].grouped
     # the untied head (unfused loss): the final RMSNorm and the loss; its weight gradient a matmul of its own to
     # defer; no positions
     loss = tokens * h * shape.vocab * 1e-15  # the loss curves' own
-    assert seconds["head_forward"] == pytest.approx(tokens * h * 1e-11 + loss, rel=1e-3)
-    assert seconds["head_weight_grad"] == pytest.approx(2 * tokens * h * shape.vocab * 1e-10)
-    assert seconds["embedding_forward"] < 1e-9
+    assert seconds.head_forward == pytest.approx(tokens * h * 1e-11 + loss, rel=1e-3)
+    assert seconds.head_weight_grad == pytest.approx(2 * tokens * h * shape.vocab * 1e-10)
+    assert seconds.embedding_forward < 1e-9
     assert ARCHITECTURES["llama"].block_params(shape) == 2 * h * h + 2 * h * h // 4 + 3 * h * f
     assert set(ARCHITECTURES) == set(MODEL_ARCHITECTURES)  # a profile prices every model.arch
 

@@ -38,7 +38,12 @@ MAY_IMPORT = {
 """Project packages each part may import (its own modules aside); tests/ may import anything."""
 
 PLANNING = [
-    {"parallel.planning.config", "parallel.planning.shapes", "parallel.planning.device_profile_file"},
+    {
+        "parallel.planning.config",
+        "parallel.planning.shapes",
+        "parallel.planning.device_profile_file",
+        "parallel.planning.measured_seconds",
+    },
     {"parallel.planning.schedules"},  # step 1's schedules, which schedule_walk.py and step_sim.py walk
     {
         "parallel.planning.stage_plan",

@@ -17,6 +17,7 @@ from parallel.planning.auto_recompute import measured_costs
 from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.planning.device_profile_file import CostSource
 from parallel.planning.layout import build_layout
+from parallel.planning.measured_seconds import MeasuredSeconds
 from parallel.planning.memory_model import stage_weight_grad_bytes
 from parallel.planning.run_plan import plan_run
 from parallel.planning.schedules import SCHEDULES
@@ -169,23 +170,42 @@ def test_replaying_a_traced_runs_own_costs_predicts_its_traced_step(case_runs):
 
 TINY_CFG = GPTConfig(n_layer=4, n_head=4, n_embd=128, seq_len=128, vocab_size=256, dropout=0.1, attention="math")
 RUN = RunShape(Topology(2), Target("cpu", "fp32"), micro_batches=4, micro_batch_size=2)
-PROFILE = {
-    "block": 0.004,
-    "core_attn": 0.002,
-    "mlp": 0.001,
-    "mlp_act": 0.0001,
-    "layernorm": 0.0002,
-    "block_forward": 0.005,
-    "block_backward": 0.009,
-    "embedding_forward": 0.0003,
-    "embedding_backward": 0.0004,
-    "head_forward": 0.002,
-    "head_backward": 0.003,
-    "optimizer_per_param": 1e-8,
-    "block_weight_grad": 0.004,
-    "head_weight_grad": 0.0015,
-}
+PROFILE = MeasuredSeconds(
+    block_recompute=0.004,
+    core_attn=0.002,
+    mlp=0.001,
+    mlp_act=0.0001,
+    layernorm=0.0002,
+    block_forward=0.005,
+    block_backward=0.009,
+    embedding_forward=0.0003,
+    embedding_backward=0.0004,
+    head_forward=0.002,
+    head_backward=0.003,
+    optimizer_per_param=1e-8,
+    block_weight_grad=0.004,
+    head_weight_grad=0.0015,
+    transfer=None,
+    link_bytes_per_s=None,
+)
 SOURCE = CostSource("profile", "/profiles/cpu.json", "2026-12-01T21:00:00+00:00")
+
+
+def test_a_misspelt_missing_or_negative_measured_cost_is_an_error_not_an_analytic_fallback():
+    """The step-time inputs were an untyped dict where a misspelt key silently fell back to the analytic model."""
+    fields = dataclasses.asdict(PROFILE)
+    with pytest.raises(TypeError, match="block_bakward"):
+        MeasuredSeconds(**fields, block_bakward=0.009)
+    del fields["block_backward"]
+    with pytest.raises(TypeError, match="block_backward"):
+        MeasuredSeconds(**fields)
+    with pytest.raises(ValueError, match="head_forward"):
+        dataclasses.replace(PROFILE, head_forward=-1.0)
+    with pytest.raises(ValueError, match="transfer"):
+        dataclasses.replace(PROFILE, transfer="0.1")
+    with pytest.raises(ValueError, match="layernrom"):
+        measured_costs(Shape.of(TINY_CFG, 2), RUN.target, PROFILE, SOURCE).measured.selective(["layernrom"])
+    assert PROFILE.selective(["core_attn", "layernorm"]) == pytest.approx(0.0022)
 
 
 def test_measured_costs_price_each_stage_from_the_profile():

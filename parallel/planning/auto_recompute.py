@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 
 from parallel.planning.device_profile_file import ANALYTIC, CostSource
 from parallel.planning.flops import block_forward_flops, mlp_output_matmul_flops, selective_recompute_flops
+from parallel.planning.measured_seconds import MeasuredSeconds
 from parallel.planning.memory_model import attention_kernel, block_full_items, total
 from parallel.planning.shapes import Shape, Target
 from parallel.planning.stage_costs import BlockOption, block_options
@@ -60,9 +61,9 @@ class CostTable:
     """Recomputing one block's forward inside a segment."""
     segment_discount: float = 0.0
     """Cost a segment saves once (torch's early stop skips the last matmul when nothing after it is saved)."""
-    profile: dict[str, float] | None = None
-    """Measured tables only: the seconds of a block's parts priced from a device profile
-    (parallel/planning/op_costs.py), costs in seconds."""
+    measured: MeasuredSeconds | None = None
+    """Measured tables only: the seconds of a block's parts and the stage's other parts (costs are then in
+    seconds)."""
     source: CostSource = ANALYTIC
     """Which costs these are: a device profile (its path and date) or analytic."""
 
@@ -126,15 +127,15 @@ def analytic_costs(shape: Shape, target: Target) -> CostTable:
     )
 
 
-def measured_costs(shape: Shape, target: Target, seconds: dict[str, float], source: CostSource) -> CostTable:
-    """Costs in seconds of one block: the forward of `block`, `core_attn`, `mlp`, `mlp_act` and `layernorm` (both
-    LayerNorms); the step-time model reads the rest of `seconds`."""
+def measured_costs(shape: Shape, target: Target, seconds: MeasuredSeconds, source: CostSource) -> CostTable:
+    """Costs in seconds of one block: a full recompute's forward and each selective part's; the step-time model
+    reads the rest of `seconds`."""
     return _table(
         shape,
         target,
-        lambda modules: sum(seconds[m] for m in modules),
-        full_block_cost=seconds["block"],
-        profile=dict(seconds),
+        seconds.selective,
+        full_block_cost=seconds.block_recompute,
+        measured=seconds,
         source=source,
     )
 
@@ -145,7 +146,7 @@ def _table(
     cost,
     full_block_cost: float,
     segment_discount: float = 0.0,
-    profile: dict[str, float] | None = None,
+    measured: MeasuredSeconds | None = None,
     source: CostSource = ANALYTIC,
 ) -> CostTable:
     options = block_options(shape, target, cost)
@@ -155,7 +156,7 @@ def _table(
         options[0].kept_bytes,
         float(full_block_cost),
         float(segment_discount),
-        profile,
+        measured,
         source,
     )
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from parallel.planning.auto_recompute import CostTable, measured_costs
 from parallel.planning.device_profile_file import DeviceProfile
+from parallel.planning.measured_seconds import SELECTIVE_PARTS, MeasuredSeconds
 from parallel.planning.shapes import Shape, Target
 
 
@@ -178,40 +179,47 @@ def _seconds(profile: DeviceProfile, ops: Iterable[Op | AttentionOp]) -> float:
     return sum(op.seconds(profile) for op in ops)
 
 
-def profile_seconds(profile: DeviceProfile, shape: Shape, target: Target) -> dict[str, float]:
+def profile_seconds(profile: DeviceProfile, shape: Shape, target: Target) -> MeasuredSeconds:
     """One micro-batch's seconds of each part the planner prices (see the module docstring), for shape.arch's
     blocks (one of ARCHITECTURES)."""
     arch = ARCHITECTURES[shape.arch]
     block = arch.block(shape)
+    missing = set(SELECTIVE_PARTS) - set(block.parts)
+    if missing:
+        raise ValueError(f"the {shape.arch} op list prices no selective part {sorted(missing)}")
     tokens, h, d = shape.b * shape.s, shape.h, target.dtype_bytes
-    seconds = {name: _seconds(profile, ops) for name, ops in block.parts.items() if name != "rest"}
-    seconds["block"] = seconds["block_forward"] = _seconds(profile, block.forward)
-    seconds["block_backward"] = _seconds(profile, block.backward)
-    seconds["block_weight_grad"] = _seconds(profile, (op for op in block.backward if op.weight_grad))
     drop, drop_back = _dropout(tokens * h, shape.dropout)
     # token gather, and gpt2's position add and dropout; backward: the dropout, the tokens' scatter, the positions'
     # sum
     positions = (Op("add", tokens * h),) if arch.learned_positions else ()
-    seconds["embedding_forward"] = _seconds(profile, (Op("embedding", tokens * h), *positions, *drop))
-    seconds["embedding_backward"] = _seconds(profile, (*drop_back, Op("embedding_backward", tokens * h), *positions))
     loss = "loss_chunked" if shape.loss_chunk_tokens else "loss_unfused"
     head = tokens * h * shape.vocab
-    seconds["head_forward"] = _seconds(profile, (Op(arch.norm, tokens * h), Op(loss, head)))
-    seconds["head_backward"] = _seconds(
-        profile, (Op(arch.norm + "_backward", tokens * h), Op(loss + "_backward", head))
-    )
-    # The unfused head's backward holds one weight-gradient matmul, tied (gpt2) or the untied head's own (llama:
-    # model/llama_layers.py's LMHead, the same matmul); the fused one makes it chunk by chunk (none to defer:
-    # step_costs.time_model).
-    seconds["head_weight_grad"] = 0.0 if shape.loss_chunk_tokens else profile.seconds("matmul", 2 * head)
     block_params = arch.block_params(shape)
-    seconds["optimizer_per_param"] = profile.seconds("adamw", block_params) / block_params
+    transfer = link_rate = None
     if profile.has_links:
-        seconds["transfer"] = profile.seconds("p2p", tokens * h * d)
+        transfer = profile.seconds("p2p", tokens * h * d)
         # a 2-rank all-reduce moves its bytes once each way: the ring's rate at a block's gradients
         grad_bytes = block_params * d
-        seconds["link_bytes_per_s"] = grad_bytes / profile.seconds("allreduce", grad_bytes)
-    return seconds
+        link_rate = grad_bytes / profile.seconds("allreduce", grad_bytes)
+    forward = _seconds(profile, block.forward)
+    return MeasuredSeconds(
+        **{part: _seconds(profile, block.parts[part]) for part in SELECTIVE_PARTS},
+        block_recompute=forward,
+        block_forward=forward,
+        block_backward=_seconds(profile, block.backward),
+        block_weight_grad=_seconds(profile, (op for op in block.backward if op.weight_grad)),
+        embedding_forward=_seconds(profile, (Op("embedding", tokens * h), *positions, *drop)),
+        embedding_backward=_seconds(profile, (*drop_back, Op("embedding_backward", tokens * h), *positions)),
+        head_forward=_seconds(profile, (Op(arch.norm, tokens * h), Op(loss, head))),
+        head_backward=_seconds(profile, (Op(arch.norm + "_backward", tokens * h), Op(loss + "_backward", head))),
+        # The unfused head's backward holds one weight-gradient matmul, tied (gpt2) or the untied head's own (llama:
+        # model/llama_layers.py's LMHead, the same matmul); the fused one makes it chunk by chunk (none to defer:
+        # step_costs.time_model).
+        head_weight_grad=0.0 if shape.loss_chunk_tokens else profile.seconds("matmul", 2 * head),
+        optimizer_per_param=profile.seconds("adamw", block_params) / block_params,
+        transfer=transfer,
+        link_bytes_per_s=link_rate,
+    )
 
 
 def profiled_costs(profile: DeviceProfile, shape: Shape, target: Target) -> CostTable:

@@ -21,6 +21,7 @@ from parallel.planning.flops import (
     head_forward_flops,
     lookup_peak_tflops,
 )
+from parallel.planning.measured_seconds import SELECTIVE_PARTS, MeasuredSeconds
 from parallel.planning.partition import StageRange
 from parallel.planning.shapes import FP32, RunShape, Shape
 from parallel.planning.stage_plan import StagePlan
@@ -131,62 +132,69 @@ class TimeModel:
         )
 
 
-def time_model(shape: Shape, run: RunShape, table: CostTable, rates: DeviceRates) -> TimeModel:
-    """Measured where the table carries a profile's seconds (parallel/planning/op_costs.py's keys), analytic
-    elsewhere."""
+def analytic_seconds(shape: Shape, run: RunShape, table: CostTable, rates: DeviceRates) -> MeasuredSeconds:
+    """What the analytic model charges each part: FLOPs at the matmul rate, elementwise work's bytes at the
+    bandwidth; no link was measured."""
     d, bsh, tokens = run.target.dtype_bytes, shape.bsh, shape.b * shape.s
     flops, bandwidth = rates.flops_per_s, rates.bytes_per_s
-    matmul = block_forward_flops(shape) / flops
     # The analytic table's full-block cost is the forward's matmuls plus its elementwise bytes (FLOP-
-    # equivalents); backward does twice the matmuls and about the same elementwise work again. (A measured
-    # table's full-block cost is the forward without autograd: the profile's block_forward replaces it.)
-    measured = table.profile is not None
-    block = table.full_block_cost if measured else table.full_block_cost / flops
+    # equivalents); backward does twice the matmuls and about the same elementwise work again.
+    block = table.full_block_cost / flops
     # Embedding: gather, position add, dropout; its backward scatters the gradient back (bandwidth-bound).
     embedding = 4 * bsh * d / bandwidth
     # Head: final LayerNorm, the (h x V) matmul, then softmax and cross-entropy over fp32 logits.
     head_elementwise = (4 * bsh * d + 3 * tokens * shape.vocab * FP32) / bandwidth
-    seconds = {
-        "block_forward": block,
-        "block_backward": block + matmul,
-        "embedding_forward": embedding,
-        "embedding_backward": embedding,
-        "head_forward": head_forward_flops(shape) / flops + head_elementwise,
+    head = head_forward_flops(shape) / flops
+    per_option = {frozenset(o.modules): o.cost / flops for o in table.options}
+    return MeasuredSeconds(
+        **{part: per_option[frozenset((part,))] for part in SELECTIVE_PARTS},
+        block_recompute=block,
+        block_forward=block,
+        block_backward=block + block_forward_flops(shape) / flops,
+        # W, the weight-gradient matmuls: one forward's worth of each Linear's FLOPs (the attention core has no
+        # weight)
+        block_weight_grad=(block_forward_flops(shape) - attention_core_forward_flops(shape)) / flops,
+        embedding_forward=embedding,
+        embedding_backward=embedding,
+        head_forward=head + head_elementwise,
         # the fused loss (model.loss_chunk_tokens) makes the logits once more in backward
-        "head_backward": (2 + bool(shape.loss_chunk_tokens)) * head_forward_flops(shape) / flops + head_elementwise,
-        "optimizer_per_param": ADAM_BYTES_PER_PARAM / bandwidth,
-    }
-    # A measured table's costs are seconds: its profile replaces the analytic parts it prices; its links (two
-    # processes measured them) replace the nominal ones.
-    seconds.update(table.profile or {})
-    if "link_bytes_per_s" in seconds:
-        rates = replace(rates, link_bytes_per_s=seconds["link_bytes_per_s"])
-    # W, the weight-gradient matmuls: one forward's worth of each Linear's FLOPs (the attention core has no
-    # weight). Analytic: those FLOPs at the matmul rate. Measured: the weight-gradient matmuls of the op list.
-    block_w_flops = block_forward_flops(shape) - attention_core_forward_flops(shape)
-    if measured:
-        block_w, head_w = seconds["block_weight_grad"], seconds["head_weight_grad"]
-    else:
-        block_w, head_w = block_w_flops / flops, head_forward_flops(shape) / flops
-    if shape.loss_chunk_tokens:
-        head_w = 0.0  # the fused loss's backward makes the head's weight gradient chunk by chunk: none to defer
+        head_backward=(2 + bool(shape.loss_chunk_tokens)) * head + head_elementwise,
+        head_weight_grad=head,
+        optimizer_per_param=ADAM_BYTES_PER_PARAM / bandwidth,
+        transfer=None,
+        link_bytes_per_s=None,
+    )
+
+
+def time_model(shape: Shape, run: RunShape, table: CostTable, rates: DeviceRates) -> TimeModel:
+    """Measured where the table carries measured seconds, analytic elsewhere."""
+    measured = table.measured is not None
+    seconds = table.measured if measured else analytic_seconds(shape, run, table, rates)
+    # A measured table's links (two processes measured them) replace the nominal ones.
+    if seconds.link_bytes_per_s is not None:
+        rates = replace(rates, link_bytes_per_s=seconds.link_bytes_per_s)
+    # the fused loss's backward makes the head's weight gradient chunk by chunk: none to defer
+    head_w = 0.0 if shape.loss_chunk_tokens else seconds.head_weight_grad
+    transfer = seconds.transfer
+    if transfer is None:
+        transfer = shape.bsh * run.target.dtype_bytes / rates.link_bytes_per_s
     return TimeModel(
         source="measured" if measured else "analytic",
         rates=rates,
         table=table,
-        seconds_per_cost=1.0 if measured else 1.0 / flops,
-        block_forward=seconds["block_forward"],
-        block_backward=seconds["block_backward"],
-        embedding_forward=seconds["embedding_forward"],
-        embedding_backward=seconds["embedding_backward"],
-        head_forward=seconds["head_forward"],
-        head_backward=seconds["head_backward"],
-        block_weight_grad=block_w,
+        seconds_per_cost=1.0 if measured else 1.0 / rates.flops_per_s,
+        block_forward=seconds.block_forward,
+        block_backward=seconds.block_backward,
+        embedding_forward=seconds.embedding_forward,
+        embedding_backward=seconds.embedding_backward,
+        head_forward=seconds.head_forward,
+        head_backward=seconds.head_backward,
+        block_weight_grad=seconds.block_weight_grad,
         head_weight_grad=head_w,
-        transfer=seconds.get("transfer", bsh * d / rates.link_bytes_per_s),
-        tied_weight_bytes=shape.vocab * shape.h * d if shape.tied else 0,  # an untied head has no tied reduce
-        param_bytes=d,
-        optimizer_per_param=seconds["optimizer_per_param"],
+        transfer=transfer,
+        tied_weight_bytes=shape.vocab * shape.h * run.target.dtype_bytes if shape.tied else 0,  # untied: no reduce
+        param_bytes=run.target.dtype_bytes,
+        optimizer_per_param=seconds.optimizer_per_param,
     )
 
 
