@@ -90,12 +90,12 @@ class Accounting:
         if self.meter.armed:
             self.tensor_meter.start()
         # What each early recompute and each B (zb-h1) holds until its backward or W, on the metered step only.
-        self.engine.early_recompute.measure = self.engine.weight_grads.measure = self.meter.armed
+        self.engine.interpreter.early_recompute.measure = self.engine.interpreter.weight_grads.measure = self.meter.armed
 
     def after_step(self, step: int, step_time: float) -> None:
         if self.meter.armed:
             self.tensor_peak = self.tensor_meter.stop()
-            self.meter.armed = self.engine.early_recompute.measure = self.engine.weight_grads.measure = False
+            self.meter.armed = self.engine.interpreter.early_recompute.measure = self.engine.interpreter.weight_grads.measure = False
             self.measured_step = step
         self.step_times.append(step_time)
         if self.device == "cuda":
@@ -146,8 +146,8 @@ class Accounting:
         engine = self.engine
         return live_peak(
             kept,
-            engine.early_recompute.recomputed_bytes,
-            engine.weight_grads.held_bytes,
+            engine.interpreter.early_recompute.recomputed_bytes,
+            engine.interpreter.weight_grads.held_bytes,
             engine.schedule_kind,
             engine.early,
             engine.deferred_weights,

@@ -14,7 +14,16 @@ import pytest
 from deepspeed.runtime.pipe.schedule import TrainSchedule
 
 from parallel.planning.schedule_walk import activation_peak
-from parallel.planning.schedules import SCHEDULES, StageProgram, one_f_one_b, p2p_batches, train_schedule
+from parallel.planning.schedules import (
+    SCHEDULES,
+    RecvGrad,
+    SendActivation,
+    StageProgram,
+    grad_sends_released,
+    one_f_one_b,
+    p2p_batches,
+    train_schedule,
+)
 from parallel.planning.step_sim import PER_STEP, simulate
 from tests.shared_runs import EngineRun
 
@@ -180,6 +189,26 @@ def test_every_send_meets_its_receive_under_rendezvous_whatever_each_stage_plans
     early = EARLY_PATTERNS[pattern](stages)
     for deferred in [None, *range(stages)] if kind == "zb-h1" else [None]:
         rendezvous_replay([train_schedule(kind, early[s], micro_batches, stages, s, deferred) for s in range(stages)])
+
+
+@pytest.mark.parametrize("kind", SCHEDULES)
+@pytest.mark.parametrize("pattern", EARLY_PATTERNS)
+@pytest.mark.parametrize("stages, micro_batches", SHAPES + [(3, 5), (8, 8), (8, 3)])
+def test_a_gradient_send_is_released_only_once_its_receive_is_posted(kind, pattern, stages, micro_batches):
+    """The interpreter waits for a posted SendGrad (and drops its tensor) once the stage has received activation k,
+    for the gradients `grad_sends_released` names: the previous stage must have posted their RecvGrad no later than
+    the batch that sent activation k, whatever its plan, so the wait needs nothing more from either side."""
+    early = EARLY_PATTERNS[pattern](stages)
+    for deferred in [None, *range(stages)] if kind == "zb-h1" else [None]:
+        for stage in range(1, stages):
+            previous = train_schedule(kind, early[stage - 1], micro_batches, stages, stage - 1, deferred)
+            posted_recvs, posted_before_send = 0, []
+            for batch in p2p_batches(previous):
+                posted_recvs += sum(isinstance(c, RecvGrad) for c in batch)
+                posted_before_send += [posted_recvs] * sum(isinstance(c, SendActivation) for c in batch)
+            released = grad_sends_released(micro_batches, stages, stage)
+            assert len(released) == micro_batches
+            assert all(r <= p for r, p in zip(released, posted_before_send)), (stage, released, posted_before_send)
 
 
 def test_sending_activations_first_needs_the_recv_grad_in_the_same_batch():

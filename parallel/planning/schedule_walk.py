@@ -23,6 +23,8 @@ class ActivationPeak:
     """Of `bytes`, the transient of the backward running at the peak (0 when the peak is not inside one)."""
     backward_of: int | None = None
     """The micro-batch whose backward runs at the peak (None when the peak is between instructions)."""
+    posted_grads: int = 0
+    """Gradient sends posted and still held at the peak (a middle stage under posted sends)."""
 
 
 def activation_peak(
@@ -36,6 +38,7 @@ def activation_peak(
     stage: int,
     deferred: int | None = None,
     transient: Sequence[int] | None = None,
+    posted_grad_bytes: int = 0,
 ) -> ActivationPeak:
     """Walk the stage's schedule and return its peak. Per micro-batch k: `kept[k]` bytes from its forward to
     its backward, `recomputed[k]` more from its RecomputeEarly to its backward (what the plan would keep
@@ -46,22 +49,35 @@ def activation_peak(
     not count either), and the state after them counts. `deferred`: ZB-H1's deferral (parallel/planning/schedules.py).
     `transient[k]`: bytes micro-batch k's backward allocates on top while it runs (its working set: a full-recompute
     segment remade inside it, the gradients of its largest node), counted inside each backward, before it frees
-    the micro-batch's activations; None counts the state between instructions only."""
+    the micro-batch's activations; None counts the state between instructions only. `posted_grad_bytes`: one
+    input gradient that the engine's posted SendGrad holds until it is surely received
+    (schedules.grad_sends_released), counted from its SendGrad to its release (0: none held)."""
     commands = schedules.train_schedule(schedule, early, micro_batches, stages, stage, deferred).commands()
     program = [type(command).__name__ for command in commands]
+    released_at = schedules.grad_sends_released(micro_batches, stages, stage)
     forwards = backwards = weights = 0  # counts so far: micro-batch k is the k-th of each kind
+    grads_sent = grads_released = activations_received = 0
     early_live: int | None = None
     best = ActivationPeak(0, 0, 0, 0)
 
     def held(in_backward: bool = False) -> ActivationPeak:
         pending = backwards - weights if schedule == "zb-h1" else 0
         working_set = transient[backwards] if in_backward else 0
-        live = sum(kept[backwards:forwards]) + pending * weights_pending + working_set
+        posted = grads_sent - grads_released if posted_grad_bytes else 0
+        live = sum(kept[backwards:forwards]) + pending * weights_pending + working_set + posted * posted_grad_bytes
         live += recomputed[early_live] if early_live is not None else 0
         running = backwards if in_backward else None
-        return ActivationPeak(live, forwards - backwards, pending, int(early_live is not None), working_set, running)
+        recomputing = int(early_live is not None)
+        return ActivationPeak(live, forwards - backwards, pending, recomputing, working_set, running, posted)
 
     for i, name in enumerate(program):
+        if name == "SendGrad":
+            grads_sent += 1
+            continue
+        if name == "RecvActivation":
+            grads_released = max(grads_released, released_at[activations_received])
+            activations_received += 1
+            continue
         if name == "ForwardPass":
             forwards += 1
         elif name in ("BackwardPass", "BackwardInput"):

@@ -286,6 +286,22 @@ def p2p_batches(program: StageProgram) -> list[tuple[Command, ...]]:
     return out
 
 
+def grad_sends_released(micro_batches: int, stages: int, stage_id: int) -> tuple[int, ...]:
+    """Per RecvActivation of stage `stage_id` (the k-th receives micro-batch k): how many of the stage's posted
+    gradient sends are complete by then, so that waiting for them costs nothing. The previous stage posts its
+    RecvGrad no later than the SendActivation of the same step (before it in 1F1B, in one batch with it where the
+    step sends its activation first), and no rewrite moves a communication out of its step: once activation k has
+    arrived, the previous stage has posted the receive of every gradient of that step and the steps before it, and
+    each such transfer completes without anything more from either side."""
+    if stage_id == 0:
+        return ()
+    released, out = 0, []
+    for step in one_f_one_b(micro_batches, stages, stage_id - 1).steps:
+        released += sum(isinstance(command, RecvGrad) for command in step)
+        out += [released] * sum(isinstance(command, SendActivation) for command in step)
+    return tuple(out)
+
+
 def train_schedule(
     kind: str, early: bool, micro_batches: int, stages: int, stage_id: int, deferred: int | None = None
 ) -> StageProgram:

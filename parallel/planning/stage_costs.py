@@ -184,6 +184,10 @@ def stage_memory(
 
     weights_pending = stage_weight_grad_bytes(recipes, stage.layers, shape, run.target)
     early_copies = early_recompute_copies(plan, shape, run.target)
+    # A stage between two others under posted sends (every stage's `early` is recompute.early's) holds each input
+    # gradient it sent until the previous stage surely has it; the last stage's are its kept outputs' anyway.
+    posted = (schedule != "1f1b" or plan.early) and 0 < stage.stage < num_stages - 1
+    posted_grad_bytes = stage_input_bytes(stage.stage, shape, run.target) if posted else 0
 
     def walk(transient: bool) -> ActivationPeak:
         return activation_peak(
@@ -197,6 +201,7 @@ def stage_memory(
             stage.stage,
             plan.deferred_weights,
             [w[1] for w in working] if transient else None,
+            posted_grad_bytes,
         )
 
     schedule_peak = walk(transient=False) if schedule != "1f1b" or plan.early else None

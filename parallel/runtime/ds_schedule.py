@@ -8,6 +8,8 @@ the planner and the simulator do (tests/test_schedules_match_deepspeed.py checks
 recompute is DeepSpeed's own `TrainSchedule`, instruction for instruction).
 """
 
+from collections.abc import Callable
+
 from deepspeed.runtime.pipe import schedule as ds
 
 from parallel.planning import schedules as planned
@@ -56,12 +58,13 @@ class PlannedSchedule(ds.PipeSchedule):
     def __init__(self, program: planned.StageProgram):
         super().__init__(micro_batches=program.micro_batches, stages=program.stages, stage_id=program.stage_id)
         self.program = program
-        self.current: planned.Step = ()
-        """The planned step whose instructions the engine runs now (its handlers read how the step communicates)."""
+        self.on_step: Callable[[planned.Step], None] = lambda step: None
+        """Told each planned step before the engine runs its instructions (the interpreter reads how the step
+        communicates)."""
 
     def steps(self):
         for step in self.program.steps:
-            self.current = step
+            self.on_step(step)
             yield [to_deepspeed(command) for command in step]
 
     def num_pipe_buffers(self) -> int:
