@@ -90,12 +90,14 @@ class Accounting:
         if self.meter.armed:
             self.tensor_meter.start()
         # What each early recompute and each B (zb-h1) holds until its backward or W, on the metered step only.
-        self.engine.interpreter.early_recompute.measure = self.engine.interpreter.weight_grads.measure = self.meter.armed
+        interpreter = self.engine.interpreter
+        interpreter.early_recompute.measure = interpreter.weight_grads.measure = self.meter.armed
 
     def after_step(self, step: int, step_time: float) -> None:
         if self.meter.armed:
             self.tensor_peak = self.tensor_meter.stop()
-            self.meter.armed = self.engine.interpreter.early_recompute.measure = self.engine.interpreter.weight_grads.measure = False
+            interpreter = self.engine.interpreter
+            self.meter.armed = interpreter.early_recompute.measure = interpreter.weight_grads.measure = False
             self.measured_step = step
         self.step_times.append(step_time)
         if self.device == "cuda":
