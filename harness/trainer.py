@@ -13,6 +13,7 @@ from harness.evaluation import Evaluator, val_summary
 from harness.files import atomic_write_text
 from harness.init_from import hf_initial_weights
 from harness.metrics import MetricsLog, median_after_warmup
+from harness.prediction_check import prediction_record, prediction_warning
 from harness.run_control import RunControl
 from harness.run_summary import done_line, wandb_sync_command
 from harness.timeline import publish_trace
@@ -200,7 +201,12 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
             **accounted,
             **publish_trace(traced, run_dir, metrics.wandb),  # trace.json, timeline.png, bubbles
         }
+        if plan.step_time:  # the prediction against the measured step, per instruction on a traced step
+            summary["prediction"] = prediction_record(plan, summary["step_time_s"], traced)
         metrics.write_summary(summary)
         sync_command = wandb_sync_command(metrics.wandb)
         metrics.close()
+        missed = prediction_warning(summary["prediction"]) if plan.step_time else None
+        if missed:
+            print(missed, flush=True)
         print(done_line(summary, run_dir, sync_command), flush=True)  # the run's last line, after W&B's finish

@@ -161,6 +161,13 @@ def test_summary_has_the_bubbles_per_stage(runs, mode, step):
         assert costs["forward_s"] > 0 and costs["backward_s"] > costs["recompute_s"] >= 0
     recomputed = [r > 0 for r in s["recompute_s_per_stage"]]
     assert recomputed == ([True, True] if mode == "selective" else [False, False])
+    # the plan's prediction of every instruction the stage ran, against the traced step's (harness/prediction_check.py)
+    prediction = s["prediction"]
+    assert prediction["predicted_step_time_s"] == s["predicted_step_time_s"]
+    assert prediction["error"] == pytest.approx(s["step_time_s"] / s["predicted_step_time_s"] - 1)
+    for stage in prediction["per_stage"]:
+        assert stage["ForwardPass"]["measured_s"] > 0 and stage["ForwardPass"]["ratio"] > 0
+        assert stage["OptimizerStep"]["predicted_s"] > 0
 
 
 @pytest.mark.multiproc

@@ -180,6 +180,9 @@ class StepTimeEstimate:
     allowed (by parallel.schedule and recompute.early), chosen."""
     cost_source: dict = field(default_factory=lambda: {"kind": "analytic", "path": None, "created": None})
     """Which costs priced the plan: {kind: `profile` or `analytic`, path and created (UTC) of the device profile}."""
+    stage_instruction_s: tuple[dict[str, float], ...] = ()
+    """Per stage, the predicted seconds of each instruction its programme runs (per micro-batch; ReduceTiedGrads,
+    ReduceGrads and OptimizerStep once per step): what a traced step's instructions are compared with."""
 
 
 @dataclass(frozen=True)
@@ -329,7 +332,7 @@ class RunPlan:
 
 def _tuples(st: StepTimeEstimate) -> StepTimeEstimate:
     """JSON lists back into the tuples the dataclass holds."""
-    sequences = ("stage_busy_s", "stage_idle_s", "stage_recompute_s", "early_stages")
+    sequences = ("stage_busy_s", "stage_idle_s", "stage_recompute_s", "early_stages", "stage_instruction_s")
     return StepTimeEstimate(**{**asdict(st), **{k: tuple(getattr(st, k)) for k in sequences}})
 
 

@@ -30,12 +30,13 @@ from parallel.planning.plan_record import (
     StepTimeEstimate,
 )
 from parallel.planning.schedule_choice import setting_prices
+from parallel.planning.schedules import train_schedule
 from parallel.planning.shapes import RunShape, Shape, Target
 from parallel.planning.stage_costs import block_options
 from parallel.planning.stage_plan import plan_stage
 from parallel.planning.stage_price import StagePrice, StagePricing, price_stage, simulate_priced
 from parallel.planning.step_costs import PEAK_EFFICIENCY, analytic_rates, time_model
-from parallel.planning.step_sim import lower_bound_s
+from parallel.planning.step_sim import StageCosts, lower_bound_s
 
 COMPARED_MODES = {"none": NoRecompute(), "selective": SelectiveRecompute(), "full": FullRecompute()}
 """The uniform modes whose predicted step time plan.json gives beside the chosen plan's (their defaults)."""
@@ -175,6 +176,7 @@ def _step_time(layout: PipelineLayout, prices: list[StagePrice], model_flops: in
         schedule=layout.schedule,
         early_stages=tuple(s for s in stages if early[s]),
         lower_bound_s=lower_bound_s(costs, run.micro_batches, any(early)),
+        stage_instruction_s=tuple(_instruction_seconds(cost, layout, run, stage) for stage, cost in zip(stages, costs)),
         by_schedule={
             o.schedule + ("+early" if o.early else ""): {
                 "step_time_s": o.step_time_s,
@@ -188,6 +190,15 @@ def _step_time(layout: PipelineLayout, prices: list[StagePrice], model_flops: in
             for o in layout.schedule_options
         },
     )
+
+
+def _instruction_seconds(costs: StageCosts, layout: PipelineLayout, run: RunShape, stage: int) -> dict[str, float]:
+    """The seconds of each instruction the stage's programme runs."""
+    plan, stages = layout.plans[stage], run.topology.pipeline_stages
+    early = plan.early and stage < stages - 1
+    program = train_schedule(layout.schedule, early, run.micro_batches, stages, stage, plan.deferred_weights)
+    names = {type(command).__name__ for command in program.commands()}
+    return {name: s for name, s in costs.by_instruction(early).items() if name in names}
 
 
 def _budget_estimate(budget: StageBudget) -> BudgetEstimate:

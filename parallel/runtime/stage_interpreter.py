@@ -95,6 +95,7 @@ class _Posted:
     """The k-th send of its kind is micro-batch k's."""
 
     def complete(self) -> None:
+        """Wait for each Work once (a gloo Work waited for twice waits for a completion that never comes)."""
         for work in self.works:
             work.wait()
         self.works, self.tensors = [], []
@@ -248,12 +249,9 @@ class StageInterpreter:
             def wait(tensor: torch.Tensor, stage: int) -> None:
                 if tensor is not exchange.buffer:
                     raise RuntimeError("RecvGrad received into another buffer than its posted receive")
-                for work in exchange.posted.works:
-                    work.wait()
+                exchange.posted.complete()  # waited for as a whole: the batch's own send is complete too
 
             self.work.recv_grad(command.buffer_id, wait)
-            # waited for as a whole: the batch's own send is complete too
-            exchange.posted.complete()
             self._activation_sends.remove(exchange.posted)
         # The next stage had this micro-batch's activation before it could send its gradient: that send (and every
         # earlier one) is complete.

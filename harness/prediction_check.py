@@ -1,0 +1,62 @@
+"""The plan's step-time prediction against what the run measured, in summary.json's `prediction`: the whole step
+(the median after warm-up) and, on a traced step, each instruction kind per stage. A step more than
+`TOLERANCE` off its prediction is said at the end of the run: plans priced by such costs (auto, balanced, the
+schedule and early-recompute choice) may choose wrongly."""
+
+import statistics
+
+from parallel.measurement.trace import StepTrace
+from parallel.planning.plan_record import RunPlan
+
+TOLERANCE = 0.10
+"""How far the measured step may be from the prediction before the run says so."""
+
+
+def traced_instruction_seconds(trace: StepTrace) -> list[dict[str, float]]:
+    """Per stage, the mean seconds of each instruction kind over the traced step (and its data-parallel ranks)."""
+    out = []
+    for stage in range(trace.stages):
+        durations: dict[str, list[float]] = {}
+        for rank in trace.ranks:
+            if rank.stage == stage:
+                for interval in rank.instructions:
+                    durations.setdefault(interval.name, []).append(interval.duration_s)
+        out.append({name: statistics.fmean(values) for name, values in durations.items()})
+    return out
+
+
+def prediction_record(plan: RunPlan, measured_step_s: float, trace: StepTrace | None) -> dict:
+    """summary.json's `prediction` (docs/outputs.md)."""
+    estimate = plan.step_time
+    predicted = estimate.predicted_step_time_s
+    record = {
+        "predicted_step_time_s": predicted,
+        "measured_step_time_s": measured_step_s,
+        "error": measured_step_s / predicted - 1,
+        "costs": estimate.costs,
+    }
+    if trace is not None:
+        record["per_stage"] = [
+            {
+                name: {
+                    "predicted_s": seconds,
+                    "measured_s": traced.get(name),
+                    "ratio": traced[name] / seconds if seconds and name in traced else None,
+                }
+                for name, seconds in predicted_stage.items()
+            }
+            for predicted_stage, traced in zip(estimate.stage_instruction_s, traced_instruction_seconds(trace))
+        ]
+    return record
+
+
+def prediction_warning(record: dict) -> str | None:
+    """The end-of-run line of a step further than TOLERANCE from its prediction, else None."""
+    if abs(record["error"]) <= TOLERANCE:
+        return None
+    return (
+        f"stagecheck: the measured step ({record['measured_step_time_s']:.4g} s) is {record['error']:+.0%} off the "
+        f"plan's prediction ({record['predicted_step_time_s']:.4g} s, {record['costs']} costs): plans priced by these "
+        f"costs may choose wrongly; summary.json's `prediction` compares each instruction of a traced step "
+        f"(train.trace_step)"
+    )

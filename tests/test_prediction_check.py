@@ -1,0 +1,66 @@
+"""summary.json's `prediction`: the plan's predicted seconds of each instruction against a traced step's, and the
+end-of-run line when the measured step is more than 10% off the predicted one."""
+
+import pytest
+
+from harness.prediction_check import prediction_record, prediction_warning, traced_instruction_seconds
+from model import GPTConfig
+from parallel.measurement.trace import Interval, RankTrace, StepTrace
+from parallel.planning.config import FullRecompute
+from parallel.planning.layout import build_layout
+from parallel.planning.plan_record import RunPlan
+from parallel.planning.run_plan import plan_run
+from parallel.planning.shapes import RunShape, Target, Topology
+
+CFG = GPTConfig(n_layer=4, n_head=2, n_embd=32, seq_len=16, vocab_size=64)
+RUN = RunShape(Topology(2), Target("cpu", "fp32"), micro_batches=2, micro_batch_size=2)
+
+
+def _plan(schedule: str = "zb-h1", early: bool = True):
+    recompute = FullRecompute(interval="1", early=early)
+    return plan_run(CFG, recompute, build_layout(CFG, recompute, RUN, "type:Block", 0, schedule=schedule), RUN)
+
+
+def test_the_plan_predicts_each_instruction_its_stages_programme_runs_and_plan_json_keeps_them():
+    plan = _plan()
+    first, last = plan.step_time.stage_instruction_s
+    assert {"RecomputeEarly", "BackwardInput", "BackwardWeight", "SendActivation", "RecvGrad"} <= set(first)
+    assert "RecvActivation" not in first and "SendGrad" not in first  # stage 0 has no previous stage
+    assert "RecomputeEarly" not in last and "BackwardPass" not in last  # the last stage never recomputes early
+    assert first["RecomputeEarly"] > 0 and first["BackwardInput"] > first["BackwardWeight"] > 0
+    assert RunPlan.from_json(plan.to_json()).step_time.stage_instruction_s == plan.step_time.stage_instruction_s
+
+
+def _trace(seconds_by_stage: list[dict[str, list[float]]]) -> StepTrace:
+    ranks = []
+    for stage, seconds in enumerate(seconds_by_stage):
+        rank = RankTrace(rank=stage, stage=stage, dp_rank=0)
+        clock = 0.0
+        for name, durations in seconds.items():
+            for duration in durations:
+                rank.instructions.append(Interval(name, clock, clock + duration))
+                clock += duration
+        rank.end_s = clock
+        ranks.append(rank)
+    return StepTrace(step=3, micro_batches=2, stages=len(ranks), ranks=ranks)
+
+
+def test_each_instruction_is_compared_with_the_mean_of_its_traced_intervals():
+    plan = _plan("1f1b", early=False)
+    predicted_forward = plan.step_time.stage_instruction_s[0]["ForwardPass"]
+    trace = _trace([{"ForwardPass": [predicted_forward, 3 * predicted_forward]}, {"ForwardPass": [0.5]}])
+    assert traced_instruction_seconds(trace) == [{"ForwardPass": 2 * predicted_forward}, {"ForwardPass": 0.5}]
+    record = prediction_record(plan, plan.predicted_step_time_s * 1.5, trace)
+    forward = record["per_stage"][0]["ForwardPass"]
+    assert forward["ratio"] == pytest.approx(2.0) and forward["measured_s"] == pytest.approx(2 * predicted_forward)
+    assert record["per_stage"][0]["BackwardPass"]["measured_s"] is None  # not traced: no ratio either
+    assert record["error"] == pytest.approx(0.5) and record["costs"] == "analytic"
+    assert "+50% off the plan's prediction" in prediction_warning(record)
+    assert "per_stage" not in prediction_record(plan, plan.predicted_step_time_s, None)
+
+
+@pytest.mark.parametrize("ratio, warned", [(1.0, False), (1.099, False), (0.901, False), (1.11, True), (0.88, True)])
+def test_the_run_says_so_only_beyond_ten_percent(ratio, warned):
+    plan = _plan()
+    record = prediction_record(plan, plan.predicted_step_time_s * ratio, None)
+    assert (prediction_warning(record) is not None) == warned
