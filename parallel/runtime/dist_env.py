@@ -142,12 +142,35 @@ def read_dist_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
     return DistEnv(rank, world, local, addr or "127.0.0.1", port, source, local_world_size(environ, source), cpus)
 
 
-def export_dist_env(env: DistEnv) -> None:
-    """Set the torch variables DeepSpeed's init_distributed reads."""
+def export_dist_env(env: DistEnv, cuda_device: int | None = None) -> None:
+    """Set the torch variables DeepSpeed reads; LOCAL_RANK is the rank's GPU where it has one (`cuda_device`):
+    DeepSpeed's engine sets its device from LOCAL_RANK, which a per-task binding numbers past the one visible GPU."""
     os.environ.update(
         RANK=str(env.rank),
         WORLD_SIZE=str(env.world_size),
-        LOCAL_RANK=str(env.local_rank),
+        LOCAL_RANK=str(env.local_rank if cuda_device is None else cuda_device),
         MASTER_ADDR=env.master_addr,
         MASTER_PORT=str(env.master_port),
     )
+
+
+def cuda_device_index(visible: int, local_rank: int, local_ranks: int) -> int:
+    """This rank's GPU among the `visible` ones: the only one when it sees one (a per-task binding such as
+    `srun --gpus-per-task=1`, whatever its local rank), else the one at its local rank (each rank of the node sees
+    the node's GPUs: deepspeed --num_gpus, torchrun, srun --ntasks-per-node). Raises ValueError (one line) where
+    neither holds: 1 < visible < `local_ranks` (the ranks on this node), or a local rank beyond the visible GPUs."""
+    if visible == 1:
+        return 0
+    if 1 < visible < local_ranks:
+        raise ValueError(
+            f"this rank sees {visible} CUDA devices but its node runs {local_ranks} ranks (train.device=cuda): bind "
+            f"one GPU to each rank (srun --gpus-per-task=1, or CUDA_VISIBLE_DEVICES per rank) or let every rank see "
+            f"at least {local_ranks} GPUs"
+        )
+    if local_rank >= visible:
+        raise ValueError(
+            f"LOCAL_RANK={local_rank} but this node has {visible} visible CUDA device(s) (train.device=cuda): launch "
+            f"at most {visible} rank(s) per node (deepspeed --num_gpus {visible}, srun --ntasks-per-node "
+            f"{visible}), or make more devices visible (CUDA_VISIBLE_DEVICES)"
+        )
+    return local_rank
