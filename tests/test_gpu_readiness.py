@@ -10,6 +10,7 @@ from datetime import timedelta
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 from harness.checkpoint import rng_state, set_rng_state
 from harness.run_control import step_is_nonfinite
@@ -18,10 +19,11 @@ from parallel.measurement.sdpa_backend import PLANNED_KERNEL, check_planned_back
 from parallel.planning.config import OptimConfig, ParallelConfig
 from parallel.planning.memory_model import attention_core_items, attention_kernel
 from parallel.planning.shapes import Shape, Target
-from parallel.runtime.dist_env import DistEnv, cuda_device_index, export_dist_env
+from parallel.runtime.dist_env import DistEnv, cuda_device_index, default_group_options, export_dist_env
 from parallel.runtime.ds_config import deepspeed_config
-from parallel.runtime.engine import default_group_options
 from schema.checks import check_cuda_device
+from tests.fixtures.p2p_pair import batched_meets_unbatched
+from tests.runs import free_port
 
 CUDA_BF16 = Target("cuda", "bf16")
 
@@ -163,3 +165,9 @@ def test_deepspeed_reads_the_ranks_gpu_as_its_local_rank(cuda_device, exported, 
         monkeypatch.delenv(name, raising=False)
     export_dist_env(DistEnv(5, 8, 5, "h", 123, "slurm", 8), cuda_device)
     assert os.environ["LOCAL_RANK"] == exported and os.environ["RANK"] == "5"
+
+
+@pytest.mark.multiproc
+def test_batched_sends_meet_unbatched_receives_in_the_default_group():
+    """On CPU (gloo) the exchange and the group options; tests/test_gpu.py runs the same on two GPUs (NCCL)."""
+    mp.start_processes(batched_meets_unbatched, args=("cpu", free_port()), nprocs=2, join=True, start_method="spawn")

@@ -4,7 +4,8 @@ Read in this order: torch/DeepSpeed variables (RANK, WORLD_SIZE, LOCAL_RANK: dee
 then SLURM's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID: srun), else a single process.
 Under srun, MASTER_ADDR defaults to the first host of the step's node list (where rank 0 runs) and
 MASTER_PORT to one derived from the job id (`slurm_master_port`), as launch/slurm.sbatch exports them,
-so `srun python train.py` and submitit jobs need no wrapper.
+so `srun python train.py` and submitit jobs need no wrapper. Also each rank's GPU (`cuda_device_index`) and the
+default process group's options (`default_group_options`).
 """
 
 import os
@@ -12,6 +13,9 @@ import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -174,3 +178,16 @@ def cuda_device_index(visible: int, local_rank: int, local_ranks: int) -> int:
             f"{visible}), or make more devices visible (CUDA_VISIBLE_DEVICES)"
         )
     return local_rank
+
+
+def default_group_options(device: str, world_size: int, cuda_device: int | None, timeout: timedelta) -> dict:
+    """torch.distributed.init_process_group's arguments. On CUDA with peers, the default group is bound to the
+    rank's GPU (`device_id`: NCCL's eager init). ProcessGroupNCCL runs `batch_isend_irecv` on the group's own
+    communicator, but an unbatched send or recv on a two-rank communicator of the pair unless the group is bound;
+    zb-h1's and early recompute's batched sends meet DeepSpeed's unbatched receives only on one communicator, so
+    without the binding they would never match (a hang). DeepSpeed binds the group too, but only on some torch
+    versions: here it holds by construction. A single rank has no peer (DeepSpeed leaves it unbound: #8248)."""
+    options = {"backend": "gloo" if device == "cpu" else "nccl", "init_method": "env://", "timeout": timeout}
+    if device == "cuda" and world_size > 1:
+        options["device_id"] = torch.device("cuda", cuda_device)
+    return options

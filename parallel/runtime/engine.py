@@ -20,7 +20,7 @@ from torch._utils import _flatten_dense_tensors
 from parallel.planning.config import OptimConfig, ParallelConfig
 from parallel.planning.layout import PipelineLayout
 from parallel.runtime.accelerator import use_accelerator
-from parallel.runtime.dist_env import DistEnv, cuda_device_index, export_dist_env
+from parallel.runtime.dist_env import DistEnv, cuda_device_index, default_group_options, export_dist_env
 from parallel.runtime.ds_config import deepspeed_config
 from parallel.runtime.lr_schedule import CosineSegment, warmup_cosine
 from parallel.runtime.pipeline import RecomputingPipelineModule
@@ -55,19 +55,6 @@ def init_process_group(env: DistEnv, device: str, timeout_s: float) -> None:
     if not _destroy_at_exit:  # once per process (a sweep's jobs reuse the group)
         atexit.register(_destroy_process_group)
         _destroy_at_exit = True
-
-
-def default_group_options(device: str, world_size: int, cuda_device: int | None, timeout: timedelta) -> dict:
-    """torch.distributed.init_process_group's arguments. On CUDA with peers, the default group is bound to the
-    rank's GPU (`device_id`: NCCL's eager init). ProcessGroupNCCL runs `batch_isend_irecv` on the group's own
-    communicator, but an unbatched send or recv on a two-rank communicator of the pair unless the group is bound;
-    zb-h1's and early recompute's batched sends meet DeepSpeed's unbatched receives only on one communicator, so
-    without the binding they would never match (a hang). DeepSpeed binds the group too, but only on some torch
-    versions: here it holds by construction. A single rank has no peer (DeepSpeed leaves it unbound: #8248)."""
-    options = {"backend": "gloo" if device == "cpu" else "nccl", "init_method": "env://", "timeout": timeout}
-    if device == "cuda" and world_size > 1:
-        options["device_id"] = torch.device("cuda", cuda_device)
-    return options
 
 
 _destroy_at_exit = False
