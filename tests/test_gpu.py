@@ -355,6 +355,17 @@ def test_a_resume_under_another_device_visibility_finds_its_rng_state(tmp_path):
 
 
 @pytest.mark.multiproc
+def test_a_rank_bound_to_one_gpu_trains_on_it_whatever_its_local_rank(tmp_path):
+    """srun --gpus-per-task=1 shows each task one GPU while SLURM_LOCALID runs on: start-up, the process group and
+    DeepSpeed's engine all take the one visible GPU (parallel/runtime/dist_env.py's cuda_device_index)."""
+    slurm = dict(SLURM_PROCID="0", SLURM_NTASKS="1", SLURM_LOCALID="5", MASTER_PORT=str(free_port()))
+    run_dir = tmp_path / "run"
+    steps = [*TINY_CUDA[:5], "train.steps=2", "train.save_every=0", "train.micro_batches=2", "train.trace_step=1"]
+    train_on_cuda(run_dir, *steps, env=cuda_env(tmp_path, CUDA_VISIBLE_DEVICES="0", **slurm))
+    assert len(metrics(run_dir)) == 2 and (run_dir / "trace.json").exists()
+
+
+@pytest.mark.multiproc
 def test_an_fp16_loss_scale_overflow_skips_the_step_and_the_run_goes_on(tmp_path):
     """A real overflow (tests/fixtures/gpu_fp16_overflow.py: one gradient scaled past fp16's range in the first
     step): DeepSpeed skips that update and halves its loss scale; the loss stays finite, the step is no fault, and
