@@ -16,6 +16,7 @@ from model import GPTConfig
 from model.llama_layers import LlamaBlock
 from parallel.measurement import profile_kernels
 from parallel.measurement.device_profile import size_grid
+from parallel.measurement.tensor_peak import TensorPeakMeter
 from parallel.planning.device_profile_file import (
     CACHE_ENV,
     CURVES,
@@ -338,3 +339,19 @@ def test_the_sizes_are_capped_by_the_free_memory():
     }
     # A 24 GB card loses the largest elementwise and optimizer sizes (they held 36 and 32 GB at once before).
     assert len(sizes["elementwise"]) < grid["points"] and len(sizes["optimizer"]) < grid["points"]
+
+
+def test_each_familys_byte_bound_holds_what_one_size_really_takes():
+    """The bound the cap reads, against the allocator's events (parallel/measurement/tensor_peak.py) while one
+    size is built and each of its workloads runs once: on CPU in fp32 (tests/test_gpu.py checks CUDA's)."""
+    grid = {"max_flops": 4e9, "max_elements": 2.5e5, "max_seq": 128, "max_tokens": 256}
+    for family in profile_kernels.families("cpu", torch.float32, 2, grid):
+        size = family.sizes[-1]
+        with TensorPeakMeter("cpu").window() as result:
+            workloads = family.build(size)
+            for by_x in workloads.values():
+                for run in by_x.values():
+                    run()
+            del workloads
+        held = result[0].peak_bytes - result[0].baseline_bytes
+        assert 0 < held <= family.tensor_bytes(size), (family.name, held, family.tensor_bytes(size))

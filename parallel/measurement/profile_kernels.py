@@ -152,6 +152,10 @@ def optimizer(device: str, dtype: torch.dtype, params: float) -> Workloads:
     return {"adamw": {float(sum(t.numel() for t in tensors)): adamw.step}}
 
 
+WORKSPACE_BYTES = 64 * 2**20
+"""What a family's kernels may take beside its tensors (cuBLAS's workspace comes from the caching allocator)."""
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -159,8 +163,12 @@ class Family:
     """The sizes asked for, ascending (a workload's x may round them)."""
     build: Callable[[float], Workloads]
     """One size's workloads, every curve of the family."""
-    bytes_at: Callable[[float], float]
-    """An upper bound of the device bytes one size's workloads hold, with what a timed call allocates."""
+    tensor_bytes: Callable[[float], float]
+    """An upper bound of the bytes of the tensors one size's workloads hold, with what a timed call allocates."""
+
+    def bytes_at(self, size: float) -> float:
+        """An upper bound of the device memory one size takes: its tensors and the kernels' workspaces."""
+        return self.tensor_bytes(size) + WORKSPACE_BYTES
 
 
 def families(device: str, dtype: torch.dtype, points: int, grid: dict) -> list[Family]:
