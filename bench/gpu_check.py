@@ -5,10 +5,12 @@ or more. It writes docs/gpu_figures.md from what it ran, and only on a machine w
   window's `max_memory_allocated`, exactness as docs/gpu.md defines it, the weight-gradient store and early
   recompute, an fp16 overflow, a resume (also under another device visibility with two GPUs). NCCL refuses two
   ranks on one GPU: there, multi-stage checks run every stage in one process.
-- gpt2 on one GPU, one rank, bf16 with SDPA, per recompute mode: peak memory predicted and measured (the most
-  allocated in a step, the allocator's reserve beside it), tokens/s, MFU, the SDPA kernel that ran.
+- gpt2 and the Llama family (smollm2-135m: grouped-query attention, RMSNorm, rotary, SwiGLU; random weights) on one
+  GPU, one rank, bf16 with SDPA, per recompute mode: peak memory predicted and measured (the most allocated in a
+  step, the allocator's reserve beside it), tokens/s, MFU, the SDPA kernel that ran.
 - Two GPUs or more: 2-stage NCCL runs of gpt2 under 1f1b and under zb-h1 with early full recompute, activations and
-  gradients of 18 MiB per message (NCCL's buffers hold far less), each under a timeout: a hang is reported as one.
+  gradients of 18 MiB per message (NCCL's buffers hold far less), and of smollm2-135m under zb-h1 with early full
+  recompute, each under a timeout: a hang is reported as one.
 """
 
 import json
@@ -27,11 +29,18 @@ REPO = Path(__file__).resolve().parents[1]
 FIGURES = REPO / "docs" / "gpu_figures.md"
 DEEPSPEED = Path(sys.executable).with_name("deepspeed")
 MODES = ("none", "selective", "full")
-GPT2 = ["model=gpt2", "data=synthetic", "train.device=cuda", "train.precision=bf16", "logger=none"]
-GPT2 += ["train.steps=8", "train.micro_batches=4", "train.measure_step=3", "train.trace_step=0"]
+COMMON = ["data=synthetic", "train.device=cuda", "train.precision=bf16", "logger=none", "train.steps=8"]
+COMMON += ["train.micro_batches=4", "train.measure_step=3", "train.trace_step=0"]
+MODELS = {
+    "gpt2": ["model=gpt2"],
+    "smollm2-135m": ["model=smollm2-135m", "model.seq_len=1024"],
+}
+"""Each family's model on one GPU (smollm2-135m: 9 query heads sharing 3 KV heads, head size 64, tied head)."""
 MICRO_BATCH = 8
 PIPE_MICRO_BATCH = 12
-"""2-stage runs: (12, 1024, 768) bf16 activations, 18 MiB per message."""
+"""2-stage gpt2 runs: (12, 1024, 768) bf16 activations, 18 MiB per message."""
+LLAMA_PIPE_MICRO_BATCH = 16
+"""2-stage smollm2-135m runs: (16, 1024, 576) bf16 activations, 18 MiB per message."""
 RUN_TIMEOUT_S = 240
 MIB = 2**20
 
@@ -123,6 +132,7 @@ def pipe_rows(runs: dict[str, dict]) -> list[str]:
 
 
 def write_figures(gpus: int, tests: list[tuple[str, str]], modes: dict, pipes: dict, wall_s: float) -> None:
+    """`modes`: {model: {recompute mode: summary}}; `pipes`: {2-stage run: summary}."""
     name = torch.cuda.get_device_name(0)
     lines = [
         "# GPU figures (written by `make gpu-check`)",
@@ -130,10 +140,15 @@ def write_figures(gpus: int, tests: list[tuple[str, str]], modes: dict, pipes: d
         f"{gpus} x {name}, torch {torch.__version__}, CUDA {torch.version.cuda}; the check took {wall_s / 60:.1f} min. "
         "What the checks mean: [gpu.md](gpu.md).",
         "",
-        f"## gpt2 on one GPU (bf16, SDPA, micro-batch {MICRO_BATCH} x 1024 tokens, 4 micro-batches)",
-        "",
-        *mode_rows(modes),
-        "",
+    ]
+    for model, runs in modes.items():
+        lines += [
+            f"## {model} on one GPU (bf16, SDPA, micro-batch {MICRO_BATCH} x 1024 tokens, 4 micro-batches)",
+            "",
+            *mode_rows(runs),
+            "",
+        ]
+    lines += [
         "## Exactness and the other GPU tests (tests/test_gpu.py)",
         "",
         "| test | outcome |",
@@ -143,7 +158,8 @@ def write_figures(gpus: int, tests: list[tuple[str, str]], modes: dict, pipes: d
     ]
     if pipes:
         lines += [
-            f"## 2 stages on 2 GPUs over NCCL (gpt2, bf16, micro-batch {PIPE_MICRO_BATCH}: 18 MiB per message)",
+            f"## 2 stages on 2 GPUs over NCCL (bf16; gpt2 at micro-batch {PIPE_MICRO_BATCH}, smollm2-135m at "
+            f"{LLAMA_PIPE_MICRO_BATCH}: 18 MiB per message)",
             "",
             *pipe_rows(pipes),
             "",
@@ -164,24 +180,33 @@ def main() -> int:
         root = Path(tmp)
         tests = gpu_tests(root)
         modes = {
-            mode: train_run(root, mode, [*GPT2, f"train.micro_batch_size={MICRO_BATCH}", f"+recompute={mode}"])
-            for mode in MODES
+            model: {
+                mode: train_run(
+                    root,
+                    f"{model}-{mode}",
+                    [*COMMON, *overrides, f"train.micro_batch_size={MICRO_BATCH}", f"+recompute={mode}"],
+                )
+                for mode in MODES
+            }
+            for model, overrides in MODELS.items()
         }
         pipes = {}
         if gpus >= 2:
-            pipe = [*GPT2, f"train.micro_batch_size={PIPE_MICRO_BATCH}", "parallel.pipeline_stages=2"]
+            early = ["parallel.schedule=zb-h1", "+recompute=full", "recompute.early=true"]
+            pipe = [*COMMON, "parallel.pipeline_stages=2"]
+            gpt2 = [*pipe, *MODELS["gpt2"], f"train.micro_batch_size={PIPE_MICRO_BATCH}"]
+            llama = [*pipe, *MODELS["smollm2-135m"], f"train.micro_batch_size={LLAMA_PIPE_MICRO_BATCH}"]
             pipes = {
-                "1f1b": train_run(root, "pipe-1f1b", [*pipe, "parallel.schedule=1f1b"], nproc=2),
-                "zb-h1, early full recompute": train_run(
-                    root,
-                    "pipe-zb-h1-early",
-                    [*pipe, "parallel.schedule=zb-h1", "+recompute=full", "recompute.early=true"],
-                    nproc=2,
+                "gpt2, 1f1b": train_run(root, "pipe-gpt2-1f1b", [*gpt2, "parallel.schedule=1f1b"], nproc=2),
+                "gpt2, zb-h1, early full recompute": train_run(root, "pipe-gpt2-zb-h1-early", [*gpt2, *early], nproc=2),
+                "smollm2-135m, zb-h1, early full recompute": train_run(
+                    root, "pipe-smollm2-zb-h1-early", [*llama, *early], nproc=2
                 ),
             }
         write_figures(gpus, tests, modes, pipes, time.perf_counter() - start)
     failed = [t for t, outcome in tests if outcome not in ("passed", "skipped")]
-    failed += [m for m, s in {**modes, **pipes}.items() if "failed" in s]
+    runs = {f"{model} {mode}": s for model, by_mode in modes.items() for mode, s in by_mode.items()}
+    failed += [name for name, s in {**runs, **pipes}.items() if "failed" in s]
     print(f"gpu-check: {'all passed' if not failed else 'FAILED: ' + ', '.join(failed)}")
     return 1 if failed else 0
 

@@ -131,7 +131,7 @@ def rng_state() -> dict:
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
         # This rank's own device only: a resume under another device visibility (srun) has the same one, as
-        # cuda:LOCAL_RANK, but not necessarily the others.
+        # the rank's GPU, but not necessarily the others.
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None,
     }
 
@@ -141,7 +141,7 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])  # the current device: cuda:LOCAL_RANK
+        torch.cuda.set_rng_state(state["cuda"])  # the current device: the rank's own GPU
 
 
 def checkpoint_tags(root: Path) -> list[tuple[int, Path]]:

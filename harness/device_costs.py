@@ -19,6 +19,7 @@ from parallel.planning.device_profile_file import (
 )
 from parallel.planning.op_costs import profiled_costs
 from parallel.planning.shapes import Shape
+from parallel.runtime.dist_env import cuda_device_index
 from parallel.runtime.threads import threads_per_rank, usable_cores
 
 PROFILE_COMMAND = "python -m parallel.measurement.device_profile"
@@ -44,7 +45,10 @@ def expected_signature(ctx: RunContext) -> DeviceSignature | None:
     target = ctx.target
     if target.device == "cuda" and not torch.cuda.is_available():
         return None
-    return signature_of(target.device, target.precision, rank_threads(ctx), ctx.env.local_rank)
+    index = 0
+    if target.device == "cuda":  # the rank's own GPU: under a per-task binding the one it sees, not its local rank
+        index = cuda_device_index(torch.cuda.device_count(), ctx.env.local_rank, ctx.env.local_world_size)
+    return signature_of(target.device, target.precision, rank_threads(ctx), index)
 
 
 def run_profile(ctx: RunContext) -> tuple[DeviceProfile | None, str]:

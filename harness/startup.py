@@ -76,7 +76,10 @@ def validate(cfg: DictConfig, run_dir: Path, env: DistEnv, job: JobHooks) -> Run
     # A dry run plans for CUDA (train.device=cuda or auto) whether or not this machine has a GPU.
     shape = run_shape(run, world_size, torch.cuda.is_available() or run.dry_run)
     if shape.target.device == "cuda" and not run.dry_run:
-        check_cuda_device(shape.target, run.train.precision, env.local_rank, *cuda_facts(env.local_rank))
+        # Read without making a CUDA context: the rank's device is set when its process group starts
+        # (parallel/runtime/engine.py).
+        visible, capability = torch.cuda.device_count(), torch.cuda.get_device_capability
+        check_cuda_device(shape.target, run.train.precision, env.local_rank, env.local_world_size, visible, capability)
     check_data(run)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     point = resume_point(run.train, run_dir)  # train.resume: auto, false or a checkpoint path
@@ -100,13 +103,6 @@ def resume_command() -> ResumeCommand:
     overrides = HydraConfig.get().overrides
     run_dir = [o for o in overrides.hydra if o.lstrip("+").startswith("hydra.run.dir=")]
     return ResumeCommand(list(overrides.task), run_dir[-1] if run_dir else None)
-
-
-def cuda_facts(local_rank: int) -> tuple[int, tuple[int, int]]:
-    """(visible CUDA devices, compute capability of the one at `local_rank`), read without making a CUDA context
-    (the rank's device is set only when its process group starts: parallel/runtime/engine.py)."""
-    visible = torch.cuda.device_count()
-    return visible, torch.cuda.get_device_capability(local_rank) if local_rank < visible else (0, 0)
 
 
 def dry_run_world_size(run: RunConfig, env: DistEnv) -> int:

@@ -28,13 +28,47 @@ def inverse_frequencies(config: GPTConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _rotary_key(config: GPTConfig) -> tuple:
+    """The fields the angles depend on: configs that agree on them share one table."""
+    return (
+        config.head_size,
+        config.rope_theta,
+        config.rope_scaling,
+        config.rope_factor,
+        config.rope_low_freq_factor,
+        config.rope_high_freq_factor,
+        config.rope_original_max_positions,
+    )
+
+
+_ANGLES: dict[tuple, torch.Tensor] = {}
+"""(rotary fields, device) -> the fp32 angles (positions, hs) of positions 0 .. positions - 1, built once per device
+(and rebuilt larger when a longer sequence asks): the frequencies cross from host to device once, not in every
+attention call, where a copy from pageable memory would make the stream wait for the host."""
+
+
+def rotary_angles(config: GPTConfig, end: int, device: torch.device) -> torch.Tensor:
+    """The angles (end', hs) of positions 0 .. end' - 1 for some end' >= end, on `device` (fp32)."""
+    key = (_rotary_key(config), device)
+    table = _ANGLES.get(key)
+    if table is None or table.shape[0] < end:
+        positions = max(end, config.seq_len, 2 * table.shape[0] if table is not None else 0)
+        # A table built under inference mode (sampling) must stay usable by training's autograd.
+        with torch.inference_mode(False), torch.no_grad():
+            inv_freq = inverse_frequencies(config).to(device)  # (hs/2,)
+            freqs = torch.outer(torch.arange(positions, device=device, dtype=torch.float32), inv_freq)  # (P, hs/2)
+            table = torch.cat((freqs, freqs), dim=-1)  # (P, hs)
+        _ANGLES[key] = table
+    return table
+
+
 def rotary_cos_sin(
     config: GPTConfig, start: int, length: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (T, hs) of positions start .. start + T - 1, computed in fp32 and rounded to `dtype`."""
-    positions = torch.arange(start, start + length, device=device, dtype=torch.float32)  # (T,)
-    freqs = torch.outer(positions, inverse_frequencies(config).to(device))  # (T, hs/2)
-    angles = torch.cat((freqs, freqs), dim=-1)  # (T, hs)
+    """cos and sin (T, hs) of positions start .. start + T - 1, computed in fp32 and rounded to `dtype`. Each call
+    makes its own cos and sin (what apply_rotary keeps for backward, per block, as the planner counts them) from the
+    device's cached angles: elementwise, so bit-identical to computing the angles anew."""
+    angles = rotary_angles(config, start + length, device)[start : start + length]  # (T, hs)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 

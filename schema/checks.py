@@ -4,12 +4,15 @@ Everything here runs before any process group or file exists, and raises ValueEr
 message that names the option to change and its allowed values.
 """
 
+from collections.abc import Callable
+
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from data import check_data_files, check_vocab, data_has_val
 from parallel.planning.config import AutoRecompute, NoRecompute
 from parallel.planning.shapes import RunShape, Target, Topology
+from parallel.runtime.dist_env import cuda_device_index
 from schema.run import RunConfig
 from schema.training import resolve_device
 
@@ -81,21 +84,23 @@ def target(run: RunConfig, cuda_available: bool) -> Target:
     return Target(device, precision)
 
 
-def check_cuda_device(target: Target, precision_option: str, local_rank: int, visible: int, capability: tuple) -> None:
-    """A CUDA run's own device: this rank's `LOCAL_RANK` must name a visible GPU (NCCL refuses two ranks on one),
-    and bf16 needs a GPU of compute capability 8.0 or newer. `capability`: (major, minor) of the GPU at
-    `local_rank` (unread when it is not visible); `precision_option`: train.precision as set (auto resolves to
-    bf16 on cuda)."""
+def check_cuda_device(
+    target: Target,
+    precision_option: str,
+    local_rank: int,
+    local_ranks: int,
+    visible: int,
+    capability: Callable[[int], tuple[int, int]],
+) -> None:
+    """A CUDA run's own device: this rank must have a GPU of its own (parallel/runtime/dist_env.py's
+    cuda_device_index: NCCL refuses two ranks on one), and bf16 needs a GPU of compute capability 8.0 or newer.
+    `local_ranks`: the ranks on this node; `capability`: a visible GPU's index -> its (major, minor);
+    `precision_option`: train.precision as set (auto resolves to bf16 on cuda)."""
     if target.device != "cuda":
         return
-    if local_rank >= visible:
-        raise ValueError(
-            f"LOCAL_RANK={local_rank} but this node has {visible} visible CUDA device(s) (train.device=cuda): launch "
-            f"at most {visible} rank(s) per node (deepspeed --num_gpus {visible}, srun --ntasks-per-node "
-            f"{visible}), or make more devices visible (CUDA_VISIBLE_DEVICES)"
-        )
-    if target.precision == "bf16" and tuple(capability) < (8, 0):
-        major, minor = capability
+    device = cuda_device_index(visible, local_rank, local_ranks)
+    if target.precision == "bf16" and tuple(capability(device)) < (8, 0):
+        major, minor = capability(device)
         raise ValueError(
             f"train.precision={precision_option!r} means bf16, which this GPU (compute capability {major}.{minor}) "
             f"does not support (8.0 or newer does): set train.precision=fp16 or fp32"

@@ -14,6 +14,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from model import ARCHITECTURES as MODEL_ARCHITECTURES
 from model import GPTConfig
 from model.llama_layers import LlamaBlock
+from parallel.measurement import profile_kernels
+from parallel.measurement.device_profile import size_grid
+from parallel.measurement.tensor_peak import TensorPeakMeter
 from parallel.planning.device_profile_file import (
     CACHE_ENV,
     CURVES,
@@ -302,3 +305,53 @@ def test_the_profile_command_measures_every_curve_and_its_links(tmp_path):
     profile = read_profile(out, signature_of("cpu", "fp32", 1))
     assert set(profile.curves) == set(CURVES) | set(LINK_CURVES) and profile.has_links
     assert all(len(curve.points) >= 2 for curve in profile.curves.values())
+
+
+def test_each_family_builds_one_size_with_all_its_curves_and_together_they_are_every_curve():
+    """The profile builds, times and frees one size at a time: each family's smallest size on its own."""
+    grid = size_grid("cpu", quick=True)
+    seen: list[str] = []
+    for family in profile_kernels.families("cpu", torch.float32, grid["points"], grid):
+        assert family.sizes == sorted(family.sizes) and len(family.sizes) >= 2
+        workloads = family.build(family.sizes[0])
+        assert all(len(by_x) == 1 for by_x in workloads.values()), family.name
+        for by_x in workloads.values():
+            (run,) = by_x.values()
+            run()
+        seen += workloads
+    assert sorted(seen) == sorted(CURVES)
+
+
+def test_the_sizes_are_capped_by_the_free_memory():
+    """On CUDA a size is kept when its workloads' bound fits in half the free memory; a CPU has no bound."""
+    grid = size_grid("cuda", quick=False)
+    for family in profile_kernels.families("cuda", torch.bfloat16, grid["points"], grid):
+        bounds = [family.bytes_at(size) for size in family.sizes]
+        assert bounds == sorted(bounds) and bounds[0] > 0, family.name
+        assert profile_kernels.sizes_that_fit(family, None) == family.sizes
+        for free in (2 * bounds[0], 2 * bounds[len(bounds) // 2], 2 * bounds[-1] - 1):
+            kept = profile_kernels.sizes_that_fit(family, free)
+            assert kept == [s for s, b in zip(family.sizes, bounds) if b <= free / 2] and kept, (family.name, free)
+        assert profile_kernels.sizes_that_fit(family, bounds[0]) == []
+    sizes = {
+        f.name: profile_kernels.sizes_that_fit(f, 24 * 2**30)
+        for f in profile_kernels.families("cuda", torch.bfloat16, grid["points"], grid)
+    }
+    # A 24 GB card loses the largest elementwise and optimizer sizes (they held 36 and 32 GB at once before).
+    assert len(sizes["elementwise"]) < grid["points"] and len(sizes["optimizer"]) < grid["points"]
+
+
+def test_each_familys_byte_bound_holds_what_one_size_really_takes():
+    """The bound the cap reads, against the allocator's events (parallel/measurement/tensor_peak.py) while one
+    size is built and each of its workloads runs once: on CPU in fp32 (tests/test_gpu.py checks CUDA's)."""
+    grid = {"max_flops": 4e9, "max_elements": 2.5e5, "max_seq": 128, "max_tokens": 256}
+    for family in profile_kernels.families("cpu", torch.float32, 2, grid):
+        size = family.sizes[-1]
+        with TensorPeakMeter("cpu").window() as result:
+            workloads = family.build(size)
+            for by_x in workloads.values():
+                for run in by_x.values():
+                    run()
+            del workloads
+        held = result[0].peak_bytes - result[0].baseline_bytes
+        assert 0 < held <= family.tensor_bytes(size), (family.name, held, family.tensor_bytes(size))

@@ -10,21 +10,33 @@ import json
 import os
 import subprocess
 import sys
+import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing as mp
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from harness.faults import TEST_FAIL_ENV
 from model import Block, GPTConfig
+from model.attention import AttentionCore
+from model.llama_layers import LlamaBlock
 from model.weight_grad import WeightGradStore, linear, split_backward
+from parallel.measurement import profile_kernels
+from parallel.measurement.device_profile import free_memory, size_grid
 from parallel.measurement.local_stages import LocalPipeline
+from parallel.measurement.sdpa_backend import BACKEND_OF_NODE, check_planned_backend
+from parallel.measurement.step_clock import CudaEventClock
+from parallel.measurement.trace import StepRecorder
 from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.planning.layout import build_layout
 from parallel.planning.memory_model import selective_combinations
 from parallel.planning.run_plan import plan_run
-from parallel.planning.shapes import RunShape, Target, Topology
-from tests.runs import REPO, cpu_env, metrics, summary
+from parallel.planning.shapes import RunShape, Shape, Target, Topology
+from tests.fixtures.p2p_pair import batched_meets_unbatched
+from tests.runs import REPO, cpu_env, free_port, metrics, summary
 from tests.test_activation_planner import MODES, mode_id
 from tests.test_zero_bubble import gpt_grads
 
@@ -127,6 +139,151 @@ def test_the_deferred_weight_gradient_is_nn_linears_on_cuda(dtype):
         deterministic(False)
 
 
+# ---- the Llama family: grouped-query attention, the untied head ----------------------------------------------
+
+SDPA_BACKENDS = {
+    SDPBackend.FLASH_ATTENTION: "flash",
+    SDPBackend.EFFICIENT_ATTENTION: "efficient",
+    SDPBackend.CUDNN_ATTENTION: "cudnn",
+    SDPBackend.MATH: "math",
+}
+
+
+def llama_gpu_config(**overrides) -> GPTConfig:
+    """Grouped-query attention (8 query heads, 2 KV heads) at head size 64, which every fused kernel takes."""
+    fields = dict(arch="llama", n_layer=4, n_head=8, n_kv_head=2, n_embd=512, intermediate_size=1376, seq_len=64)
+    fields.update(vocab_size=256, activation="silu", bias=False, dropout=0.0, tie_embeddings=False)
+    return GPTConfig(**{**fields, **overrides})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("backend", list(SDPA_BACKENDS), ids=lambda b: SDPA_BACKENDS[b])
+def test_llama_grouped_query_attention_through_each_sdpa_backend(backend, dtype):
+    """Forced onto one SDPA kernel, grouped-query attention (enable_gqa) either refuses to run (flash takes no
+    fp32) or runs that kernel and matches the explicit ops (KV heads repeated) within the dtype's rounding; and the
+    plan of model.attention=sdpa takes the fused kernels' tensors and refuses cuDNN's and the math fallback's."""
+    cfg = llama_gpu_config()
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 64, 64, generator=gen).to("cuda", dtype).requires_grad_()  # (B, nh, T, hs)
+    k, v = (torch.randn(2, 2, 64, 64, generator=gen).to("cuda", dtype).requires_grad_() for _ in range(2))
+    grad = torch.randn(2, 8, 64, 64, generator=gen).to("cuda", dtype)
+    reference = AttentionCore(GPTConfig(**{**vars(cfg), "attention": "math"})).cuda()
+    expected = reference(q, k, v)
+    expected_grads = torch.autograd.grad(expected, (q, k, v), grad)
+    core = AttentionCore(cfg).cuda()
+    name = SDPA_BACKENDS[backend]
+    with sdpa_kernel([backend]):
+        if name == "flash" and dtype == torch.float32:
+            with pytest.raises(RuntimeError):
+                core(q, k, v)
+            return
+        out = core(q, k, v)
+    assert BACKEND_OF_NODE.get(out.grad_fn.name(), "math") == name
+    tolerance = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
+    torch.testing.assert_close(out, expected, **tolerance)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), expected_grads, strict=True):
+        torch.testing.assert_close(got, want, **tolerance)
+    shape, target = Shape.of(cfg, 2), Target("cuda", "bf16" if dtype == torch.bfloat16 else "fp32")
+    if name in ("flash", "efficient"):
+        check_planned_backend(name, shape, target)
+    else:
+        with pytest.raises(RuntimeError, match="Set model.attention=math"):
+            check_planned_backend(name, shape, target)
+
+
+@pytest.mark.parametrize(
+    "attention, precision, tied", [("sdpa", "bf16", False), ("math", "fp32", False), ("sdpa", "bf16", True)], ids=str
+)
+@pytest.mark.parametrize("recompute", MODES, ids=mode_id)
+def test_planned_llama_activation_bytes_equal_measured_on_cuda(recompute, attention, precision, tied):
+    """The Llama family with grouped-query attention and its untied head (the last stage's own weight) on the GPU:
+    the saved-tensor meter against the planner, per micro-batch, every stage in this process."""
+    cfg = llama_gpu_config(attention=attention, tie_embeddings=tied)
+    run = RunShape(Topology(2), Target("cuda", precision), micro_batches=2, micro_batch_size=2)
+    layout = build_layout(cfg, recompute, run, "type:Block", seed=0)
+    plan = plan_run(cfg, recompute, layout, run)
+    pipe = LocalPipeline(layout, precision)
+    for stage in pipe.stages:
+        stage.cuda()
+    g = torch.Generator().manual_seed(0)
+    batches = [tuple(torch.randint(0, 256, (2, 64), generator=g).cuda() for _ in range(2)) for _ in range(2)]
+    pipe.step(batches, measure=True)
+    for stage, planned in zip(pipe.stages, plan.stages):
+        assert stage.meter.bytes_per_micro_batch() == [planned.activation_bytes_per_microbatch] * 2
+        assert stage.meter.stage_input_bytes() == [planned.stage_input_bytes] * 2
+    # A tied head runs as a function of its stage's embedding; an untied one is a module with a weight of its own.
+    assert isinstance(pipe.stages[-1].funcs[-1], partial) is tied
+    head = pipe.head_weight  # (V, C)
+    assert head.is_cuda and head.grad is not None and torch.isfinite(head.grad).all()
+
+
+def test_a_llama_blocks_forward_and_backward_make_the_host_wait_for_nothing():
+    """The rotary angles cross to the GPU once per device (model/rotary.py): after a first step, a block's forward
+    and backward (recompute included: it reruns the forward) queue kernels without a single synchronizing call."""
+    cfg = llama_gpu_config()
+    block = LlamaBlock(cfg, seed=0, layer_index=0).to("cuda", torch.bfloat16)
+    x = torch.randn(2, 64, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    block(x).sum().backward()  # builds the angle table: the one copy from the host
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        block(x).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+# ---- the measurement machinery on CUDA ---------------------------------------------------------------------
+
+
+def test_the_cuda_event_clock_times_the_queued_work_without_waiting_for_it():
+    """An instruction's edges are events read after the step: the host leaves the instruction while its kernels
+    still run, and the interval read afterwards spans them (parallel/measurement/step_clock.py)."""
+    clock = CudaEventClock()
+    recorder = StepRecorder(clock)
+    clock.start()
+    a = torch.randn(8192, 8192, device="cuda")
+
+    def forward(engine, buffer_id):
+        for _ in range(20):
+            a @ a
+
+    host = time.perf_counter()
+    recorder.timed("ForwardPass", forward)(None, buffer_id=0)
+    host = time.perf_counter() - host
+    queued = torch.cuda.Event()
+    queued.record()
+    assert not queued.query()  # the device is still computing: no edge waited for it
+    (interval,), recomputes, end_s = recorder.finish()
+    assert recomputes == [] and 0 <= interval.start_s < interval.end_s <= end_s
+    assert interval.duration_s > host
+
+
+def test_each_profile_familys_largest_size_that_fits_stays_within_its_byte_bound():
+    """parallel/measurement/profile_kernels.py's bounds against the allocator: one size built and every workload
+    run once, at the largest size the free memory admits."""
+    grid = size_grid("cuda", quick=False)
+    for family in profile_kernels.families("cuda", torch.bfloat16, grid["points"], grid):
+        torch.cuda.empty_cache()
+        size = profile_kernels.sizes_that_fit(family, free_memory("cuda"))[-1]
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        workloads = family.build(size)
+        for by_x in workloads.values():
+            for run in by_x.values():
+                run()
+        torch.cuda.synchronize()
+        held = torch.cuda.max_memory_allocated() - base
+        del workloads
+        assert 0 < held <= family.bytes_at(size), (family.name, size, held)
+
+
+@pytest.mark.multiproc
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two visible GPUs")
+def test_batched_sends_meet_unbatched_receives_over_nccl():
+    """18 MiB messages sent batched and received unbatched, both ways, in a default group bound to each rank's GPU
+    (parallel/runtime/dist_env.py's default_group_options): on one communicator they match instead of hanging."""
+    mp.start_processes(batched_meets_unbatched, args=("cuda", free_port()), nprocs=2, join=True, start_method="spawn")
+
+
 # ---- real runs on one GPU: python train.py (one rank, NCCL) --------------------------------------------------
 
 
@@ -195,6 +352,17 @@ def test_a_resume_under_another_device_visibility_finds_its_rng_state(tmp_path):
     assert train_on_cuda(resumed, *TINY_CUDA, env=failing, check=False).returncode != 0
     train_on_cuda(resumed, *TINY_CUDA, env=cuda_env(tmp_path, CUDA_VISIBLE_DEVICES="1"))
     assert [row["loss"] for row in metrics(resumed)][-2:] == [row["loss"] for row in metrics(reference)][-2:]
+
+
+@pytest.mark.multiproc
+def test_a_rank_bound_to_one_gpu_trains_on_it_whatever_its_local_rank(tmp_path):
+    """srun --gpus-per-task=1 shows each task one GPU while SLURM_LOCALID runs on: start-up, the process group and
+    DeepSpeed's engine all take the one visible GPU (parallel/runtime/dist_env.py's cuda_device_index)."""
+    slurm = dict(SLURM_PROCID="0", SLURM_NTASKS="1", SLURM_LOCALID="5", MASTER_PORT=str(free_port()))
+    run_dir = tmp_path / "run"
+    steps = [*TINY_CUDA[:5], "train.steps=2", "train.save_every=0", "train.micro_batches=2", "train.trace_step=1"]
+    train_on_cuda(run_dir, *steps, env=cuda_env(tmp_path, CUDA_VISIBLE_DEVICES="0", **slurm))
+    assert len(metrics(run_dir)) == 2 and (run_dir / "trace.json").exists()
 
 
 @pytest.mark.multiproc

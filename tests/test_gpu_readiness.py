@@ -1,10 +1,16 @@
-"""What of the CUDA paths runs without a GPU: the start-up refusals of a CUDA run (a LOCAL_RANK beyond the visible
-devices, bf16 on a GPU without it), the SDPA kernel a run records and the plan it is refused against, the fused
-kernels' log-sum-exp as planned, torch's Adam on every device, and the RNG state of the rank's own device only.
-The GPU itself: tests/test_gpu.py (`gpu` marker) and `make gpu-check`."""
+"""What of the CUDA paths runs without a GPU: each rank's GPU (its local rank's, or the one a per-task binding
+shows it) and the start-up refusals of a CUDA run (fewer GPUs than ranks on the node, a LOCAL_RANK beyond the
+visible devices, bf16 on a GPU without it), the default group bound to the rank's GPU (NCCL's p2p), the SDPA kernel
+a run records and the plan it is refused against, the fused kernels' log-sum-exp as planned, torch's Adam on every
+device, and the RNG state of the rank's own device only. The GPU itself: tests/test_gpu.py (`gpu` marker) and
+`make gpu-check`."""
+
+import os
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 from harness.checkpoint import rng_state, set_rng_state
 from harness.run_control import step_is_nonfinite
@@ -13,29 +19,78 @@ from parallel.measurement.sdpa_backend import PLANNED_KERNEL, check_planned_back
 from parallel.planning.config import OptimConfig, ParallelConfig
 from parallel.planning.memory_model import attention_core_items, attention_kernel
 from parallel.planning.shapes import Shape, Target
+from parallel.runtime.dist_env import DistEnv, cuda_device_index, default_group_options, export_dist_env
 from parallel.runtime.ds_config import deepspeed_config
 from schema.checks import check_cuda_device
+from tests.fixtures.p2p_pair import batched_meets_unbatched
+from tests.runs import free_port
 
 CUDA_BF16 = Target("cuda", "bf16")
 
 
+def capability(major: int, minor: int = 0):
+    """Every visible GPU of this compute capability."""
+    return lambda index: (major, minor)
+
+
+@pytest.mark.parametrize(
+    "visible, local_rank, local_ranks, device",
+    [
+        (8, 3, 8, 3),  # each rank sees the node's GPUs: its local rank's
+        (8, 1, 2, 1),  # fewer ranks than GPUs
+        (1, 5, 8, 0),  # per-task binding (srun --gpus-per-task=1): the one it sees, whatever SLURM_LOCALID says
+        (1, 0, 1, 0),
+    ],
+)
+def test_each_rank_gets_its_own_gpu(visible, local_rank, local_ranks, device):
+    assert cuda_device_index(visible, local_rank, local_ranks) == device
+    check_cuda_device(CUDA_BF16, "bf16", local_rank, local_ranks, visible, capability(9))
+
+
+@pytest.mark.parametrize("visible, local_rank", [(2, 0), (2, 1), (4, 3)])
+def test_fewer_visible_gpus_than_ranks_on_the_node_are_refused_naming_the_binding(visible, local_rank):
+    with pytest.raises(ValueError, match=rf"this rank sees {visible} CUDA devices but its node runs 8 ranks") as e:
+        check_cuda_device(CUDA_BF16, "bf16", local_rank, 8, visible, capability(9))
+    assert "srun --gpus-per-task=1" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_a_local_rank_beyond_the_visible_gpus_is_refused_naming_the_launch():
+    """The launcher says 2 ranks on the node (LOCAL_SIZE) but numbers this one 2."""
     with pytest.raises(ValueError, match=r"LOCAL_RANK=2 but this node has 2 visible CUDA device\(s\)") as error:
-        check_cuda_device(CUDA_BF16, "bf16", 2, 2, (0, 0))
+        check_cuda_device(CUDA_BF16, "bf16", 2, 2, 2, capability(0))
     assert "deepspeed --num_gpus 2" in str(error.value) and "CUDA_VISIBLE_DEVICES" in str(error.value)
-    check_cuda_device(CUDA_BF16, "bf16", 1, 2, (9, 0))
 
 
 @pytest.mark.parametrize("option", ["bf16", "auto"])
 def test_bf16_on_a_gpu_without_it_is_refused_naming_the_option(option):
     with pytest.raises(ValueError, match=rf"train.precision='{option}' means bf16, which this GPU \(compute capab"):
-        check_cuda_device(CUDA_BF16, option, 0, 1, (7, 5))
-    check_cuda_device(Target("cuda", "fp16"), "fp16", 0, 1, (7, 5))
-    check_cuda_device(CUDA_BF16, option, 0, 1, (8, 0))
+        check_cuda_device(CUDA_BF16, option, 0, 1, 1, capability(7, 5))
+    check_cuda_device(Target("cuda", "fp16"), "fp16", 0, 1, 1, capability(7, 5))
+    check_cuda_device(CUDA_BF16, option, 0, 1, 1, capability(8))
+
+
+def test_the_capability_read_is_the_chosen_gpus():
+    """Per-task binding: local rank 5 reads the capability of its one visible GPU, index 0."""
+    read = []
+    check_cuda_device(CUDA_BF16, "bf16", 5, 8, 1, lambda index: read.append(index) or (9, 0))
+    assert read == [0]
 
 
 def test_a_cpu_run_is_not_checked_against_cuda_devices():
-    check_cuda_device(Target("cpu", "bf16"), "bf16", 3, 0, (0, 0))
+    check_cuda_device(Target("cpu", "bf16"), "bf16", 3, 8, 0, capability(0))
+
+
+@pytest.mark.parametrize(
+    "device, world, cuda_device, bound",
+    [("cuda", 2, 1, "cuda:1"), ("cuda", 8, 0, "cuda:0"), ("cuda", 1, 0, None), ("cpu", 2, None, None)],
+)
+def test_the_default_group_is_bound_to_the_ranks_gpu_wherever_peers_exchange_p2p(device, world, cuda_device, bound):
+    """NCCL's unbatched send and recv share the batched ones' communicator only in a group bound to its device
+    (docs/gpu.md): zb-h1 and early recompute mix the two."""
+    options = default_group_options(device, world, cuda_device, timedelta(seconds=5))
+    assert options["backend"] == ("nccl" if device == "cuda" else "gloo")
+    assert options["timeout"] == timedelta(seconds=5)
+    assert (str(options["device_id"]) if "device_id" in options else None) == bound
 
 
 def shape(dropout: float, s: int = 64) -> Shape:
@@ -101,3 +156,18 @@ def test_a_checkpoint_keeps_one_cuda_rng_state_at_most():
 )
 def test_only_an_fp16_overflow_skip_is_not_a_fault(loss, norm, applied, fp16, fault):
     assert step_is_nonfinite(loss, norm, applied, fp16) is fault
+
+
+@pytest.mark.parametrize("cuda_device, exported", [(0, "0"), (None, "5")])
+def test_deepspeed_reads_the_ranks_gpu_as_its_local_rank(cuda_device, exported, monkeypatch):
+    """DeepSpeed's engine sets its device from LOCAL_RANK: under a per-task binding that is the one visible GPU."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    export_dist_env(DistEnv(5, 8, 5, "h", 123, "slurm", 8), cuda_device)
+    assert os.environ["LOCAL_RANK"] == exported and os.environ["RANK"] == "5"
+
+
+@pytest.mark.multiproc
+def test_batched_sends_meet_unbatched_receives_in_the_default_group():
+    """On CPU (gloo) the exchange and the group options; tests/test_gpu.py runs the same on two GPUs (NCCL)."""
+    mp.start_processes(batched_meets_unbatched, args=("cpu", free_port()), nprocs=2, join=True, start_method="spawn")

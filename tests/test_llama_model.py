@@ -12,6 +12,7 @@ from model.hf_format import hf_config_from_model
 from model.llama_layers import LlamaBlock, SwiGLU
 from model.llama_names import flat_index_of, llama_layer_hf_names
 from model.rms_norm import RMSNorm
+from model.rotary import inverse_frequencies, rotary_angles, rotary_cos_sin
 
 # Shrunk from the published configs: (the HF class our config exports as, our fields). The HF model is built from the
 # config.json an export writes (model/hf_format.py).
@@ -186,3 +187,37 @@ def test_gpt2_refuses_llama_only_options():
         GPTConfig(n_kv_head=2)
     with pytest.raises(ValueError, match=r"model.tie_embeddings=False is invalid with model.arch=gpt2"):
         GPTConfig(tie_embeddings=False)
+
+
+def angles_anew(cfg: GPTConfig, start: int, length: int) -> torch.Tensor:
+    """The angles (T, hs) as rotary_cos_sin computed them before its per-device table: from the positions asked."""
+    positions = torch.arange(start, start + length, dtype=torch.float32)  # (T,)
+    freqs = torch.outer(positions, inverse_frequencies(cfg))  # (T, hs/2)
+    return torch.cat((freqs, freqs), dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_rotary_cos_sin_from_the_devices_table_are_bit_identical_to_computing_them_anew(name, dtype):
+    """Every start and length a forward, a recompute or a decode step asks for, also past the table's first size;
+    each call returns cos and sin of its own (apply_rotary keeps them per block, as the planner counts them)."""
+    cfg = llama_config(**SHAPES[name][1])
+    for start, length in ((0, 24), (0, 1), (5, 3), (23, 1), (0, 7), (30, 40), (0, 24)):
+        cos, sin = rotary_cos_sin(cfg, start, length, dtype, torch.device("cpu"))
+        angles = angles_anew(cfg, start, length)
+        assert torch.equal(cos, angles.cos().to(dtype)) and torch.equal(sin, angles.sin().to(dtype))
+    again, _ = rotary_cos_sin(cfg, 0, 24, dtype, torch.device("cpu"))
+    assert again.untyped_storage().data_ptr() != cos.untyped_storage().data_ptr()
+
+
+def test_the_rotary_angles_are_built_once_per_device_and_rotary_fields():
+    cfg = llama_config(**SHAPES["llama3.1"][1])
+    table = rotary_angles(cfg, 24, torch.device("cpu"))
+    assert rotary_angles(cfg, 10, torch.device("cpu")) is table
+    assert rotary_angles(llama_config(**SHAPES["llama3.1"][1], seq_len=8), 24, torch.device("cpu")) is table
+    assert rotary_angles(llama_config(**SHAPES["mistral"][1]), 24, torch.device("cpu")) is not table
+    longer = rotary_angles(cfg, table.shape[0] + 1, torch.device("cpu"))
+    assert longer.shape[0] > table.shape[0] and torch.equal(longer[: table.shape[0]], table)
+    with torch.inference_mode():  # sampling may build it: training's autograd must still accept it afterwards
+        built = rotary_angles(llama_config(**SHAPES["qwen2.5"][1]), 24, torch.device("cpu"))
+    assert not built.is_inference()

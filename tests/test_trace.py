@@ -12,6 +12,8 @@ import pytest
 import torch
 from deepspeed.runtime.pipe.schedule import TrainSchedule
 
+from parallel.measurement.step_clock import HostClock
+from parallel.measurement.trace import StepRecorder
 from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.runtime.recompute import observe_recompute
 from sweep.report import write_report
@@ -125,6 +127,57 @@ def test_the_recompute_observer_brackets_each_recompute_and_changes_nothing(reco
         losses, grads = loss_and_grads(recompute, "math")
     assert edges == ["enter", "exit"] * 2 * per_backward
     assert all(torch.equal(a, b) for a, b in zip(losses + grads, base_losses + base_grads, strict=True))
+
+
+class ReadCountingClock(HostClock):
+    """The CPU clock, counting how often its marks are read."""
+
+    reads = 0
+
+    def seconds(self, marks: list) -> list[float]:
+        self.reads += 1
+        return super().seconds(marks)
+
+
+def test_the_recorder_numbers_micro_batches_nests_recomputes_and_reads_its_clock_once_after_the_step():
+    """The bookkeeping StepTracer runs on both clocks, with the CPU one: marks unread until the step is over (on
+    CUDA, reading an event waits for the device), each handler's result passed through."""
+    clock = ReadCountingClock()
+    recorder = StepRecorder(clock)
+    clock.start()
+
+    def forward(engine, buffer_id):
+        return buffer_id * 10
+
+    def backward(engine, buffer_id):
+        with recorder.recompute():
+            with recorder.recompute():  # nested: counted in the outer one
+                pass
+        with recorder.recompute():
+            pass
+
+    handlers = {name: recorder.timed(name, fn) for name, fn in (("ForwardPass", forward), ("BackwardPass", backward))}
+    step = recorder.timed("OptimizerStep", lambda engine: None)
+    assert [handlers["ForwardPass"](None, buffer_id=b) for b in (0, 1)] == [0, 10]
+    handlers["BackwardPass"](None, buffer_id=0)
+    handlers["BackwardPass"](None, buffer_id=1)
+    step(None)
+    assert clock.reads == 0
+    instructions, recomputes, end_s = recorder.finish()
+    assert clock.reads == 1
+    assert [(i.name, i.buffer_id, i.micro_batch) for i in instructions] == [
+        ("ForwardPass", 0, 0),
+        ("ForwardPass", 1, 1),
+        ("BackwardPass", 0, 0),
+        ("BackwardPass", 1, 1),
+        ("OptimizerStep", None, None),
+    ]
+    assert [(r.name, r.micro_batch) for r in recomputes] == [("Recompute", 0)] * 2 + [("Recompute", 1)] * 2
+    edges = [t for i in instructions for t in (i.start_s, i.end_s)]
+    assert 0 <= edges[0] and edges == sorted(edges) and edges[-1] <= end_s
+    for r in recomputes:
+        (outer,) = [i for i in instructions if i.name == "BackwardPass" and i.micro_batch == r.micro_batch]
+        assert outer.start_s <= r.start_s <= r.end_s <= outer.end_s
 
 
 @pytest.mark.multiproc

@@ -44,7 +44,8 @@ GPU_SCALE = {"max_flops": 1e3, "max_elements": 1e2, "max_seq": 8, "max_tokens": 
 """A GPU's sizes reach further: its kernels leave their launch-bound floor much later than a CPU's."""
 
 
-def _grid(device: str, quick: bool) -> dict:
+def size_grid(device: str, quick: bool) -> dict:
+    """The ranges a profile measures over on `device` (FULL or QUICK, a GPU's reaching further)."""
     grid = dict(QUICK if quick else FULL)
     if device == "cuda" and not quick:
         grid = {k: v * GPU_SCALE.get(k, 1) for k, v in grid.items()}
@@ -52,24 +53,36 @@ def _grid(device: str, quick: bool) -> dict:
 
 
 def compute_curves(device: str, precision: str, quick: bool) -> dict[str, list[tuple[float, float]]]:
-    """Every compute curve of this process's device (device_profile_file.CURVES)."""
-    grid = _grid(device, quick)
-    dtype, rounds, points = TORCH_DTYPES[precision], grid["rounds"], grid["points"]
-    families = (
-        lambda: profile_kernels.matmuls(device, dtype, points, grid["max_flops"]),
-        lambda: profile_kernels.elementwise(device, dtype, points, grid["max_elements"]),
-        lambda: profile_kernels.attention(device, dtype, points, int(grid["max_seq"])),
-        lambda: profile_kernels.losses(device, dtype, points, int(grid["max_tokens"])),
-        lambda: profile_kernels.optimizer(device, dtype, points, grid["max_elements"] * 4),
-    )
+    """Every compute curve of this process's device (device_profile_file.CURVES), one size at a time: a size's
+    workloads are built, timed side by side and freed before the next, and on CUDA the sizes that would not fit in
+    the free memory are skipped (a 24 GB card would not hold the largest at once)."""
+    grid = size_grid(device, quick)
+    dtype, rounds = TORCH_DTYPES[precision], grid["rounds"]
     curves: dict[str, list[tuple[float, float]]] = {}
-    for build in families:  # one family's workloads interleaved: their tensors fit in memory together
-        flat = {(name, size): fn for name, by_size in build().items() for size, fn in by_size.items()}
-        seconds = interleaved_seconds({f"{n}@{s}": fn for (n, s), fn in flat.items()}, device, rounds)
-        for name, size in flat:
-            curves.setdefault(name, []).append((size, seconds[f"{name}@{size}"]))
+    for family in profile_kernels.families(device, dtype, grid["points"], grid):
+        free = free_memory(device)
+        sizes = profile_kernels.sizes_that_fit(family, free)
+        if len(sizes) < len(family.sizes):
+            print(
+                f"device profile: {family.name}: {len(family.sizes) - len(sizes)} of {len(family.sizes)} sizes "
+                f"skipped, over half of the {free / 2**30:.1f} GiB free",
+                flush=True,
+            )
+        for size in sizes:
+            flat = {(n, x): fn for n, by_x in family.build(size).items() for x, fn in by_x.items()}
+            seconds = interleaved_seconds({f"{n}@{x}": fn for (n, x), fn in flat.items()}, device, rounds)
+            for name, x in flat:
+                curves.setdefault(name, []).append((x, seconds[f"{name}@{x}"]))
+            del flat  # this size's tensors go before the next size's are built
+            if device == "cuda":
+                torch.cuda.empty_cache()
     assert set(curves) == set(CURVES), sorted(set(CURVES) ^ set(curves))
     return curves
+
+
+def free_memory(device: str) -> int | None:
+    """Bytes free on this process's CUDA device (None on a CPU: no bound)."""
+    return torch.cuda.mem_get_info()[0] if device == "cuda" else None
 
 
 def _rank_curves(rank: int, device: str, precision: str, quick: bool, threads: int, out) -> None:
@@ -100,7 +113,7 @@ def measure(device: str, precision: str, quick: bool = False, links: bool = True
         curves = concurrent_curves(ranks, device, precision, quick)
     else:
         curves = compute_curves(device, precision, quick)
-    grid = _grid(device, quick)
+    grid = size_grid(device, quick)
     if links and (device == "cpu" or torch.cuda.device_count() >= 2):
         threads = torch.get_num_threads()
         curves.update(link_curves(device, grid["rounds"], grid["points"], grid["max_elements"] * 8, threads))

@@ -8,17 +8,18 @@ The recompute that autograd runs inside a backward pass reaches the trace throug
 `observe_recompute`.
 
 The clock: a barrier before the step, and each rank's `perf_counter` at barrier exit is its zero. A
-second barrier right after measures how far apart the ranks leave a barrier: the residual skew.
+second barrier right after measures how far apart the ranks leave a barrier: the residual skew. The instruction
+edges are marks of parallel/measurement/step_clock.py's clock (CUDA events on CUDA, read after the step, so the
+traced step runs as an untraced one does), collected by a `StepRecorder` and turned into seconds at the step's end.
 """
 
-import time
 from collections import Counter
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
-import torch
 import torch.distributed as dist
 
+from parallel.measurement.step_clock import CudaEventClock, HostClock, step_clock
 from parallel.planning.step_sim import PER_STEP
 from parallel.runtime.recompute import observe_recompute
 
@@ -74,6 +75,61 @@ class StepTrace:
         return max(exits) - min(exits)
 
 
+class StepRecorder:
+    """The bookkeeping of one traced step, free of process groups: timed wrappers of instruction handlers and a
+    bracket for recomputes, each edge a mark of `clock`; `finish` turns the marks into Intervals."""
+
+    def __init__(self, clock: HostClock | CudaEventClock):
+        self.clock = clock
+        self._counts: Counter = Counter()
+        self._running: int | None = None
+        """The micro-batch of the instruction running now: a recompute belongs to it (a BackwardPass or
+        BackwardInput, or a RecomputeEarly)."""
+        self._recompute_depth = 0
+        self._instructions: list[tuple] = []
+        self._recomputes: list[tuple] = []
+        """(name, start mark, end mark, buffer id, micro-batch), unread until `finish`."""
+
+    def timed(self, name: str, fn):
+        def timed(engine, **kwargs):
+            micro_batch = None
+            if name not in PER_STEP:  # once per micro-batch, in micro-batch order under every schedule
+                micro_batch = self._counts[name]
+                self._counts[name] += 1
+            self._running = micro_batch
+            start = self.clock.mark()
+            try:
+                return fn(engine, **kwargs)
+            finally:
+                self._instructions.append((name, start, self.clock.mark(), kwargs.get("buffer_id"), micro_batch))
+
+        return timed
+
+    @contextmanager
+    def recompute(self):
+        """Brackets one recompute; a recompute inside another (none in today's plans) counts in the outer."""
+        self._recompute_depth += 1
+        start = self.clock.mark()
+        try:
+            yield
+        finally:
+            self._recompute_depth -= 1
+            if self._recompute_depth == 0:
+                self._recomputes.append((RECOMPUTE, start, self.clock.mark(), None, self._running))
+
+    def finish(self) -> tuple[list[Interval], list[Interval], float]:
+        """(instructions, recomputes, now), in seconds since the clock's start: read once, after the step."""
+        records = self._instructions + self._recomputes
+        marks = [mark for record in records for mark in record[1:3]] + [self.clock.mark()]
+        seconds = self.clock.seconds(marks)
+        intervals = [
+            Interval(name, seconds[2 * i], seconds[2 * i + 1], buffer_id, micro_batch)
+            for i, (name, _, _, buffer_id, micro_batch) in enumerate(records)
+        ]
+        count = len(self._instructions)
+        return intervals[:count], intervals[count:], seconds[-1]
+
+
 class StepTracer:
     """Traces step `step` (None: none). Every rank calls `begin(step)` before and `end(step)` after each
     `train_batch`, and `gather()` once after the last step (collectives on the traced step only)."""
@@ -81,72 +137,35 @@ class StepTracer:
     def __init__(self, engine, step: int | None, device: str):
         self.engine = engine
         self.step = step
-        self._sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        self._device = device
         self._trace: RankTrace | None = None
-        self._t0 = 0.0
-        self._counts: Counter = Counter()
-        self._running: int | None = None
-        """The micro-batch of the instruction running now: a recompute belongs to it (a BackwardPass or
-        BackwardInput, or a RecomputeEarly)."""
-        self._recompute_depth = 0
-
-    def _now(self) -> float:
-        self._sync()  # CUDA: the interval's kernels are done (only while tracing)
-        return time.perf_counter() - self._t0
 
     def begin(self, step: int) -> None:
         if step != self.step:
             return
         engine = self.engine
+        self._recorder = StepRecorder(step_clock(self._device))
         dist.barrier()
-        self._t0 = time.perf_counter()
+        self._recorder.clock.start()
         dist.barrier()
+        (barrier_exit,) = self._recorder.clock.seconds([self._recorder.clock.mark()])
         self._trace = RankTrace(
             rank=dist.get_rank(),
             stage=engine.stage_id,
             dp_rank=engine.grid.get_data_parallel_rank(),
-            barrier_exit_s=self._now(),
+            barrier_exit_s=barrier_exit,
         )
-        wrapped = {kind: self._timed(kind.__name__, fn) for kind, fn in type(engine)._INSTRUCTION_MAP.items()}
+        wrapped = {kind: self._recorder.timed(kind.__name__, fn) for kind, fn in type(engine)._INSTRUCTION_MAP.items()}
         engine._INSTRUCTION_MAP = wrapped  # shadows the class's map on this engine only
         self._observing = ExitStack()
-        self._observing.enter_context(observe_recompute(self._recompute))
+        self._observing.enter_context(observe_recompute(self._recorder.recompute))
 
     def end(self, step: int) -> None:
         if step != self.step or self._trace is None:
             return
         self._observing.close()
         del self.engine._INSTRUCTION_MAP  # the class's map again: untraced steps pay nothing
-        self._trace.end_s = self._now()
-
-    def _timed(self, name: str, fn):
-        def timed(engine, **kwargs):
-            micro_batch = None
-            if name not in PER_STEP:  # once per micro-batch, in micro-batch order under every schedule
-                micro_batch = self._counts[name]
-                self._counts[name] += 1
-            self._running = micro_batch
-            start = self._now()
-            try:
-                return fn(engine, **kwargs)
-            finally:
-                self._trace.instructions.append(
-                    Interval(name, start, self._now(), kwargs.get("buffer_id"), micro_batch)
-                )
-
-        return timed
-
-    @contextmanager
-    def _recompute(self):
-        """Brackets one recompute; a recompute inside another (none in today's plans) counts in the outer."""
-        self._recompute_depth += 1
-        start = self._now()
-        try:
-            yield
-        finally:
-            self._recompute_depth -= 1
-            if self._recompute_depth == 0:
-                self._trace.recomputes.append(Interval(RECOMPUTE, start, self._now(), None, self._running))
+        self._trace.instructions, self._trace.recomputes, self._trace.end_s = self._recorder.finish()
 
     def gather(self) -> StepTrace | None:
         """Collective on every rank when a step was traced: the rank holding the loss (last stage, first

@@ -4,7 +4,8 @@ Read in this order: torch/DeepSpeed variables (RANK, WORLD_SIZE, LOCAL_RANK: dee
 then SLURM's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID: srun), else a single process.
 Under srun, MASTER_ADDR defaults to the first host of the step's node list (where rank 0 runs) and
 MASTER_PORT to one derived from the job id (`slurm_master_port`), as launch/slurm.sbatch exports them,
-so `srun python train.py` and submitit jobs need no wrapper.
+so `srun python train.py` and submitit jobs need no wrapper. Also each rank's GPU (`cuda_device_index`) and the
+default process group's options (`default_group_options`).
 """
 
 import os
@@ -12,6 +13,9 @@ import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -142,12 +146,48 @@ def read_dist_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
     return DistEnv(rank, world, local, addr or "127.0.0.1", port, source, local_world_size(environ, source), cpus)
 
 
-def export_dist_env(env: DistEnv) -> None:
-    """Set the torch variables DeepSpeed's init_distributed reads."""
+def export_dist_env(env: DistEnv, cuda_device: int | None = None) -> None:
+    """Set the torch variables DeepSpeed reads; LOCAL_RANK is the rank's GPU where it has one (`cuda_device`):
+    DeepSpeed's engine sets its device from LOCAL_RANK, which a per-task binding numbers past the one visible GPU."""
     os.environ.update(
         RANK=str(env.rank),
         WORLD_SIZE=str(env.world_size),
-        LOCAL_RANK=str(env.local_rank),
+        LOCAL_RANK=str(env.local_rank if cuda_device is None else cuda_device),
         MASTER_ADDR=env.master_addr,
         MASTER_PORT=str(env.master_port),
     )
+
+
+def cuda_device_index(visible: int, local_rank: int, local_ranks: int) -> int:
+    """This rank's GPU among the `visible` ones: the only one when it sees one (a per-task binding such as
+    `srun --gpus-per-task=1`, whatever its local rank), else the one at its local rank (each rank of the node sees
+    the node's GPUs: deepspeed --num_gpus, torchrun, srun --ntasks-per-node). Raises ValueError (one line) where
+    neither holds: 1 < visible < `local_ranks` (the ranks on this node), or a local rank beyond the visible GPUs."""
+    if visible == 1:
+        return 0
+    if 1 < visible < local_ranks:
+        raise ValueError(
+            f"this rank sees {visible} CUDA devices but its node runs {local_ranks} ranks (train.device=cuda): bind "
+            f"one GPU to each rank (srun --gpus-per-task=1, or CUDA_VISIBLE_DEVICES per rank) or let every rank see "
+            f"at least {local_ranks} GPUs"
+        )
+    if local_rank >= visible:
+        raise ValueError(
+            f"LOCAL_RANK={local_rank} but this node has {visible} visible CUDA device(s) (train.device=cuda): launch "
+            f"at most {visible} rank(s) per node (deepspeed --num_gpus {visible}, srun --ntasks-per-node "
+            f"{visible}), or make more devices visible (CUDA_VISIBLE_DEVICES)"
+        )
+    return local_rank
+
+
+def default_group_options(device: str, world_size: int, cuda_device: int | None, timeout: timedelta) -> dict:
+    """torch.distributed.init_process_group's arguments. On CUDA with peers, the default group is bound to the
+    rank's GPU (`device_id`: NCCL's eager init). ProcessGroupNCCL runs `batch_isend_irecv` on the group's own
+    communicator, but an unbatched send or recv on a two-rank communicator of the pair unless the group is bound;
+    zb-h1's and early recompute's batched sends meet DeepSpeed's unbatched receives only on one communicator, so
+    without the binding they would never match (a hang). DeepSpeed binds the group too, but only on some torch
+    versions: here it holds by construction. A single rank has no peer (DeepSpeed leaves it unbound: #8248)."""
+    options = {"backend": "gloo" if device == "cpu" else "nccl", "init_method": "env://", "timeout": timeout}
+    if device == "cuda" and world_size > 1:
+        options["device_id"] = torch.device("cuda", cuda_device)
+    return options

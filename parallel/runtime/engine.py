@@ -7,6 +7,7 @@ from functools import partial
 
 import deepspeed
 import torch
+import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 import torch.nn as nn
 from deepspeed.accelerator import get_accelerator
@@ -19,7 +20,7 @@ from torch._utils import _flatten_dense_tensors
 from parallel.planning.config import OptimConfig, ParallelConfig
 from parallel.planning.layout import PipelineLayout
 from parallel.runtime.accelerator import use_accelerator
-from parallel.runtime.dist_env import DistEnv, export_dist_env
+from parallel.runtime.dist_env import DistEnv, cuda_device_index, default_group_options, export_dist_env
 from parallel.runtime.ds_config import deepspeed_config
 from parallel.runtime.lr_schedule import CosineSegment, warmup_cosine
 from parallel.runtime.pipeline import RecomputingPipelineModule
@@ -30,22 +31,26 @@ def init_process_group(env: DistEnv, device: str, timeout_s: float) -> None:
     # Start-up chose the accelerator before loading this module; a process that loaded DeepSpeed for another
     # device (a script that skipped start-up) stops here rather than train on the wrong one.
     use_accelerator(device)
+    cuda_device = None
     if device == "cuda":
         # Before anything touches CUDA (a collective before the engine exists would too): else every
         # rank of the node makes its context, and its NCCL communicators, on cuda:0.
-        torch.cuda.set_device(env.local_rank)
-    export_dist_env(env)
+        cuda_device = cuda_device_index(torch.cuda.device_count(), env.local_rank, env.local_world_size)
+        torch.cuda.set_device(cuda_device)
+    export_dist_env(env, cuda_device)
     _skip_shm_inference_allreduce()
-    # auto_mpi_discovery=False: a missing variable must fail loudly, not silently import mpi4py.
+    timeout = timedelta(seconds=timeout_s)
+    if not dist.is_initialized():  # a sweep's jobs reuse the group
+        dist.init_process_group(**default_group_options(device, env.world_size, cuda_device, timeout))
+    # DeepSpeed adopts the group made above. auto_mpi_discovery=False: a missing variable must fail loudly, not
+    # silently import mpi4py.
     deepspeed.init_distributed(
-        dist_backend="gloo" if device == "cpu" else "nccl",
-        auto_mpi_discovery=False,
-        timeout=timedelta(seconds=timeout_s),
+        dist_backend="gloo" if device == "cpu" else "nccl", auto_mpi_discovery=False, timeout=timeout
     )
     # Groups created later without a timeout (DeepSpeed's pipeline and data-parallel groups) would take
     # torch's default (30 min gloo, 10 min NCCL), so a hung peer would outlast train.collective_timeout_s.
-    c10d.default_pg_timeout = timedelta(seconds=timeout_s)
-    c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
+    c10d.default_pg_timeout = timeout
+    c10d.default_pg_nccl_timeout = timeout
     global _destroy_at_exit
     if not _destroy_at_exit:  # once per process (a sweep's jobs reuse the group)
         atexit.register(_destroy_process_group)
