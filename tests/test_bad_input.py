@@ -73,6 +73,7 @@ CONFIG_ERRORS = [
     (["data=text", "data.tokenzier=bpe"], "data.tokenzier is not an option: did you mean data.tokenizer?"),
     (["trian.steps=3"], "trian is not an option: did you mean train?"),
     (["+train.seeed=3"], "train.seeed is not an option: the options of train are train.steps,"),
+    (["recompute=auto"], "recompute=auto chooses a group that is absent by default: did you mean +recompute=auto?"),
     (["+recompte=full"], "recompte is not an option: did you mean recompute?"),
     (["recompute.interval=2"], "recompute.interval needs a recompute mode: add +recompute=full, selective, none or"),
     (["train.steps=many"], "train.steps='many' is invalid: it must be an integer"),
