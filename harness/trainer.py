@@ -14,6 +14,7 @@ from harness.files import atomic_write_text
 from harness.init_from import hf_initial_weights
 from harness.metrics import MetricsLog, median_after_warmup
 from harness.run_control import RunControl
+from harness.run_dir import set_aside_earlier_attempt, starts_again
 from harness.run_summary import done_line, wandb_sync_command
 from harness.timeline import publish_trace
 from harness.wandb_logger import open_wandb
@@ -51,6 +52,13 @@ def traced_step(train: TrainConfig, start_step: int) -> int | None:
 def train(ctx: RunContext, layout: PipelineLayout) -> None:
     run, run_dir, rank, topology, target = ctx.run, ctx.run_dir, ctx.env.rank, ctx.topology, ctx.target
     if rank == 0:
+        if starts_again(run.train.resume, run.train.overwrite, ctx.resume is not None, run_dir):
+            aside = set_aside_earlier_attempt(run_dir)
+            print(
+                f"stagecheck: {run_dir} holds no complete checkpoint to resume (train.resume=auto): starting the run "
+                f"again; the earlier attempt's files are in {aside}",
+                flush=True,
+            )
         write_config(ctx)
         print(
             f"stagecheck: {topology.world_size} ranks = {topology.pipeline_stages} stages x "

@@ -115,7 +115,7 @@ def test_an_existing_run_is_never_overwritten(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
-    result = python_run(run_dir, *TINY, check=False)
+    result = python_run(run_dir, *TINY, "train.resume=false", check=False)
     assert result.returncode == 2
     assert "already holds a run" in result.stderr
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
