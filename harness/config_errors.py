@@ -33,8 +33,14 @@ def config_errors(argv: Sequence[str]) -> Iterator[None]:
     try:
         yield
     except HydraException as error:
-        print(f"stagecheck: error: {describe(error, argv)}", file=sys.stderr)
+        if first_rank():  # every rank composes the same command line: one of them says what is wrong
+            print(f"stagecheck: error: {describe(error, argv)}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
+
+
+def first_rank() -> bool:
+    """Whether this process is rank 0 (or alone), from the launcher's variables, before any are checked."""
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
 
 
 def describe(error: HydraException, argv: Sequence[str]) -> str:

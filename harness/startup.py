@@ -28,6 +28,11 @@ from schema.checks import check_cuda_device, check_data, run_shape, to_run_confi
 from schema.run import RunConfig
 
 
+class RankError(ValueError):
+    """Bad input that this rank alone may have (its device): printed by every rank that has it, where an error of
+    the config, the same on every rank, is printed by rank 0 alone."""
+
+
 def run_from_hydra(cfg: DictConfig, job: JobHooks) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     rank = 0
@@ -43,7 +48,8 @@ def run_from_hydra(cfg: DictConfig, job: JobHooks) -> None:
             use_accelerator(ctx.target.device)
     except ValueError as error:
         message = f"stagecheck: error: {error}"
-        print(message, file=sys.stderr)
+        if rank == 0 or isinstance(error, RankError):  # the others found the same in the same config
+            print(message, file=sys.stderr)
         if job.startup_failed(run_dir, message, rank):
             return  # a sweep job: marked FAILED in its directory, the sweep goes on (sweep/job.py)
         remove_if_empty(run_dir)
@@ -77,7 +83,10 @@ def validate(cfg: DictConfig, run_dir: Path, env: DistEnv, job: JobHooks) -> Run
     # A dry run plans for CUDA (train.device=cuda or auto) whether or not this machine has a GPU.
     shape = run_shape(run, world_size, torch.cuda.is_available() or run.dry_run)
     if shape.target.device == "cuda" and not run.dry_run:
-        check_cuda_device(shape.target, run.train.precision, env.local_rank, *cuda_facts(env.local_rank))
+        try:
+            check_cuda_device(shape.target, run.train.precision, env.local_rank, *cuda_facts(env.local_rank))
+        except ValueError as error:
+            raise RankError(str(error)) from None
     check_data(run)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     point = resume_point(run.train, run_dir)  # train.resume: auto, false or a checkpoint path

@@ -30,6 +30,9 @@ from schema.training import TrainConfig
 # DeepSpeed's pipeline sends activations with c10d broadcasts inside autograd; torch warns once per
 # rank that the op has no autograd kernel. DeepSpeed handles those gradients itself: noise.
 warnings.filterwarnings("ignore", message="c10d::broadcast_: an autograd kernel was not registered")
+# The fp32 non-finite guard replaces optimizer.step after DeepSpeed built the LR scheduler (harness/faults.py), on
+# purpose: torch's scheduler warns once per rank that step() was overridden. The guard calls the scheduler's own.
+warnings.filterwarnings("ignore", message="Seems like `optimizer.step\\(\\)` has been overridden")
 
 
 def write_config(ctx: RunContext) -> None:

@@ -102,7 +102,8 @@ def _end_tree(live: LiveRun) -> None:
 @pytest.mark.multiproc
 def test_ctrl_c_saves_exits_75_and_the_printed_command_resumes_the_named_run(tmp_path):
     """Ctrl-C at the terminal of `launch/local_deepspeed.sh --num_gpus 2 ... /abs/train.py train.run_name=...`:
-    every rank saves and exits 75, and so does the launcher (plain `deepspeed` exits 1 there); no traceback. The
+    every rank saves and exits 75, and so does the launcher (plain `deepspeed` exits 1 there); no traceback, and
+    none of DeepSpeed's and torch's start-up noise that stagecheck can keep out. The
     command it prints keeps the launcher, its options and the script path as typed, and running it exactly, from
     the same directory, finds the run by its name and resumes it."""
     refuse_in_quick_tier("a deepspeed launch")
@@ -121,6 +122,10 @@ def test_ctrl_c_saves_exits_75_and_the_printed_command_resumes_the_named_run(tmp
     assert code == faults.EXIT_PREEMPTED, out[-4000:]
     assert "stagecheck: rank 0 got SIGINT" in out and "stagecheck: preempted (SIGINT on rank" in out
     assert "Traceback" not in out and "KeyboardInterrupt" not in out
+    # Start-up and the metered step are quiet: no compiler probe, no PipelineModule prints, no optimizer-override
+    # warning, no Kineto lines from the tensor-peak profiler.
+    for noise in ("gcc ", "SEED_LAYERS=", "Using topology:", "has been overridden", "USDT:"):
+        assert noise not in out, noise
     k = len(metrics(run_dir))
     assert 3 <= k < 16 and (run_dir / "checkpoints" / LATEST).read_text().strip() == f"step_{k:08d}"
     (line,) = [line for line in out.splitlines() if "To continue, relaunch (train.resume=auto): " in line]

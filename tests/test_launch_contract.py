@@ -79,6 +79,24 @@ def test_the_relaunch_command_keeps_the_launcher_and_script_as_typed(tmp_path):
     assert with_ranks(["python", "train.py"], 2) == ["deepspeed", "--num_gpus", "2", "train.py"]
 
 
+def test_turning_off_the_shared_memory_op_runs_no_compiler_probe():
+    """DeepSpeed probes every op (gcc builds of test programs, each printing its command) when its table of
+    compatible ops is first read; the CPU engine only needs one entry of it off."""
+    code = (
+        "from parallel.runtime.accelerator import use_accelerator; use_accelerator('cpu')\n"
+        "import deepspeed\n"
+        "from parallel.runtime.engine import _skip_shm_inference_allreduce\n"
+        "_skip_shm_inference_allreduce()\n"
+        "print(deepspeed.ops.__compatible_ops__)\n"
+    )
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    command = [sys.executable, "-c", code]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "{'deepspeed_shm_comm': False}\n"
+    assert "gcc" not in result.stderr
+
+
 def test_rank_variables_come_from_torch_then_slurm():
     torch_env = read_dist_env(
         {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "123"}
