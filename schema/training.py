@@ -78,10 +78,10 @@ class TrainConfig(OptimConfig):
     keep_checkpoints: int = 2
     """Complete checkpoints kept; older ones are deleted once a newer one is complete."""
     run_name: str | None = None
-    """Names the run directory, outputs/<run_name> (unless hydra.run.dir is given), so that launching the same
-    command again finds its run: with train.resume=auto it continues from the latest checkpoint. A plain name:
-    letters, digits, `.`, `_`, `-`. null: outputs/<launch time>-<launcher pid> (or outputs/slurm-<job id>), new for
-    every launch outside SLURM."""
+    """Names the run directory, outputs/<run_name> (unless hydra.run.dir is given; a sweep's jobs keep the sweep's
+    directories), so that launching the same command again finds its run: with train.resume=auto it continues from
+    the latest checkpoint. A plain name: letters, digits, `.`, `_`, `-`. null: outputs/<launch time>-<launcher pid>
+    (or outputs/slurm-<job id>), new for every launch outside SLURM."""
     resume: str = "auto"
     """auto: continue from the latest complete checkpoint in the run directory (start fresh when it has
     none); a path (a checkpoint directory, or a `checkpoints/` directory holding `latest`): continue from

@@ -142,6 +142,22 @@ def test_ctrl_c_saves_exits_75_and_the_printed_command_resumes_the_named_run(tmp
     assert [row["step"] for row in metrics(run_dir)] == list(range(1, 17))
 
 
+@pytest.mark.multiproc  # a 1-rank run
+def test_a_relaunch_into_a_run_killed_before_its_first_checkpoint_starts_it_again(tmp_path):
+    """The requeued job of a run preempted before its first save: train.resume=auto finds no complete checkpoint,
+    starts again, and keeps what the first attempt wrote, where every later relaunch would have been refused."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "step_00000002").mkdir(parents=True)  # a save cut short: no `latest`
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.5}\n')
+    result = python_run(run_dir, *[o for o in COMMON if not o.startswith("train.steps")], "train.steps=2")
+    aside = run_dir / "earlier_attempts" / "1"
+    assert "holds no complete checkpoint to resume (train.resume=auto): starting the run again" in result.stdout
+    assert (aside / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.5}\n'
+    assert (aside / "checkpoints" / "step_00000002").is_dir()
+    assert [row["step"] for row in metrics(run_dir)] == [1, 2]
+    assert (run_dir / "checkpoints" / LATEST).read_text().strip() == "step_00000002"
+
+
 def test_a_second_ctrl_c_quits_at_once_without_a_traceback():
     """The first SIGINT asks for a checkpoint at the end of the step; a second one, before it, quits with 130."""
     code = (
