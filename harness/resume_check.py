@@ -60,7 +60,9 @@ MAY_CHANGE = frozenset(
 )
 MAY_CHANGE_GROUPS = ("recompute", "logger")
 """Groups whose every option may change: the recompute plan (exact, the same losses) and where metrics go."""
-NOT_RECORDED = frozenset({"train.resume", "train.overwrite", "train.run_name"})
+STARTING = frozenset({"train.resume", "train.overwrite"})
+"""Options that say where this launch starts from: a relaunch that continues the run leaves them out."""
+NOT_RECORDED = STARTING | {"train.run_name"}
 """Options that say how this launch starts, not how the run trains: not listed as changes."""
 PATH_OPTIONS = frozenset(
     {"data.path", "data.val_path", "data.tokenizer_file", "data.cache_dir", "model.init_from", "train.device_profile"}
@@ -195,10 +197,12 @@ class ResumeCommand:
         self.run_dir_override = run_dir_override
 
     def relaunch(self, run_dir: Path, named: bool) -> str:
-        """The same command again, in the same run directory: hydra.run.dir is added unless this launch typed it
-        or `named` it (train.run_name)."""
+        """The same command again, continuing in the same run directory: hydra.run.dir is added unless this launch
+        typed it or `named` it (train.run_name); train.resume and train.overwrite are left out (auto, the default,
+        continues; a typed path or overwrite=true would start from another checkpoint or delete this one)."""
         where = self.run_dir_override or (None if named else f"hydra.run.dir={_shown(run_dir)}")
-        return relaunch_command(self.launcher, where, self.overrides)
+        kept = [o for o in self.overrides if o.lstrip("+~").partition("=")[0] not in STARTING]
+        return relaunch_command(self.launcher, where, kept)
 
     def refusal(self, point: ResumePoint, refused: dict, grid: str | None, saved: dict, run_dir: Path) -> str:
         lines = [f"{key}: saved {old!r}, this launch {new!r}" for key, (old, new) in refused.items()]

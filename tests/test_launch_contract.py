@@ -9,6 +9,7 @@ import pytest
 
 from harness.launcher_args import strip_launcher_args
 from harness.relaunch import with_ranks
+from harness.resume_check import ResumeCommand
 from harness.run_dir import run_stamp
 from parallel.runtime.dist_env import read_dist_env
 from tests.runs import REPO, TINY, python_run, summary
@@ -77,6 +78,16 @@ def test_the_relaunch_command_keeps_the_launcher_and_script_as_typed(tmp_path):
     assert with_ranks(typed, 4) == ["deepspeed", "--num_gpus", "4", "--master_port", "29600", "train.py"]
     assert with_ranks(["torchrun", "--nproc-per-node=2", "t.py"], 1) == ["torchrun", "--nproc-per-node=1", "t.py"]
     assert with_ranks(["python", "train.py"], 2) == ["deepspeed", "--num_gpus", "2", "train.py"]
+
+
+def test_the_relaunch_continues_in_the_run_directory(tmp_path):
+    """A preemption's command: the run directory added when the run has no name, and neither a typed checkpoint
+    path nor train.overwrite=true (either would start the run from elsewhere, or delete it)."""
+    typed = ResumeCommand(["deepspeed", "--num_gpus", "2", "train.py"], ["model=tiny", "train.resume=/x"], None)
+    typed.overrides.append("train.overwrite=true")
+    run_dir = tmp_path / "outputs" / "2026-12-02_03-00-00-1234"
+    assert typed.relaunch(run_dir, named=False) == f"deepspeed --num_gpus 2 train.py hydra.run.dir={run_dir} model=tiny"
+    assert typed.relaunch(run_dir, named=True) == "deepspeed --num_gpus 2 train.py model=tiny"
 
 
 def test_turning_off_the_shared_memory_op_runs_no_compiler_probe():
