@@ -14,6 +14,8 @@ from pathlib import Path
 
 LAUNCHERS = ("deepspeed", "torchrun")
 """Python console scripts that start the ranks: shown by name when that name on PATH is the one that ran."""
+INTERPRETERS = ("python", "bash", "sh", "dash", "zsh")
+"""What runs a launcher script (its #! line): the script is what the user typed."""
 ANCESTORS = 3
 """deepspeed's runner is the ranks' grandparent (runner, deepspeed.launcher.launch, rank), torchrun's their parent;
 one more for a wrapper script in front of the runner (launch/local_deepspeed.sh)."""
@@ -44,7 +46,7 @@ def typed_launcher(script: str, pid: int | None = None) -> list[str] | None:
     found = found[: found.index(script) + 1]
     # A launcher script runs as `INTERPRETER SCRIPT ...` (`/path/bin/python /path/bin/deepspeed ...`, `/bin/bash
     # launch/local_deepspeed.sh ...`): show what was typed, the script, by name when PATH finds it.
-    if len(found) > 2 and not found[1].startswith("-"):
+    if len(found) > 2 and Path(found[0]).name.startswith(INTERPRETERS) and not found[1].startswith("-"):
         name = Path(found[1]).name
         found = [name if shutil.which(name) == found[1] else found[1], *found[2:]]
     return found
