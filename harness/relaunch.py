@@ -29,10 +29,10 @@ def _parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
-def typed_launcher(script: str, pid: int | None = None) -> list[str] | None:
+def typed_launcher(script: str) -> list[str] | None:
     """The launcher's words up to and including `script` (the path the ranks were given), as typed; None when /proc
     does not show them."""
-    found, pid = None, os.getpid() if pid is None else pid
+    found, pid = None, os.getpid()
     try:
         for _ in range(ANCESTORS + 1):
             words = _cmdline(pid)
