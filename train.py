@@ -6,8 +6,12 @@ python train.py model=gpt3-175b parallel.pipeline_stages=8 dry_run=true
 
 import sys
 
-from harness.command import refuse_file_as_directory
-from harness.launcher_args import strip_launcher_args
+from harness import preemption
+
+preemption.quit_on_interrupt()  # Ctrl-C before training: no traceback (harness/preemption.py saves from then on)
+
+from harness.command import refuse_file_as_directory  # noqa: E402
+from harness.launcher_args import strip_launcher_args  # noqa: E402
 
 # Before Hydra parses argv: it rejects the deepspeed launcher's --local_rank=N, and ends in a traceback when
 # hydra.run.dir is a file.

@@ -12,7 +12,7 @@ import sysconfig
 from dataclasses import dataclass
 
 from data.memmap_files import MemmapFiles, memmap_files
-from data.token_files import MAX_UINT16_VOCAB_SIZE
+from data.token_files import MAX_UINT16_VOCAB_SIZE, META_FILE, meta_path_of
 from data.tokenizer_file import read_tokenizer_file
 
 # The bytes tokenizer's vocabulary: one id per byte value.
@@ -105,6 +105,7 @@ class TextDataConfig:
                     f"data.path={self.path!r} is not readable by this user: set data.path to a "
                     f"readable text file or folder, or leave it null for the embedded corpus"
                 )
+            _refuse_prepared_as_text(self.path)
         if not self.cache_dir:
             raise ValueError(
                 "data.cache_dir='' is empty: set data.cache_dir to a folder path (relative "
@@ -179,6 +180,18 @@ class MemmapDataConfig:
 
 
 DataConfig = SyntheticDataConfig | TextDataConfig | MemmapDataConfig
+
+
+def _refuse_prepared_as_text(path: str) -> None:
+    """A folder prepare_data.py wrote, or a file in one, holds token ids, not text: read as text it would train
+    on its metadata and its binary token files. Refused rather than read as data=memmap behind the user's back,
+    so the config a run saves says what it read."""
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    if os.path.isfile(meta_path_of(folder)):
+        raise ValueError(
+            f"data.path={path!r} is token files that prepare_data.py wrote ({META_FILE} is in {folder!r}), not "
+            f"text: read them with data=memmap data.path={folder}"
+        )
 
 
 def _check_token_file(path: str, option: str, example: str, itemsize: int) -> None:

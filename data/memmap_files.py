@@ -20,6 +20,8 @@ from data.tokenizer_file import file_digest
 
 # A bare .bin's vocabulary when data.vocab_size is not set: GPT-2's BPE, nanoGPT's.
 BARE_BIN_VOCAB_SIZE = 50257
+# Corpus files (prepare_data.py's inputs, and text) that a bare token file never is.
+CORPUS_SUFFIXES = (".jsonl", ".json", ".parquet", ".txt", ".md", ".csv")
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,11 @@ def memmap_files(path: str, val_path: str | None, vocab_size: int | None, tokeni
             )
         path = os.path.join(path, TRAIN_FILE)
     meta = read_token_files(path)
+    if meta.meta_path is None and path.lower().endswith(CORPUS_SUFFIXES):
+        raise ValueError(
+            f"data.path={path!r} is a corpus, not token ids: tokenize it first with "
+            f"`python prepare_data.py input={path} out=DIR`, then train with data=memmap data.path=DIR"
+        )
     if meta.meta_path is None:
         size = BARE_BIN_VOCAB_SIZE if vocab_size is None else vocab_size
         origin = f"data.vocab_size={size}" if vocab_size is not None else f"a bare .bin's default, {size} (GPT-2)"

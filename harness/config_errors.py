@@ -21,6 +21,7 @@ from harness.faults import EXIT_CONFIG
 
 SCHEMA_SUFFIX = "_schema"
 APPEND_EXISTING = "Could not append to config. An item is already at '"
+NOT_IN_DEFAULTS = "Could not override '"
 TYPE_NAMES = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string"}
 
 
@@ -32,8 +33,14 @@ def config_errors(argv: Sequence[str]) -> Iterator[None]:
     try:
         yield
     except HydraException as error:
-        print(f"stagecheck: error: {describe(error, argv)}", file=sys.stderr)
+        if first_rank():  # every rank composes the same command line: one of them says what is wrong
+            print(f"stagecheck: error: {describe(error, argv)}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
+
+
+def first_rank() -> bool:
+    """Whether this process is rank 0 (or alone), from the launcher's variables, before any are checked."""
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
 
 
 def describe(error: HydraException, argv: Sequence[str]) -> str:
@@ -53,6 +60,8 @@ def describe(error: HydraException, argv: Sequence[str]) -> str:
     first = str(error).split("\n")[0]
     if isinstance(error, ConfigCompositionException) and first.startswith("Multiple values for "):
         return chosen_twice(first.removeprefix("Multiple values for ").split(".")[0], argv)
+    if first.startswith(NOT_IN_DEFAULTS) and "No match in the defaults list" in first:
+        return group_without_plus(first.removeprefix(NOT_IN_DEFAULTS).split("'")[0], argv)
     if first.startswith(APPEND_EXISTING):
         key = first.removeprefix(APPEND_EXISTING).split("'")[0]
         return f"+{key}=... adds an option that exists already: set it without the + ({key}=...)"
@@ -82,6 +91,12 @@ def unknown_key(full_key: str, siblings: Sequence[str]) -> str:
         return f"{full_key} is not an option: did you mean {prefix}{close[0]}?"
     where = f"of {parent}" if parent else "at the top level"
     return f"{full_key} is not an option: the options {where} are {', '.join(prefix + s for s in siblings)}"
+
+
+def group_without_plus(group: str, argv: Sequence[str]) -> str:
+    """`recompute=auto`: a group that the defaults list leaves out (recompute) is added with `+`."""
+    typed = next((a for a in argv if a.partition("=")[0] == group), f"{group}=...")
+    return f"{typed} chooses a group that is absent by default: did you mean +{typed}?"
 
 
 def chosen_twice(group: str, argv: Sequence[str]) -> str:

@@ -43,6 +43,8 @@ class RunContext:
     """A single run, or one job of a sweep."""
     resume: Resume | None = None
     """Where this launch continues from; None: a fresh start."""
+    relaunch: str = ""
+    """The command that continues this run, as typed, with its run directory (harness/relaunch.py)."""
 
     @property
     def topology(self) -> Topology:

@@ -6,7 +6,9 @@ Exit codes of a rank (the deepspeed launcher and srun pass the first non-zero on
     1   a rank failed (raised, or lost its peers); it printed `stagecheck: rank N failed: ...`
     2   bad configuration or run directory, found at start-up (nothing was trained)
     3   non-finite loss or gradient norm under train.nan_policy=stop (or past nan_skip_limit)
-    75  preempted (SIGTERM/SIGUSR1): a checkpoint was saved; requeue and the run resumes (EX_TEMPFAIL)
+    75  preempted (SIGTERM/SIGUSR1, or Ctrl-C's SIGINT): a checkpoint was saved; requeue and the run resumes
+        (EX_TEMPFAIL)
+    130 a second Ctrl-C (SIGINT) while the first one's checkpoint was pending: quit at once, nothing saved
 
 A rank killed by a signal has no exit code of its own: the launcher reports -N (exit status 256-N),
 srun reports the signal.
@@ -97,7 +99,7 @@ def run_guarded(rank: int, body: Callable[[], None]) -> None:
     except KeyboardInterrupt:
         print(f"stagecheck: rank {rank} interrupted", file=sys.stderr, flush=True)
         _run_cleanups()
-        os._exit(130)
+        os._exit(130)  # 128 + SIGINT, as a shell reports it
     except BaseException as error:  # noqa: BLE001 - every failure must end the process
         traceback.print_exc()
         print(f"stagecheck: rank {rank} failed: {_describe(error)}", file=sys.stderr, flush=True)

@@ -31,9 +31,17 @@ def sample_text(config: GenerateConfig) -> str:
             f"max_new_tokens={config.max_new_tokens} plus the prompt's {len(prompt)} tokens exceeds the model's "
             f"seq_len={seq_len} positions: set max_new_tokens <= {seq_len - len(prompt)} or shorten the prompt"
         )
+    stop_id = tokenizer.eos_id if config.stop_at_eos else None
     sampling = SamplingConfig(
-        config.max_new_tokens, config.temperature, config.top_k, config.seed, vocab_size=tokenizer.vocab_size
+        config.max_new_tokens,
+        config.temperature,
+        config.top_k,
+        config.seed,
+        vocab_size=tokenizer.vocab_size,
+        stop_id=stop_id,
     )
     model = loaded.model.to(device)
-    new_tokens = generate(model, torch.tensor([prompt], device=device), sampling)  # (1, max_new_tokens)
-    return tokenizer.decode(prompt + new_tokens[0].tolist())
+    new_tokens = generate(model, torch.tensor([prompt], device=device), sampling)[0].tolist()  # up to max_new_tokens
+    if stop_id is not None and stop_id in new_tokens:
+        new_tokens = new_tokens[: new_tokens.index(stop_id)]
+    return tokenizer.decode(prompt + new_tokens)

@@ -12,6 +12,7 @@ under parallel.partition_method=balanced. Options naming a file or folder (PATH_
 A changed train.steps re-stretches the learning-rate decay from the resumed step (parallel/runtime/lr_schedule.py).
 """
 
+import os
 import re
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import yaml
 
 from harness.checkpoint import ResumePoint
 from harness.context import Resume
+from harness.relaunch import relaunch_command, with_ranks
 from parallel.planning.shapes import RunShape
 from parallel.runtime.lr_schedule import CosineSegment
 from schema.run import RunConfig
@@ -36,6 +38,7 @@ MAY_CHANGE = frozenset(
         "train.keep_checkpoints",
         "train.resume",
         "train.overwrite",
+        "train.run_name",  # names the run directory: the run is the checkpoint's either way
         "train.collective_timeout_s",
         "train.nan_policy",
         "train.nan_skip_limit",
@@ -57,7 +60,9 @@ MAY_CHANGE = frozenset(
 )
 MAY_CHANGE_GROUPS = ("recompute", "logger")
 """Groups whose every option may change: the recompute plan (exact, the same losses) and where metrics go."""
-NOT_RECORDED = frozenset({"train.resume", "train.overwrite"})
+STARTING = frozenset({"train.resume", "train.overwrite"})
+"""Options that say where this launch starts from: a relaunch that continues the run leaves them out."""
+NOT_RECORDED = STARTING | {"train.run_name"}
 """Options that say how this launch starts, not how the run trains: not listed as changes."""
 PATH_OPTIONS = frozenset(
     {"data.path", "data.val_path", "data.tokenizer_file", "data.cache_dir", "model.init_from", "train.device_profile"}
@@ -182,12 +187,22 @@ def override_value(value) -> str:
 
 
 class ResumeCommand:
-    """This launch's command line, to print the one that resumes the checkpoint: `overrides` are the options as
-    typed (Hydra's task overrides), `run_dir_override` the hydra.run.dir one (None when left unset)."""
+    """This launch's command line, to print the one that resumes the checkpoint: `launcher` the launcher's words
+    and the script as typed (harness/relaunch.py), `overrides` the options as typed (Hydra's task overrides),
+    `run_dir_override` the hydra.run.dir one (None when left unset)."""
 
-    def __init__(self, overrides: list[str], run_dir_override: str | None):
+    def __init__(self, launcher: list[str], overrides: list[str], run_dir_override: str | None):
+        self.launcher = launcher
         self.overrides = overrides
         self.run_dir_override = run_dir_override
+
+    def relaunch(self, run_dir: Path, named: bool) -> str:
+        """The same command again, continuing in the same run directory: hydra.run.dir is added unless this launch
+        typed it or `named` it (train.run_name); train.resume and train.overwrite are left out (auto, the default,
+        continues; a typed path or overwrite=true would start from another checkpoint or delete this one)."""
+        where = self.run_dir_override or (None if named else f"hydra.run.dir={_shown(run_dir)}")
+        kept = [o for o in self.overrides if o.lstrip("+~").partition("=")[0] not in STARTING]
+        return relaunch_command(self.launcher, where, kept)
 
     def refusal(self, point: ResumePoint, refused: dict, grid: str | None, saved: dict, run_dir: Path) -> str:
         lines = [f"{key}: saved {old!r}, this launch {new!r}" for key, (old, new) in refused.items()]
@@ -221,10 +236,14 @@ class ResumeCommand:
             fixes.update({k: v for k, v in saved.items() if k.startswith("data.") and k != "data.name"})
             fixes = {"data": name, **fixes}
             kept = [o for o in kept if not o.lstrip("+~").startswith(("data=", "data."))]
-        launcher = "python" if world_size == 1 else f"deepspeed --num_gpus {world_size}"
-        run_dir = [self.run_dir_override] if self.run_dir_override else []
         fixed = [f"{k}={override_value(v)}" for k, v in fixes.items()]
-        return " ".join([launcher, "train.py", *run_dir, *kept, *fixed])
+        return relaunch_command(with_ranks(self.launcher, world_size), self.run_dir_override, [*kept, *fixed])
+
+
+def _shown(path: Path) -> str:
+    """`path` relative to the working directory when it is below it (how outputs/... is typed), else absolute."""
+    relative = os.path.relpath(path)
+    return path.as_posix() if relative.startswith("..") else relative
 
 
 def _touches(override: str, fixes: dict) -> bool:

@@ -69,6 +69,7 @@ class RunControl:
     def __init__(self, ctx: RunContext, engine):
         self.train = ctx.run.train
         self.run_dir = run_dir = ctx.run_dir
+        self.relaunch = ctx.relaunch
         self.rank = ctx.env.rank
         self.engine = engine
         self.fp16 = ctx.target.precision == "fp16"
@@ -178,8 +179,8 @@ class RunControl:
             self._exit(
                 faults.EXIT_PREEMPTED,
                 f"stagecheck: preempted ({name} on rank {verdict.preempt_rank}): checkpoint of step {step} "
-                f"saved in {checkpoints_dir(self.run_dir)}; exiting {faults.EXIT_PREEMPTED}. Relaunch in the "
-                f"same run directory (train.resume=auto) to continue.",
+                f"saved in {checkpoints_dir(self.run_dir)}; exiting {faults.EXIT_PREEMPTED}. To continue, relaunch "
+                f"(train.resume=auto): {self.relaunch}",
             )
 
     def _nonfinite_message(self, step: int) -> str:

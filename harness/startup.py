@@ -16,8 +16,9 @@ from harness.dry_run import dry_run
 from harness.faults import EXIT_CONFIG, check_output_dir, run_guarded
 from harness.init_from import resolve_init_from
 from harness.job import JobHooks
+from harness.relaunch import launcher_words
 from harness.resume_check import ResumeCommand, check_partition, check_resume
-from harness.run_dir import check_run_dir, remove_if_empty
+from harness.run_dir import check_run_dir, remove_if_empty, starts_again
 from harness.run_layout import layout_of
 from model import gpt_layers, model_param_count
 from parallel.runtime.accelerator import use_accelerator
@@ -25,6 +26,11 @@ from parallel.runtime.dist_env import DistEnv, read_dist_env
 from parallel.runtime.threads import set_threads_per_rank
 from schema.checks import check_cuda_device, check_data, run_shape, to_run_config
 from schema.run import RunConfig
+
+
+class RankError(ValueError):
+    """Bad input that this rank alone may have (its device): printed by every rank that has it, where an error of
+    the config, the same on every rank, is printed by rank 0 alone."""
 
 
 def run_from_hydra(cfg: DictConfig, job: JobHooks) -> None:
@@ -42,7 +48,8 @@ def run_from_hydra(cfg: DictConfig, job: JobHooks) -> None:
             use_accelerator(ctx.target.device)
     except ValueError as error:
         message = f"stagecheck: error: {error}"
-        print(message, file=sys.stderr)
+        if rank == 0 or isinstance(error, RankError):  # the others found the same in the same config
+            print(message, file=sys.stderr)
         if job.startup_failed(run_dir, message, rank):
             return  # a sweep job: marked FAILED in its directory, the sweep goes on (sweep/job.py)
         remove_if_empty(run_dir)
@@ -79,14 +86,22 @@ def validate(cfg: DictConfig, run_dir: Path, env: DistEnv, job: JobHooks) -> Run
         # Read without making a CUDA context: the rank's device is set when its process group starts
         # (parallel/runtime/engine.py).
         visible, capability = torch.cuda.device_count(), torch.cuda.get_device_capability
-        check_cuda_device(shape.target, run.train.precision, env.local_rank, env.local_world_size, visible, capability)
+        try:
+            check_cuda_device(
+                shape.target, run.train.precision, env.local_rank, env.local_world_size, visible, capability
+            )
+        except ValueError as error:
+            raise RankError(str(error)) from None
     check_data(run)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     point = resume_point(run.train, run_dir)  # train.resume: auto, false or a checkpoint path
+    command = typed_command(world_size)
     resume = None
     if point is not None:  # everything that shapes the weights, the tokens or the partition must match
-        resume = check_resume(point, run, resolved, shape, run_dir, resume_command())
-    check_run_dir(run_dir, continuing=point is not None and point.inside(run_dir), overwrite=run.train.overwrite)
+        resume = check_resume(point, run, resolved, shape, run_dir, command)
+    in_place = point is not None and point.inside(run_dir)
+    again = starts_again(run.train.resume, run.train.overwrite, point is not None, run_dir)
+    check_run_dir(run_dir, continuing=in_place or again, overwrite=run.train.overwrite)
     if not run.dry_run:  # read-only, full, too small for a checkpoint
         check_output_dir(
             run_dir,
@@ -95,14 +110,18 @@ def validate(cfg: DictConfig, run_dir: Path, env: DistEnv, job: JobHooks) -> Run
             run.train.keep_checkpoints,
             env.rank,
         )
-    return RunContext(run, resolved, run_dir, env, shape, job, resume)
+    relaunch = command.relaunch(run_dir, named=run.train.run_name is not None)
+    return RunContext(run, resolved, run_dir, env, shape, job, resume, relaunch)
 
 
-def resume_command() -> ResumeCommand:
-    """This launch's options as typed, for the command a refused resume prints."""
+def typed_command(world_size: int) -> ResumeCommand:
+    """This launch's command as typed (launcher, script, options), for the commands a refused resume and a
+    preemption print."""
     overrides = HydraConfig.get().overrides
     run_dir = [o for o in overrides.hydra if o.lstrip("+").startswith("hydra.run.dir=")]
-    return ResumeCommand(list(overrides.task), run_dir[-1] if run_dir else None)
+    return ResumeCommand(
+        launcher_words(sys.argv[0], world_size), list(overrides.task), run_dir[-1] if run_dir else None
+    )
 
 
 def dry_run_world_size(run: RunConfig, env: DistEnv) -> int:

@@ -15,6 +15,7 @@ from harness.init_from import hf_initial_weights
 from harness.metrics import MetricsLog, median_after_warmup
 from harness.prediction_check import prediction_record, prediction_warning
 from harness.run_control import RunControl
+from harness.run_dir import set_aside_earlier_attempt, starts_again
 from harness.run_summary import done_line, wandb_sync_command
 from harness.timeline import publish_trace
 from harness.wandb_logger import open_wandb
@@ -30,6 +31,9 @@ from schema.training import TrainConfig
 # DeepSpeed's pipeline sends activations with c10d broadcasts inside autograd; torch warns once per
 # rank that the op has no autograd kernel. DeepSpeed handles those gradients itself: noise.
 warnings.filterwarnings("ignore", message="c10d::broadcast_: an autograd kernel was not registered")
+# The fp32 non-finite guard replaces optimizer.step after DeepSpeed built the LR scheduler (harness/faults.py), on
+# purpose: torch's scheduler warns once per rank that step() was overridden. The guard calls the scheduler's own.
+warnings.filterwarnings("ignore", message="Seems like `optimizer.step\\(\\)` has been overridden")
 
 
 def write_config(ctx: RunContext) -> None:
@@ -52,6 +56,13 @@ def traced_step(train: TrainConfig, start_step: int) -> int | None:
 def train(ctx: RunContext, layout: PipelineLayout) -> None:
     run, run_dir, rank, topology, target = ctx.run, ctx.run_dir, ctx.env.rank, ctx.topology, ctx.target
     if rank == 0:
+        if starts_again(run.train.resume, run.train.overwrite, ctx.resume is not None, run_dir):
+            aside = set_aside_earlier_attempt(run_dir)
+            print(
+                f"stagecheck: {run_dir} holds no complete checkpoint to resume (train.resume=auto): starting the run "
+                f"again; the earlier attempt's files are in {aside}",
+                flush=True,
+            )
         write_config(ctx)
         print(
             f"stagecheck: {topology.world_size} ranks = {topology.pipeline_stages} stages x "

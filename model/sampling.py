@@ -21,6 +21,9 @@ class SamplingConfig:
     """Seeds the generator that draws the tokens."""
     vocab_size: int | None = None
     """Only ids below this are drawn: the tokenizer's vocabulary when the model's is larger (padded); None = all."""
+    stop_id: int | None = None
+    """Sampling ends once every row has drawn this id (the tokenizer's end of sequence), as Hugging Face's
+    `generate` does; None = always max_new_tokens."""
 
 
 def next_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> torch.Tensor:
@@ -38,9 +41,11 @@ def next_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.
 
 @torch.no_grad()
 def generate(model: GPT, prompt: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
-    """Prompt token ids (B, T) -> the new token ids (B, max_new_tokens). Runs in eval mode (no dropout) and
-    restores the model's mode. Prompt plus new tokens must fit in model.seq_len positions: past them the model
-    has no learned position, and cropping the context (nanoGPT's way) would invalidate every cached key."""
+    """Prompt token ids (B, T) -> the new token ids (B, N): N = max_new_tokens, or fewer when every row drew
+    `sampling.stop_id` (a row that drew it earlier goes on sampling; its tokens after the stop mean nothing).
+    Runs in eval mode (no dropout) and restores the model's mode. Prompt plus new tokens must fit in model.seq_len
+    positions: past them the model has no learned position, and cropping the context (nanoGPT's way) would
+    invalidate every cached key."""
     positions = prompt.shape[1] + sampling.max_new_tokens
     if prompt.shape[1] < 1:
         raise ValueError("the prompt must hold at least one token")
@@ -56,11 +61,16 @@ def generate(model: GPT, prompt: torch.Tensor, sampling: SamplingConfig) -> torc
         caches = model.new_caches(prompt.shape[0])
         logits = model.forward_cached(prompt, caches)  # (B, T, vocab): the whole prompt, once
         new_tokens = []
+        stopped = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)  # (B,)
         for _ in range(sampling.max_new_tokens):
             token = next_token(logits[:, -1], sampling, generator)  # (B, 1)
             new_tokens.append(token)
+            if sampling.stop_id is not None:
+                stopped |= token[:, 0] == sampling.stop_id
+                if bool(stopped.all()):
+                    break
             if len(new_tokens) < sampling.max_new_tokens:
                 logits = model.forward_cached(token, caches)  # (B, 1, vocab): one position
-        return torch.cat(new_tokens, dim=1)  # (B, max_new_tokens)
+        return torch.cat(new_tokens, dim=1)  # (B, N)
     finally:
         model.train(was_training)

@@ -33,7 +33,11 @@ class GenerateConfig:
     and refuses one holding a comma, a bracket or parenthesis: quote it inside the shell's quotes,
     'prompt="def main("'."""
     max_new_tokens: int = 100
-    """Tokens to generate; the prompt's tokens plus these must fit in the model's seq_len positions."""
+    """Tokens to generate at most; the prompt's tokens plus these must fit in the model's seq_len positions."""
+    stop_at_eos: bool = True
+    """End the sample at the run tokenizer's end-of-sequence token, which is not printed (as Hugging Face's
+    `generate` does); false = always max_new_tokens, on into the next document. A tokenizer without one never
+    stops early."""
     temperature: float = 0.8
     """Softmax temperature, >= 0: below 1 sharper, above 1 flatter; 0 = greedy (always the most likely token)."""
     top_k: int | None = 200

@@ -1,5 +1,6 @@
 """Schema of the `train` node: DeepSpeed's batch and optimizer settings (OptimConfig), then the run's own."""
 
+import re
 from dataclasses import dataclass, field
 
 from parallel.planning.config import OptimConfig
@@ -9,6 +10,8 @@ DEVICES = ("auto", "cpu", "cuda")
 NAN_POLICIES = ("stop", "skip")
 RESUME_OFF = ("false", "no", "off", "none", "")
 DEFAULT_TRACE_STEP = 3
+RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+"""train.run_name: one folder under outputs/, no path."""
 """Traced when train.trace_step is null: past the first steps' allocator and JIT warm-up."""
 
 
@@ -74,6 +77,11 @@ class TrainConfig(OptimConfig):
     preemption (a checkpoint is always written at the end)."""
     keep_checkpoints: int = 2
     """Complete checkpoints kept; older ones are deleted once a newer one is complete."""
+    run_name: str | None = None
+    """Names the run directory, outputs/<run_name> (unless hydra.run.dir is given; a sweep's jobs keep the sweep's
+    directories), so that launching the same command again finds its run: with train.resume=auto it continues from
+    the latest checkpoint. A plain name: letters, digits, `.`, `_`, `-`. null: outputs/<launch time>-<launcher pid>
+    (or outputs/slurm-<job id>), new for every launch outside SLURM."""
     resume: str = "auto"
     """auto: continue from the latest complete checkpoint in the run directory (start fresh when it has
     none); a path (a checkpoint directory, or a `checkpoints/` directory holding `latest`): continue from
@@ -110,6 +118,11 @@ class TrainConfig(OptimConfig):
         if self.device not in DEVICES:
             raise ValueError(f"train.device={self.device!r} is unknown: allowed values are {', '.join(DEVICES)}")
         self.resume = normalize_resume(self.resume)
+        if self.run_name is not None and not RUN_NAME.fullmatch(self.run_name):
+            raise ValueError(
+                f"train.run_name={self.run_name!r} is invalid: it must be a plain name of letters, digits, ., _ and - "
+                f"(not starting with . or -), or null for a new directory per launch"
+            )
         for name in ("save_every", "nan_skip_limit"):
             value = getattr(self, name)
             if value < 0:

@@ -20,7 +20,7 @@ from harness.checkpoint import (
     tag_for,
 )
 from harness.metrics import MetricsLog
-from harness.run_dir import check_run_dir
+from harness.run_dir import check_run_dir, set_aside_earlier_attempt, starts_again
 from schema.training import TrainConfig
 
 
@@ -72,6 +72,27 @@ def test_run_dir_with_outputs_needs_a_checkpoint_or_overwrite(tmp_path):
         check_run_dir(tmp_path)
     check_run_dir(tmp_path, continuing=True)
     check_run_dir(tmp_path, overwrite=True)
+
+
+def test_a_run_killed_before_its_first_checkpoint_starts_again_keeping_its_files(tmp_path):
+    """train.resume=auto in a directory with outputs but no complete checkpoint (a preemption before the first
+    one): the run starts again, its earlier attempts' files set aside under earlier_attempts/N/, every relaunch."""
+    for attempt in (1, 2):
+        (tmp_path / "metrics.jsonl").write_text(f'{{"step": {attempt}}}\n')
+        (tmp_path / "config.yaml").write_text(f"attempt: {attempt}\n")
+        (tmp_path / "checkpoints" / "step_00000004").mkdir(parents=True)  # a save that was cut short
+        assert starts_again("auto", overwrite=False, resuming=False, run_dir=tmp_path)
+        check_run_dir(tmp_path, continuing=True)
+        aside = set_aside_earlier_attempt(tmp_path)
+        assert aside == tmp_path / "earlier_attempts" / str(attempt)
+        assert (aside / "metrics.jsonl").read_text() == f'{{"step": {attempt}}}\n'
+        assert (aside / "checkpoints" / "step_00000004").is_dir()
+        assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "checkpoints").exists()
+    assert not starts_again("auto", overwrite=False, resuming=False, run_dir=tmp_path)  # nothing left to set aside
+    (tmp_path / "summary.json").write_text("{}")
+    assert not starts_again("false", overwrite=False, resuming=False, run_dir=tmp_path)
+    assert not starts_again("auto", overwrite=True, resuming=False, run_dir=tmp_path)  # overwrite deletes instead
+    assert not starts_again("auto", overwrite=False, resuming=True, run_dir=tmp_path)  # a checkpoint to continue
 
 
 def test_metrics_resume_drops_steps_after_the_checkpoint(tmp_path):

@@ -509,6 +509,32 @@ def test_memmap_validate_odd_size_and_vocab_range(tmp_path: Path):
         MemmapDataConfig(path=str(good), vocab_size=70000).validate()
 
 
+def test_a_prepared_folder_is_never_read_as_text(tmp_path: Path):
+    """data=text on a folder prepare_data.py wrote would tokenize its metadata and binary files as text: refused,
+    naming data=memmap, for the folder and for its token files."""
+    from data.prepare import prepare
+    from data.prepare_config import PrepareDataConfig
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(20)))
+    out = tmp_path / "prepared"
+    prepare(PrepareDataConfig(input=str(corpus), out=str(out)))
+    for path in (out, out / "train.bin"):
+        with pytest.raises(ValueError) as err:
+            TextDataConfig(path=str(path), cache_dir=str(tmp_path / "cache")).validate()
+        assert str(err.value) == (
+            f"data.path={str(path)!r} is token files that prepare_data.py wrote (stagecheck_data.json is in "
+            f"{str(out)!r}), not text: read them with data=memmap data.path={out}"
+        )
+    MemmapDataConfig(path=str(out)).validate()  # what the message asks for
+    with pytest.raises(ValueError) as err:
+        MemmapDataConfig(path=str(corpus)).validate()
+    assert str(err.value) == (
+        f"data.path={str(corpus)!r} is a corpus, not token ids: tokenize it first with "
+        f"`python prepare_data.py input={corpus} out=DIR`, then train with data=memmap data.path=DIR"
+    )
+
+
 def test_validate_wrong_name():
     with pytest.raises(ValueError, match="data.name='memmap' does not match.*set data.name to 'text'"):
         TextDataConfig(name="memmap").validate()

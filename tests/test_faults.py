@@ -5,6 +5,7 @@ directory that cannot hold a checkpoint is refused at start-up."""
 import errno
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -15,8 +16,8 @@ import pytest
 from harness import faults
 from harness.checkpoint import LATEST, META
 from schema.training import TrainConfig
-from tests.live_runs import start
-from tests.runs import REPO, TINY, launch, metrics, python_run
+from tests.live_runs import LiveRun, start
+from tests.runs import DEEPSPEED, REPO, TINY, cpu_env, free_port, launch, metrics, python_run, refuse_in_quick_tier
 
 COMMON = [*TINY, "train.steps=6", "train.save_every=2", "train.micro_batches=2", "train.trace_step=0", "logger=none"]
 
@@ -72,6 +73,130 @@ def test_a_rank_killed_mid_step_ends_the_run_within_60_s_and_is_named(tmp_path):
     assert elapsed < 60, f"the launcher took {elapsed:.0f} s to exit after a rank died"
     assert "stagecheck: rank 0 failed:" in out
     assert f"rank 1 (pid {victim}) died first" in out
+
+
+def _start_in(cwd, argv: list[str], run_dir) -> LiveRun:
+    """`argv` typed at a terminal in `cwd`: its own process group, which a Ctrl-C signals as a whole."""
+    log = cwd / f"{run_dir.name}.{time.monotonic_ns()}.log"
+    env = cpu_env(cwd, PATH=f"{DEEPSPEED.parent}:{os.environ['PATH']}")
+    with open(log, "w") as handle:
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+    return LiveRun(proc, run_dir, log, time.monotonic())
+
+
+def _end_tree(live: LiveRun) -> None:
+    """After a failed test: the wrapper, and the launcher it started in a session of its own, with every rank."""
+    import psutil
+
+    try:
+        tree = [psutil.Process(live.proc.pid), *psutil.Process(live.proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for process in tree:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+@pytest.mark.multiproc
+def test_ctrl_c_saves_exits_75_and_the_printed_command_resumes_the_named_run(tmp_path):
+    """Ctrl-C at the terminal of `launch/local_deepspeed.sh --num_gpus 2 ... /abs/train.py train.run_name=...`:
+    every rank saves and exits 75, and so does the launcher (plain `deepspeed` exits 1 there); no traceback, and
+    none of DeepSpeed's and torch's start-up noise that stagecheck can keep out. The
+    command it prints keeps the launcher, its options and the script path as typed, and running it exactly, from
+    the same directory, finds the run by its name and resumes it."""
+    refuse_in_quick_tier("a deepspeed launch")
+    typed = [str(REPO / "launch" / "local_deepspeed.sh"), "--num_gpus", "2", "--master_port", str(free_port())]
+    typed += [str(REPO / "train.py"), *TINY, "train.steps=16", "train.save_every=0", "train.trace_step=0"]
+    typed += ["logger=none", "train.run_name=ctrl-c"]
+    run_dir = tmp_path / "outputs" / "ctrl-c"
+    live = _start_in(tmp_path, typed, run_dir)
+    try:
+        live.wait_until(lambda: live.steps_logged() >= 3, "step 3")
+        os.killpg(live.proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        code = live.finish(timeout=120)
+    finally:
+        _end_tree(live)
+    out = live.output()
+    assert code == faults.EXIT_PREEMPTED, out[-4000:]
+    assert "stagecheck: rank 0 got SIGINT" in out and "stagecheck: preempted (SIGINT on rank" in out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out
+    # Start-up and the metered step are quiet: no compiler probe, no PipelineModule prints, no optimizer-override
+    # warning, no Kineto lines from the tensor-peak profiler.
+    for noise in ("gcc ", "SEED_LAYERS=", "Using topology:", "has been overridden", "USDT:"):
+        assert noise not in out, noise
+    k = len(metrics(run_dir))
+    assert 3 <= k < 16 and (run_dir / "checkpoints" / LATEST).read_text().strip() == f"step_{k:08d}"
+    (line,) = [line for line in out.splitlines() if "To continue, relaunch (train.resume=auto): " in line]
+    command = line.split("To continue, relaunch (train.resume=auto): ")[1]
+    assert shlex.split(command) == typed  # the name finds the run: no hydra.run.dir to add
+
+    relaunched = _start_in(tmp_path, shlex.split(command), run_dir)
+    try:
+        code = relaunched.finish(timeout=300)
+    finally:
+        _end_tree(relaunched)
+    assert code == 0, relaunched.output()[-4000:]
+    assert f"resuming from {run_dir / 'checkpoints' / f'step_{k:08d}'} after step {k}" in relaunched.output()
+    assert [row["step"] for row in metrics(run_dir)] == list(range(1, 17))
+
+
+@pytest.mark.multiproc  # a 1-rank run
+def test_a_relaunch_into_a_run_killed_before_its_first_checkpoint_starts_it_again(tmp_path):
+    """The requeued job of a run preempted before its first save: train.resume=auto finds no complete checkpoint,
+    starts again, and keeps what the first attempt wrote, where every later relaunch would have been refused."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "step_00000002").mkdir(parents=True)  # a save cut short: no `latest`
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.5}\n')
+    result = python_run(run_dir, *[o for o in COMMON if not o.startswith("train.steps")], "train.steps=2")
+    aside = run_dir / "earlier_attempts" / "1"
+    assert "holds no complete checkpoint to resume (train.resume=auto): starting the run again" in result.stdout
+    assert (aside / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.5}\n'
+    assert (aside / "checkpoints" / "step_00000002").is_dir()
+    assert [row["step"] for row in metrics(run_dir)] == [1, 2]
+    assert (run_dir / "checkpoints" / LATEST).read_text().strip() == "step_00000002"
+
+
+def test_a_second_ctrl_c_quits_at_once_without_a_traceback():
+    """The first SIGINT asks for a checkpoint at the end of the step; a second one, before it, quits with 130."""
+    code = (
+        "import os, signal, time\n"
+        "from harness import preemption\n"
+        "preemption.install(0)\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "time.sleep(0.1)\n"
+        "assert preemption.requested() == signal.SIGINT\n"
+        "os.kill(os.getpid(), signal.SIGTERM)  # the launcher's, after the terminal's Ctrl-C: ignored\n"
+        "time.sleep(0.1)\n"
+        "print('still here', flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "time.sleep(5)\n"
+        "print('not reached')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 130
+    assert result.stdout == "still here\n"
+    assert "stagecheck: rank 0 got SIGINT: saving a checkpoint at the end of this step" in result.stderr
+    assert "stagecheck: rank 0 got SIGINT again: quitting now, without a checkpoint" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_ctrl_c_during_start_up_quits_without_a_traceback(tmp_path):
+    """Before training starts there is nothing to save: Ctrl-C quits with 130 and one line."""
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "train.py"), "model=tiny", "dry_run=true"],
+        cwd=tmp_path,
+        env=cpu_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(1.0)  # inside the imports
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err == "stagecheck: interrupted (SIGINT) during start-up: nothing was trained\n"
 
 
 def test_a_raising_rank_prints_its_rank_and_exits_1():

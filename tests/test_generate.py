@@ -74,6 +74,18 @@ def test_the_same_seed_gives_the_same_tokens():
     assert max(max(row) for row in sample(temperature=2.0, seed=1, vocab_size=5)) < 5
 
 
+@torch.no_grad()
+def test_sampling_stops_once_every_row_drew_the_stop_id():
+    model = tiny_model().eval()
+    prompt = prompt_tokens(2, 4)
+    full = generate(model, prompt, SamplingConfig(max_new_tokens=12, temperature=0.0)).tolist()
+    stop = full[0][2]  # row 0 draws it third; row 1 may draw it later, or never
+    stopped = generate(model, prompt, SamplingConfig(max_new_tokens=12, temperature=0.0, stop_id=stop)).tolist()
+    last = max(row.index(stop) if stop in row else len(row) - 1 for row in full)
+    assert stopped == [row[: last + 1] for row in full]
+    assert len(stopped[0]) < 12 or stop not in full[1]
+
+
 def test_prompt_and_new_tokens_must_fit_the_positions():
     with pytest.raises(ValueError, match=r"max_new_tokens=30 is 34 positions, more than model.seq_len=32"):
         generate(tiny_model(), prompt_tokens(1, 4), SamplingConfig(max_new_tokens=30))
@@ -199,6 +211,23 @@ def bpe_run(trained, tmp_path) -> Path:
     for folder in (run_dir, consolidate(run_dir).checkpoint.path):
         save_tokenizer(Tokenizer(hf), folder)
     return run_dir
+
+
+@pytest.mark.multiproc
+def test_generate_ends_at_the_tokenizers_end_of_sequence_unless_asked_to_go_on(bpe_run):
+    """As Hugging Face's `generate`: the sample stops at the tokenizer's end-of-sequence token and does not print
+    it; stop_at_eos=false samples on, into the next document."""
+    config = GenerateConfig(checkpoint=str(bpe_run), prompt="The cat", max_new_tokens=12, temperature=0.0)
+    config.device, config.stop_at_eos = "cpu", False
+    tokenizer = load_tokenizer(bpe_run)
+    prompt = tokenizer.encode("The cat")
+    on = tokenizer.encode(sample_text(config))[len(prompt) :]
+    eos = on[3]  # the run's tokenizer ends documents with the fourth greedy token
+    for folder in (bpe_run, consolidate(bpe_run).checkpoint.path):
+        save_tokenizer(Tokenizer(tokenizer.hf, eos_id=eos), folder)
+    assert sample_text(config) == tokenizer.decode(prompt + on)
+    config.stop_at_eos = True
+    assert sample_text(config) == tokenizer.decode(prompt + on[: on.index(eos)])
 
 
 @pytest.mark.multiproc

@@ -45,7 +45,10 @@ def _checkpoint(run_dir: Path, overrides, step=20, world_size=2, stages=2, **met
 def _check(point, run_dir, overrides, world_size=2, run_dir_override=None):
     run, resolved = _compose(overrides)
     shape = run_shape(run, world_size, cuda_available=False)
-    return check_resume(point, run, resolved, shape, run_dir, ResumeCommand(list(overrides), run_dir_override))
+    launcher = ["deepspeed", "--num_gpus", str(world_size), "train.py"]
+    return check_resume(
+        point, run, resolved, shape, run_dir, ResumeCommand(launcher, list(overrides), run_dir_override)
+    )
 
 
 def test_relaunching_a_bpe_run_without_its_options_is_refused_naming_each(tmp_path):

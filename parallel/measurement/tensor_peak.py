@@ -28,6 +28,7 @@ size was allocated before the profiling started"): those are the frees the final
 """
 
 import gc
+import os
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -90,6 +91,9 @@ class TensorPeakMeter:
 
     def start(self) -> None:
         """Open the window: count what is alive and begin recording the allocator's events."""
+        # Kineto reads its log level when the first profiler starts: 6, above its USDT level (5), keeps the
+        # `USDT: ... profiler_start` and `profiler_stop` lines it prints on every start and stop off stderr.
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         if self.device == "cuda":
             self._baseline = torch.cuda.memory_allocated()
             self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)

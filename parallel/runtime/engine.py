@@ -1,7 +1,10 @@
 """Process group and DeepSpeed pipeline engine."""
 
 import atexit
-from collections.abc import Callable
+import io
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, redirect_stdout
 from datetime import timedelta
 from functools import partial
 
@@ -67,8 +70,16 @@ def _skip_shm_inference_allreduce() -> None:
     launch leaked 132 MB of RAM (/dev/shm is memory) until a full test run filled the 24 GiB and the OOM
     killer ended it. Marking the op incompatible is the switch `build_shm_op` reads. Other accelerators
     have no such op (and reading the table would run DeepSpeed's compiler probes for nothing)."""
-    if get_accelerator().device_name() == "cpu":
-        deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
+    if get_accelerator().device_name() != "cpu":
+        return
+    # Reading the table runs DeepSpeed's probe of every op (gcc builds of test programs, each printing its command
+    # line: the aio probe's `gcc ... -laio`). Its one reader (deepspeed/comm/torch.py) asks for this op alone,
+    # with a default of False, so a table of this op alone is the same answer without the probe.
+    ops = vars(deepspeed.ops)
+    if "__compatible_ops__" in ops:
+        ops["__compatible_ops__"][ShareMemCommBuilder.NAME] = False
+    else:
+        ops["__compatible_ops__"] = {ShareMemCommBuilder.NAME: False}
 
 
 def _destroy_process_group() -> None:
@@ -95,6 +106,24 @@ InitialWeights = Callable[[RecomputingPipelineModule], dict[nn.Parameter, torch.
 """This stage's parameters -> their fp32 initial values, read for the built module."""
 
 
+DEEPSPEED_START_UP_LINES = ("SEED_LAYERS=", "Using topology:")
+"""What PipelineModule prints on rank 0 as it starts: its layer seeding (off: each layer seeds itself from the
+model's seed) and the process grid (start-up's line gives stages x data-parallel)."""
+
+
+@contextmanager
+def dropping_lines(prefixes: tuple[str, ...]) -> Iterator[None]:
+    """This process's stdout with the lines that start with `prefixes` left out, for the block's duration."""
+    captured = io.StringIO()
+    try:
+        with redirect_stdout(captured):
+            yield
+    finally:
+        kept = [line for line in captured.getvalue().splitlines(keepends=True) if not line.startswith(prefixes)]
+        sys.stdout.write("".join(kept))
+        sys.stdout.flush()
+
+
 def build_engine(
     layout: PipelineLayout,
     train: OptimConfig,
@@ -108,7 +137,8 @@ def build_engine(
     """The engine over this stage's layers; `initial_weights`, when given, supplies the fp32 value of every
     parameter of the built stage (model.init_from) instead of the seeded GPT-2 initialisation; `lr_segment`: the
     learning-rate decay of a resume that changed train.steps (parallel/runtime/lr_schedule.py)."""
-    module = RecomputingPipelineModule(layout.recipes, layout.stages, layout.plans, parallel.partition_method)
+    with dropping_lines(DEEPSPEED_START_UP_LINES):
+        module = RecomputingPipelineModule(layout.recipes, layout.stages, layout.plans, parallel.partition_method)
     weights = initial_weights(module) if initial_weights is not None else {}
     with torch.no_grad():
         for param, value in weights.items():
