@@ -450,3 +450,35 @@ def test_a_run_on_prepared_data_trains_evaluates_and_samples_with_its_tokenizer(
     assert sample.startswith("def") and len(tokenizer.encode(sample)) > len(tokenizer.encode("def"))
     exported = AutoTokenizer.from_pretrained(export_hf(ExportConfig(checkpoint=str(run_dir), out=str(tmp_path / "hf"))))
     assert exported.eos_token == "<|endoftext|>" and exported.eos_token_id == RUN_VOCAB - 1
+
+
+@pytest.mark.multiproc
+def test_evaluating_the_2_stage_checkpoint_equals_evaluating_its_export(case_runs, tmp_path: Path):
+    """evaluate.py on the checkpoint, in this process's model, against lm-eval's own hf model on its export."""
+    from harness.consolidate import consolidate
+    from harness.hf_export import export_hf
+    from harness.lm_evaluation import evaluate
+    from schema.scripts import EvaluateConfig, ExportConfig
+    from tests.test_evaluate import TASKS, assert_same_evaluation, read_samples
+
+    run_dir = case_runs["prepared"]
+    assert consolidate(run_dir).checkpoint.meta["pipeline_stages"] == 2
+    prepared = run_dir.parent.parent / "files" / run_dir.name / "prepared"
+    export = export_hf(ExportConfig(checkpoint=str(run_dir), out=str(tmp_path / "hf")))
+    options = [f"tasks=[{','.join(TASKS)}]", f"val_data={prepared}", "device=cpu"]
+    ours = subprocess.run(
+        [sys.executable, str(REPO / "evaluate.py"), f"checkpoint={run_dir}", f"out={tmp_path / 'ours'}", *options],
+        cwd=tmp_path,
+        env=cpu_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert ours.returncode == 0, ours.stderr[-4000:]
+    assert ours.stdout.splitlines()[-1].startswith("stagecheck: eval done | stagecheck_mc/acc ")
+    config = EvaluateConfig(pretrained=str(export), out=str(tmp_path / "hf_eval"), tasks=TASKS, val_data=str(prepared))
+    evaluate(config)
+    results = assert_same_evaluation(tmp_path / "ours", tmp_path / "hf_eval", TASKS)
+    assert len(read_samples(tmp_path / "ours", "stagecheck_val_ppl")) == 20  # every held-out document
+    assert results["stagecheck_val_ppl"]["bits_per_byte,none"] > 0
+
