@@ -481,4 +481,3 @@ def test_evaluating_the_2_stage_checkpoint_equals_evaluating_its_export(case_run
     results = assert_same_evaluation(tmp_path / "ours", tmp_path / "hf_eval", TASKS)
     assert len(read_samples(tmp_path / "ours", "stagecheck_val_ppl")) == 20  # every held-out document
     assert results["stagecheck_val_ppl"]["bits_per_byte,none"] > 0
-
