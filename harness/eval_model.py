@@ -30,8 +30,6 @@ class CheckpointLM(TemplateLM):
 
     def __init__(self, model: GPT, tokenizer: Tokenizer, batch_size: int = 8, seed: int = 0) -> None:
         super().__init__()
-        if tokenizer.eos_id is None:
-            raise ValueError("the run's tokenizer has no end-of-sequence id, which conditions the first token")
         self.model = model.eval()
         self.tokenizer_ = tokenizer
         self.batch_size = batch_size
@@ -52,7 +50,12 @@ class CheckpointLM(TemplateLM):
         tokenizer = self.tokenizer_
         if add_special_tokens is None:  # as HFLM: text that already starts with the prefix token gets no other
             add_special_tokens = not string.startswith(self._decode([self.prefix_token_id], keep_special=True))
-        ids = tokenizer.encode(string)
+        # A character the vocabulary lacks becomes the unknown token, as transformers encodes it, not an error.
+        ids = (
+            tokenizer.encode(string)
+            if tokenizer.hf is None
+            else tokenizer.hf.encode(string, add_special_tokens=False).ids
+        )
         return tokenizer.before_document + ids + tokenizer.after_document if add_special_tokens else ids
 
     def _decode(self, ids: list[int], keep_special: bool = False) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from harness.checkpoint import read_checkpoint
 from harness.eval_tasks import (
     SHIPPED_TASKS,
     VAL_DOCUMENTS,
@@ -37,6 +38,8 @@ def evaluate(config: EvaluateConfig) -> str:
     from lm_eval.tasks import TaskManager
 
     device = resolve_device(config.device, torch.cuda.is_available(), "device")
+    if config.checkpoint is not None:
+        read_checkpoint(Path(config.checkpoint), option="checkpoint")  # before lm-eval's few seconds of imports
     _check_tasks(
         config, TaskManager(include_path=[str(f) for f in _task_folders(config).values()], include_defaults=False)
     )
@@ -111,6 +114,12 @@ def _model(config: EvaluateConfig, device: str):
         tokenizer = load_tokenizer(loaded.tokenizer_dir)
     except ValueError as error:
         raise ValueError(f"checkpoint={config.checkpoint!r}: the run's tokenizer cannot be loaded: {error}") from None
+    if tokenizer.eos_id is None:
+        raise ValueError(
+            f"checkpoint={config.checkpoint!r}: the run's {tokenizer} has no end-of-sequence id, on which lm-eval "
+            f"conditions a document's first token: evaluate a run whose data ends documents (prepare_data.py, or a "
+            f"data.tokenizer_file with an EOS)"
+        )
     model = CheckpointLM(loaded.model.to(device), tokenizer, config.batch_size, config.seed)
     point = loaded.checkpoint
     return model, None, {"checkpoint": str(point.path), "step": point.step, "run_dir": str(loaded.run_dir)}
