@@ -31,23 +31,23 @@ class CheckpointLM(TemplateLM):
     def __init__(self, model: GPT, tokenizer: Tokenizer, batch_size: int = 8, seed: int = 0) -> None:
         super().__init__()
         self.model = model.eval()
-        self.tokenizer_ = tokenizer
+        self.run_tokenizer = tokenizer
         self.batch_size = batch_size
         self.seed = seed
         self.max_length = model.config.seq_len
-        self.device_ = next(model.parameters()).device
+        self.model_device = next(model.parameters()).device
 
     @property
     def eot_token_id(self) -> int:
-        return self.tokenizer_.eos_id
+        return self.run_tokenizer.eos_id
 
     @property
     def prefix_token_id(self) -> int:
         # What a document's first token follows in training: the BOS the tokenizer puts first, else the last EOS.
-        return (self.tokenizer_.before_document or [self.eot_token_id])[0]
+        return (self.run_tokenizer.before_document or [self.eot_token_id])[0]
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        tokenizer = self.tokenizer_
+        tokenizer = self.run_tokenizer
         if add_special_tokens is None:  # as HFLM: text that already starts with the prefix token gets no other
             add_special_tokens = not string.startswith(self._decode([self.prefix_token_id], keep_special=True))
         # A character the vocabulary lacks becomes the unknown token, as transformers encodes it, not an error.
@@ -59,11 +59,11 @@ class CheckpointLM(TemplateLM):
         return tokenizer.before_document + ids + tokenizer.after_document if add_special_tokens else ids
 
     def _decode(self, ids: list[int], keep_special: bool = False) -> str:
-        hf = self.tokenizer_.hf
+        hf = self.run_tokenizer.hf
         if hf is None:
-            return self.tokenizer_.decode(ids)
+            return self.run_tokenizer.decode(ids)
         # Ids past the tokenizer's vocabulary (a padded model vocabulary) decode to nothing, as in transformers.
-        return hf.decode([i for i in ids if i < self.tokenizer_.vocab_size], skip_special_tokens=not keep_special)
+        return hf.decode([i for i in ids if i < self.run_tokenizer.vocab_size], skip_special_tokens=not keep_special)
 
     @torch.no_grad()
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
@@ -73,11 +73,11 @@ class CheckpointLM(TemplateLM):
             # HFLM's window: the last max_length + 1 tokens of context + continuation, less the last.
             inputs = [(context + continuation)[-(self.max_length + 1) :][:-1] for _, context, continuation in batch]
             width = max(len(i) for i in inputs)
-            padded = torch.tensor([i + [0] * (width - len(i)) for i in inputs], device=self.device_)  # (B, T)
+            padded = torch.tensor([i + [0] * (width - len(i)) for i in inputs], device=self.model_device)  # (B, T)
             logits = self.model(padded).float()  # (B, T, vocab); causal: padding on the right changes nothing before
             for row, ((_, _, continuation), tokens) in enumerate(zip(batch, inputs, strict=True)):
                 scored = F.log_softmax(logits[row, len(tokens) - len(continuation) : len(tokens)], dim=-1)  # (N, V)
-                target = torch.tensor(continuation, device=self.device_)  # (N,)
+                target = torch.tensor(continuation, device=self.model_device)  # (N,)
                 greedy = bool((scored.argmax(dim=-1) == target).all())
                 results.append((float(scored.gather(1, target[:, None]).sum()), greedy))
         return results
@@ -112,7 +112,7 @@ class CheckpointLM(TemplateLM):
             prompt = self.tok_encode(context)[-(self.max_length - new) :]
             temperature = kwargs.get("temperature", 0.0) if kwargs.get("do_sample") else 0.0
             sampling = SamplingConfig(new, temperature, seed=self.seed)
-            tokens = generate(self.model, torch.tensor([prompt], device=self.device_), sampling)[0].tolist()
+            tokens = generate(self.model, torch.tensor([prompt], device=self.model_device), sampling)[0].tolist()
             if self.eot_token_id in tokens:  # transformers' generate stops at the EOS id
                 tokens = tokens[: tokens.index(self.eot_token_id)]
             outputs.append(postprocess_generated_text(self._decode(tokens), until, None))
