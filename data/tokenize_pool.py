@@ -80,10 +80,14 @@ def _encode_in_pool(chunks, spec, workers, val_documents, counts, train_out, val
         pending: deque = deque()  # (result, input bytes)
         for chunk in chunks:
             pending.append((pool.apply_async(encode_in_worker, (chunk, val_documents(chunk))), chunk.size))
-            while len(pending) >= IN_FLIGHT_PER_WORKER * workers or sum(size for _, size in pending) > IN_FLIGHT_BYTES:
+            while len(pending) >= IN_FLIGHT_PER_WORKER * workers or _bytes_after_oldest(pending) > IN_FLIGHT_BYTES:
                 _write(pending.popleft()[0].get(), counts, train_out, val_out, progress, start)
         while pending:
             _write(pending.popleft()[0].get(), counts, train_out, val_out, progress, start)
+
+
+def _bytes_after_oldest(pending: deque) -> int:
+    return sum(size for _, size in pending) - pending[0][1]
 
 
 def _write(encoded: Encoded, counts: TokenCounts, train_out, val_out, progress, start: float) -> None:

@@ -286,7 +286,12 @@ TOKENIZERS = {
 
 @pytest.mark.parametrize("kind", ["text", "jsonl"])
 @pytest.mark.parametrize("name", sorted(TOKENIZERS))
-def test_prepared_documents_are_tokenizer_encode_at_one_and_two_workers(tmp_path: Path, name: str, kind: str):
+def test_prepared_documents_are_tokenizer_encode_at_one_and_two_workers(
+    tmp_path: Path, name: str, kind: str, monkeypatch
+):
+    from data import tokenize_pool
+
+    monkeypatch.setattr(tokenize_pool, "IN_FLIGHT_BYTES", 1 << 10)  # the 1.3 MB document waits for those before it
     hf = TOKENIZERS[name]([d for d in CUT_DOCUMENTS if d])
     hf.save(str(tmp_path / "tokenizer.json"))
     source = make_input(tmp_path, kind, CUT_DOCUMENTS)
