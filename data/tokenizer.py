@@ -47,12 +47,6 @@ class Tokenizer:
         self.before_document, self.after_document = ([], []) if hf is None else document_specials(hf)
         self.eos_appended = eos_id is not None and self.after_document[-1:] != [eos_id]
 
-    def encode_document(self, text: str) -> list[int]:
-        """A document's ids as a token file holds them: ``encode(text)`` with the post-processor's special tokens
-        (the Hugging Face default), then the end-of-sequence id unless the post-processor ended it so."""
-        ids = self.before_document + self.encode(text) + self.after_document
-        return ids + [self.eos_id] if self.eos_appended else ids
-
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; ValueError naming the characters this tokenizer cannot encode (bytes never
         fails: a lone surrogate becomes its three UTF-8-style bytes)."""
