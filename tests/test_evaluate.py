@@ -86,7 +86,7 @@ def test_the_in_process_model_and_lm_evals_hf_model_agree(tiny, tmp_path):
     config = EvaluateConfig(checkpoint="in memory", out=str(ours_out), **options)
     model = CheckpointLM(tiny["model"], tiny["tokenizer"], config.batch_size, config.seed)
     line = run_tasks(config, model, None, {"checkpoint": "in memory"}, "cpu")
-    results = assert_same_evaluation(ours_out, hf_out, TASKS)
+    assert_same_evaluation(ours_out, hf_out, TASKS)
     assert [len(read_samples(ours_out, task)) for task in TASKS] == [3, 3, 3]
     assert re.match(r"stagecheck: eval done \| stagecheck_mc/acc [0-9.]+ \|", line) and f"out {ours_out}" in line
     assert line.split(" | ")[1:-3] == hf_line.split(" | ")[1:-3]  # the same metrics
@@ -95,8 +95,7 @@ def test_the_in_process_model_and_lm_evals_hf_model_agree(tiny, tmp_path):
     assert f"test: {ours_out / 'tasks' / 'stagecheck' / 'data' / 'python_choice.jsonl'}" in copied
     documents = (ours_out / "tasks" / "stagecheck" / "data" / "val_documents.jsonl").read_text().splitlines()
     assert len(documents) == 4 and all(json.loads(d)["text"] in RUN_DOCUMENTS for d in documents)
-    (run_file,) = wandb_file.find_run_files(ours_out)
-    assert wandb_file.summary(run_file)["stagecheck_mc/acc"] == results["stagecheck_mc"]["acc,none"]
+    assert len(wandb_file.find_run_files(ours_out)) == 1  # its summary is read where evaluate.py ran as a command
 
 
 def test_a_users_task_folder_with_its_own_data(tiny, tmp_path):

@@ -461,6 +461,7 @@ def test_evaluating_the_2_stage_checkpoint_equals_evaluating_its_export(case_run
     from harness.hf_export import export_hf
     from harness.lm_evaluation import evaluate
     from schema.scripts import EvaluateConfig, ExportConfig
+    from tests import wandb_file
     from tests.test_evaluate import TASKS, assert_same_evaluation, read_samples
 
     run_dir = case_runs["prepared"]
@@ -483,3 +484,5 @@ def test_evaluating_the_2_stage_checkpoint_equals_evaluating_its_export(case_run
     results = assert_same_evaluation(tmp_path / "ours", tmp_path / "hf_eval", TASKS)
     assert len(read_samples(tmp_path / "ours", "stagecheck_val_ppl")) == 20  # every held-out document
     assert results["stagecheck_val_ppl"]["bits_per_byte,none"] > 0
+    (run_file,) = wandb_file.find_run_files(tmp_path / "ours")  # the command's W&B run, complete once it exited
+    assert wandb_file.summary(run_file)["stagecheck_mc/acc"] == results["stagecheck_mc"]["acc,none"]
