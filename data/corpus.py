@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from data.documents import Chunk
 
 # Bump when the file selection or the token layout changes, so old caches are not reused.
-CACHE_FORMAT = "stagecheck-text-v1"
+# v2: each file is encoded with the special tokens of the tokenizer's post-processor (a BOS, or nothing).
+CACHE_FORMAT = "stagecheck-text-v2"
 
 # Standard-library folders that are not ordinary library source: third-party packages and
 # test suites (which hold deliberately odd encodings and huge generated data files).

@@ -2,8 +2,16 @@
 `datasets`, or text files. The main process only reads (cheap); workers parse and tokenize (data/encode_worker.py).
 
 Every document has an index (its line, row or file, counted over the whole input in order), which the validation
-split draws from, and a place (file and line or row) that error messages name. Chunks hold about CHUNK_BYTES of
-input, so memory stays flat however big the corpus is.
+split draws from, and a place (file and line or row) that error messages name. Chunks of JSONL and rows hold about
+CHUNK_BYTES of input, so memory stays flat however big the corpus is; a chunk never cuts a document, and a text file
+(one document) is one chunk, whole.
+
+Why whole documents: a tokenizer encodes a cut text as the whole text only for some tokenizers and some cuts.
+Metaspace tokenizers (Llama 2, Mistral) prepend `▁` to every string they encode; a byte-level BPE with GPT-2's
+pattern tokenizes "x\n\ndef" as "\n", "\n", "def" but a piece ending in "x\n\n" as one "\n\n"; a BPE without a
+pre-tokenizer, or a normalizer, may join anything across a cut. Proving a cut safe needs the tokenizer's whole
+pipeline, and checking it needs the text across the cut encoded anyway; so nothing is cut. The price is memory: a
+worker holds one text file and its ids at a time (docs/data.md).
 """
 
 from __future__ import annotations
@@ -12,10 +20,9 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-# Input read per chunk (bytes of JSONL or text; Parquet and dataset rows go by ROWS_PER_CHUNK).
+# Input read per chunk (bytes of JSONL; Parquet and dataset rows go by ROWS_PER_CHUNK; a text file is one chunk).
 CHUNK_BYTES = 1 << 20
 ROWS_PER_CHUNK = 1024
-_WHITESPACE = b" \t\r\n\x0b\x0c"
 
 
 @dataclass(frozen=True)
@@ -24,8 +31,7 @@ class Chunk:
 
     kind "jsonl": ``payload`` is whole lines of JSON (bytes), ``start`` the 1-based number of the first line;
     kind "rows": ``payload`` is a list of texts (None: no value), ``start`` the 0-based number of the first row;
-    kind "text": ``payload`` is a piece of one text file's bytes, ``start`` the 1-based number of its first line,
-    ``ends_document`` whether the file ends with it (a file is one document, read in pieces).
+    kind "text": ``payload`` is one text file's bytes (one document), ``start`` 1.
     """
 
     kind: str
@@ -33,20 +39,22 @@ class Chunk:
     start: int
     first_document: int
     payload: bytes | list
-    ends_document: bool = True
 
     @property
     def documents(self) -> int:
-        """How many document indices the chunk starts (a text piece that continues a file starts none)."""
+        """How many documents the chunk holds."""
         if self.kind == "jsonl":
             return _line_count(self.payload)
         if self.kind == "rows":
             return len(self.payload)
-        return 1 if self.start_of_document else 0
+        return 1
 
     @property
-    def start_of_document(self) -> bool:
-        return self.kind != "text" or self.start == 1
+    def size(self) -> int:
+        """Its input's size in bytes (for rows, the characters of its texts): what holding it in flight costs."""
+        if self.kind == "rows":
+            return sum(len(text or "") for text in self.payload)
+        return len(self.payload)
 
 
 def _line_count(raw: bytes) -> int:
@@ -153,43 +161,10 @@ def _check_column(path: str, names: list[str], field: str, field_type, pa) -> No
 
 
 def text_chunks(paths: tuple[str, ...]) -> Iterator[Chunk]:
-    """Each file is one document, read in pieces that end where a line starts with a non-space character: the
-    byte-level BPEs (GPT-2, Llama 3, Qwen) split their pre-tokens there anyway, so the pieces tokenize as the whole
-    file would."""
+    """Each file is one document, read whole (see the module's docstring for why it is never cut)."""
     for document, path in enumerate(paths):
-        line = 1
-        pieces = _text_pieces(path)
-        piece = next(pieces, b"")
-        while True:
-            following = next(pieces, None)
-            yield Chunk("text", path, line, document, piece, ends_document=following is None)
-            if following is None:
-                break
-            line += piece.count(b"\n")
-            piece = following
-
-
-def _text_pieces(path: str) -> Iterator[bytes]:
-    rest = b""
-    with open(path, "rb") as handle:
-        while block := handle.read(CHUNK_BYTES):
-            block = rest + block
-            cut = _piece_end(block)
-            rest = block[cut:]
-            if cut:
-                yield block[:cut]
-    if rest:
-        yield rest
-
-
-def _piece_end(block: bytes) -> int:
-    """Just after the last newline that a non-space byte follows; 0 when there is none."""
-    end = len(block) - 1
-    while (at := block.rfind(b"\n", 0, end)) >= 0:
-        if block[at + 1] not in _WHITESPACE:
-            return at + 1
-        end = at
-    return 0
+        with open(path, "rb") as handle:
+            yield Chunk("text", path, 1, document, handle.read())
 
 
 def list_input_files(path: str, suffixes: tuple[str, ...] | None) -> tuple[str, ...]:

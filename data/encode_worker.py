@@ -1,5 +1,6 @@
-"""What a tokenizing worker process does with one chunk: parse its documents, encode them, append the
-end-of-sequence id after each, and route each document whole to the training or the validation tokens.
+"""What a tokenizing worker process does with one chunk: parse its documents, encode each whole with the special
+tokens its tokenizer's post-processor adds (a BOS, or nothing), append the end-of-sequence id after each (unless the
+post-processor already ends it so), and route each document whole to the training or the validation tokens.
 
 A worker's result depends on the chunk alone, never on which worker ran it or on what else it ran, so the output
 is the same for any number of workers.
@@ -15,6 +16,7 @@ import numpy as np
 import tokenizers
 
 from data.documents import Chunk
+from data.tokenizer_file import document_specials
 
 
 @dataclass(frozen=True)
@@ -47,11 +49,13 @@ class ChunkEncoder:
         self.spec = spec
         self.dtype = np.dtype(spec.dtype)
         self.hf = None if spec.tokenizer_json is None else tokenizers.Tokenizer.from_str(spec.tokenizer_json)
-        self.eos = np.array([] if spec.eos_id is None else [spec.eos_id], dtype=self.dtype)
+        after = [] if self.hf is None else document_specials(self.hf)[1]
+        appended = spec.eos_id is not None and after[-1:] != [spec.eos_id]
+        self.eos = np.array([spec.eos_id] if appended else [], dtype=self.dtype)
 
     def encode(self, chunk: Chunk, val_documents: frozenset[int]) -> Encoded:
         """The tokens of ``chunk``; documents whose index is in ``val_documents`` go to the validation tokens."""
-        texts = self._texts(chunk)  # one per document index of the chunk (a text piece: its piece)
+        texts = self._texts(chunk)  # one per document of the chunk
         ids = self._encode_texts([t for t in texts if t])
         train, val = [], []
         out = Encoded(train=self.eos[:0], val=self.eos[:0])
@@ -59,14 +63,10 @@ class ChunkEncoder:
         tokens = iter(ids)
         for offset, text in enumerate(texts):
             to_val = chunk.first_document + offset in val_documents
-            if text:
-                (val if to_val else train).append(next(tokens))
-            if not chunk.ends_document:
-                continue  # the file's document goes on in the next piece (which is never empty)
             if not text:
                 out.empty_documents += 1
                 continue
-            (val if to_val else train).append(self.eos)
+            (val if to_val else train).extend((next(tokens), self.eos))
             if to_val:
                 out.val_documents += 1
             else:
@@ -80,7 +80,7 @@ class ChunkEncoder:
             return [text or "" for text in chunk.payload]
         if chunk.kind == "jsonl":
             return self._jsonl_texts(chunk)
-        return [self._piece_text(chunk)]
+        return [self._file_text(chunk)]
 
     def _jsonl_texts(self, chunk: Chunk) -> list[str]:
         field = self.spec.text_field
@@ -112,7 +112,7 @@ class ChunkEncoder:
             texts.append(text or "")
         return texts
 
-    def _piece_text(self, chunk: Chunk) -> str | bytes:
+    def _file_text(self, chunk: Chunk) -> str | bytes:
         raw = chunk.payload
         if self.spec.text_mode == "bytes" and self.hf is None:
             return raw  # the bytes tokenizer reads any file as it is
@@ -123,15 +123,16 @@ class ChunkEncoder:
         except UnicodeDecodeError as error:
             line = chunk.start + raw.count(b"\n", 0, error.start)
             raise ValueError(
-                f"{chunk.path}:{line}: the file is not UTF-8 text ({error.reason} at byte {error.start} of the line's "
-                f"piece): convert it to UTF-8 or leave it out of the input"
+                f"{chunk.path}:{line}: the file is not UTF-8 text ({error.reason} at byte {error.start}): convert it "
+                f"to UTF-8 or leave it out of the input"
             ) from None
 
     def _encode_texts(self, texts: list) -> list[np.ndarray]:
         if self.hf is None:
             return [np.frombuffer(_utf8(t), dtype=np.uint8).astype(self.dtype) for t in texts]
-        # The fast variant skips the character offsets, which only a prompt's check needs.
-        encodings = self.hf.encode_batch_fast(texts, add_special_tokens=False)
+        # The fast variant skips the character offsets, which only a prompt's check needs. The post-processor decides
+        # the special tokens around a document, as tokenizer.encode(document) adds them.
+        encodings = self.hf.encode_batch_fast(texts, add_special_tokens=True)
         return [np.asarray(e.ids, dtype=self.dtype) for e in encodings]
 
 

@@ -197,6 +197,10 @@ def _write_meta(plan: PreparePlan, counts: TokenCounts, tmp: str) -> None:
             "vocab_size": tokenizer.vocab_size,
             "eos_id": tokenizer.eos_id,
             "eos_token": plan.eos_token,
+            # The tokenizer's post-processor decides what surrounds a document (tokenizer.encode(document)).
+            "before_document": tokenizer.before_document,
+            "after_document": tokenizer.after_document,
+            "eos_appended": tokenizer.eos_appended,
             "file": TOKENIZER_FILE if plan.tokenizer_path is not None else None,
             "sha256": file_digest(plan.tokenizer_path) if plan.tokenizer_path is not None else None,
             "source": plan.tokenizer_path,
@@ -290,8 +294,13 @@ def _describe(out: str) -> str:
         f"prepared {out}: train {train['tokens']:,} tokens ({train['documents']:,} documents), validation "
         f"{val['tokens']:,} tokens ({val['documents']:,} documents), {meta['empty_documents']:,} empty documents "
         f"skipped; {meta['dtype']}, {tokenizer['kind']} tokenizer of {tokenizer['vocab_size']:,} ids, "
-        f"{tokenizer['eos_token']} (id {tokenizer['eos_id']}) after every document"
+        f"{_document_frame(tokenizer)}"
     )
+
+
+def _document_frame(tokenizer: dict) -> str:
+    before = f"ids {tokenizer['before_document']} before and " if tokenizer["before_document"] else ""
+    return f"{before}{tokenizer['eos_token']} (id {tokenizer['eos_id']}) after every document"
 
 
 def _speed(counts: TokenCounts) -> str:

@@ -19,7 +19,8 @@ VAL_FILE = "val.bin"
 # The tokenizer.json that wrote the files, copied into the folder so a run can save it with itself.
 TOKENIZER_FILE = "tokenizer.json"
 # Bump when the layout of the files or the meaning of a metadata field changes.
-TOKENS_FORMAT = "stagecheck-tokens-v1"
+# v2: documents are encoded whole, with the special tokens of the tokenizer's post-processor.
+TOKENS_FORMAT = "stagecheck-tokens-v2"
 MAX_UINT16_VOCAB_SIZE = 1 << 16
 MAX_UINT32_VOCAB_SIZE = 1 << 32
 DTYPES = ("uint16", "uint32")

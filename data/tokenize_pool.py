@@ -20,8 +20,10 @@ from typing import BinaryIO
 from data.documents import Chunk
 from data.encode_worker import ChunkEncoder, Encoded, EncoderSpec, encode_in_worker, init_worker
 
-# Chunks submitted ahead of the one being written, per worker: enough to keep every worker busy.
+# Chunks submitted ahead of the one being written, per worker: enough to keep every worker busy; and the input bytes
+# they may hold together beyond the oldest one (a text file is one chunk, however big).
 IN_FLIGHT_PER_WORKER = 4
+IN_FLIGHT_BYTES = 256 << 20
 
 
 @dataclass
@@ -75,13 +77,17 @@ def tokenize_chunks(
 
 def _encode_in_pool(chunks, spec, workers, val_documents, counts, train_out, val_out, progress, start) -> None:
     with _pool(spec, workers) as pool:
-        pending: deque = deque()
+        pending: deque = deque()  # (result, input bytes)
         for chunk in chunks:
-            pending.append(pool.apply_async(encode_in_worker, (chunk, val_documents(chunk))))
-            if len(pending) >= IN_FLIGHT_PER_WORKER * workers:
-                _write(pending.popleft().get(), counts, train_out, val_out, progress, start)
+            pending.append((pool.apply_async(encode_in_worker, (chunk, val_documents(chunk))), chunk.size))
+            while len(pending) >= IN_FLIGHT_PER_WORKER * workers or _bytes_after_oldest(pending) > IN_FLIGHT_BYTES:
+                _write(pending.popleft()[0].get(), counts, train_out, val_out, progress, start)
         while pending:
-            _write(pending.popleft().get(), counts, train_out, val_out, progress, start)
+            _write(pending.popleft()[0].get(), counts, train_out, val_out, progress, start)
+
+
+def _bytes_after_oldest(pending: deque) -> int:
+    return sum(size for _, size in pending) - pending[0][1]
 
 
 def _write(encoded: Encoded, counts: TokenCounts, train_out, val_out, progress, start: float) -> None:

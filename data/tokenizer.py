@@ -19,7 +19,7 @@ from data.bpe import BPE_EOS_TOKEN, BPE_FORMAT, bpe_cache_path, ensure_bpe
 from data.config import BYTE_VOCAB_SIZE, DataConfig, MemmapDataConfig, SyntheticDataConfig, TextDataConfig
 from data.corpus import resolve_corpus
 from data.eos import find_eos
-from data.tokenizer_file import file_digest, read_tokenizer_file
+from data.tokenizer_file import document_specials, file_digest, read_tokenizer_file
 
 TOKENIZER_FILE = "tokenizer.json"
 META_FILE = "stagecheck_tokenizer.json"
@@ -43,6 +43,9 @@ class Tokenizer:
                 raise ValueError(f"the bytes tokenizer's end-of-sequence id is {BYTE_VOCAB_SIZE}, not {eos_id}")
         else:
             self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
+        # What the post-processor adds around a document (a BOS, or nothing): token files hold it, prompts start so.
+        self.before_document, self.after_document = ([], []) if hf is None else document_specials(hf)
+        self.eos_appended = eos_id is not None and self.after_document[-1:] != [eos_id]
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; ValueError naming the characters this tokenizer cannot encode (bytes never

@@ -30,3 +30,15 @@ def file_digest(path: str) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def document_specials(tokenizer: tokenizers.Tokenizer) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer's post-processor puts before and after every text it encodes with its special tokens
+    (Llama 3's ``<|begin_of_text|>`` before; nothing for GPT-2's byte-level BPE). ValueError when the
+    post-processor does more than add ids around the text."""
+    plain = tokenizer.encode("a", add_special_tokens=False).ids
+    full = tokenizer.encode("a", add_special_tokens=True).ids
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return full[:start], full[start + len(plain) :]
+    raise ValueError(f"the tokenizer's post-processor turns 'a' ({plain}) into {full}, not ids added around it")

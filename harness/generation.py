@@ -20,7 +20,8 @@ def sample_text(config: GenerateConfig) -> str:
     except ValueError as error:
         raise ValueError(f"checkpoint={config.checkpoint!r}: the run's tokenizer cannot be loaded: {error}") from None
     try:
-        prompt = tokenizer.encode(config.prompt)
+        # A prompt starts a document: the special tokens the tokenizer puts first (a BOS) start it as in training.
+        prompt = tokenizer.before_document + tokenizer.encode(config.prompt)
     except ValueError as error:
         raise ValueError(f"prompt={config.prompt!r} cannot be encoded by the run's tokenizer: {error}") from None
     if not prompt:

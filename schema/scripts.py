@@ -1,11 +1,12 @@
-"""The configs of the commands beside training, registered with Hydra: generate.py and export_hf.py, which use a
-trained checkpoint, and prepare_data.py, which writes token files.
+"""The configs of the commands beside training, registered with Hydra: generate.py, export_hf.py and evaluate.py,
+which use a trained checkpoint, and prepare_data.py, which writes token files.
 
 Types are checked when Hydra composes the config; `validate()` checks the values, once, before anything is
 loaded. Options are top-level (`checkpoint=PATH`, not `generate.checkpoint=PATH`), so messages name them so.
 """
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -87,9 +88,80 @@ class ExportConfig:
             )
 
 
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass
+class EvaluateConfig:
+    """python evaluate.py checkpoint=PATH tasks=[stagecheck_mc,stagecheck_gen] (or pretrained=DIR)"""
+
+    checkpoint: str | None = None
+    """The checkpoint to evaluate in this process: a run directory (its latest checkpoint), its checkpoints/
+    directory or a checkpoints/step_NNNNNNNN directory. Give this or pretrained."""
+    pretrained: str | None = None
+    """Instead of a checkpoint: a Hugging Face directory (export_hf.py's out), evaluated through lm-eval's own `hf`
+    model in fp32."""
+    tasks: list[str] = field(default_factory=lambda: ["stagecheck_mc", "stagecheck_gen"])
+    """lm-eval task names from tasks/ (stagecheck_val_ppl, stagecheck_mc, stagecheck_gen) or from task_dir; quote
+    the list in the shell: 'tasks=[stagecheck_mc,stagecheck_val_ppl]'."""
+    task_dir: str | None = None
+    """A folder of your own lm-eval task YAMLs (`dataset_path: json` with `dataset_kwargs.data_files`, relative to
+    the YAML), indexed beside tasks/. Nothing is downloaded: lm-eval's own tasks are not indexed."""
+    val_data: str | None = None
+    """A folder prepare_data.py wrote: its validation split is stagecheck_val_ppl's documents (needed by that
+    task)."""
+    out: str | None = None
+    """A new (or empty) folder for results.json, samples_<task>.jsonl, the tasks as run and the W&B files; null =
+    <run dir>/eval/<step>-<time>-<pid> for a checkpoint (needed for pretrained). Never overwritten."""
+    limit: int | None = None
+    """Evaluate only the first `limit` documents of each task; null = all."""
+    num_fewshot: int | None = None
+    """Examples from the task's own split put before each question; null = the task's setting."""
+    batch_size: int = 8
+    """Sequences per forward pass (loglikelihood requests)."""
+    seed: int = 1234
+    """Seeds lm-eval's sampling of few-shot examples and any sampled generation."""
+    device: str = "auto"
+    """Where the model runs: cpu, cuda, or auto (cuda when available)."""
+    wandb_mode: str = "offline"
+    """W&B run of job type "eval" in `out` holding the metrics: offline (a file `wandb sync` uploads), online, or
+    disabled."""
+    wandb_project: str = "stagecheck"
+    """The W&B project of that run."""
+
+    def validate(self) -> None:
+        if (self.checkpoint is None) == (self.pretrained is None):
+            raise ValueError(
+                f"checkpoint={self.checkpoint!r} and pretrained={self.pretrained!r}: give exactly one (a stagecheck "
+                f"checkpoint, or a Hugging Face directory)"
+            )
+        if self.pretrained is not None:
+            if not os.path.isfile(os.path.join(self.pretrained, "config.json")):
+                raise ValueError(f"pretrained={self.pretrained!r} holds no config.json: give export_hf.py's out")
+            if self.out is None:
+                raise ValueError("out=None is not set: give a new folder for the results of a pretrained model")
+        if not self.tasks:
+            raise ValueError("tasks=[] is empty: name at least one task, e.g. tasks=[stagecheck_mc]")
+        if self.task_dir is not None and not os.path.isdir(self.task_dir):
+            raise ValueError(f"task_dir={self.task_dir!r} is not a folder: give a folder of lm-eval task YAMLs")
+        if "stagecheck_val_ppl" in self.tasks and self.val_data is None:
+            raise ValueError("val_data=None is not set: stagecheck_val_ppl needs a folder prepare_data.py wrote")
+        for name in ("limit", "batch_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value} is invalid: it must be an integer >= 1")
+        if self.num_fewshot is not None and self.num_fewshot < 0:
+            raise ValueError(f"num_fewshot={self.num_fewshot} is invalid: it must be an integer >= 0")
+        if self.device not in DEVICES:
+            raise ValueError(f"device={self.device!r} is unknown: allowed values are {', '.join(DEVICES)}")
+        if self.wandb_mode not in WANDB_MODES:
+            raise ValueError(f"wandb_mode={self.wandb_mode!r} is unknown: allowed values are {', '.join(WANDB_MODES)}")
+
+
 SCRIPT_SCHEMAS = {
     "generate_schema": GenerateConfig,
     "export_hf_schema": ExportConfig,
+    "evaluate_schema": EvaluateConfig,
     # data/ owns its schemas, as it does the data group's (data/config.py).
     "prepare_data_schema": PrepareDataConfig,
 }

@@ -263,6 +263,17 @@ def test_a_prompt_the_tokenizer_cannot_encode_is_refused(trained, tmp_path):
         sample_text(GenerateConfig(checkpoint=str(run_dir), prompt="the dog", device="cpu"))
 
 
+@pytest.mark.multiproc
+def test_evaluate_refuses_a_run_whose_tokenizer_ends_no_document(trained, tmp_path):
+    """data=text's bytes tokenizer has no EOS id, on which lm-eval conditions a document's first token."""
+    from harness.lm_evaluation import evaluate
+    from schema.scripts import EvaluateConfig
+
+    with pytest.raises(ValueError, match=r"checkpoint=.*: the run's bytes tokenizer of 256 ids has no end-of-sequence"):
+        evaluate(EvaluateConfig(checkpoint=str(trained), out=str(tmp_path / "eval"), device="cpu"))
+    assert not (tmp_path / "eval").exists()
+
+
 BAD_GENERATE = [
     ({"checkpoint": None}, "checkpoint=None is not set"),
     ({"checkpoint": "/no/such/run"}, "checkpoint='/no/such/run' is not a complete stagecheck checkpoint"),

@@ -18,7 +18,7 @@ from tests.runs import TINY, cpu_env
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("model", "data", "parallel", "schema", "harness", "sweep", "hydra_plugins", "bench")
-ENTRY_POINTS = ("train", "report", "generate", "export_hf", "prepare_data")
+ENTRY_POINTS = ("train", "report", "generate", "export_hf", "evaluate", "prepare_data")
 
 MAY_IMPORT = {
     "model": set(),
@@ -33,6 +33,7 @@ MAY_IMPORT = {
     "report": {"sweep"},
     "generate": {"harness", "schema"},
     "export_hf": {"harness", "schema"},
+    "evaluate": {"harness", "schema"},
     "prepare_data": {"data", "harness", "schema"},
 }
 """Project packages each part may import (its own modules aside); tests/ may import anything."""

@@ -123,6 +123,9 @@ def test_one_and_two_workers_write_identical_files_with_eos_after_every_document
         "vocab_size": 257,
         "eos_id": EOS,
         "eos_token": "<|endoftext|>",
+        "before_document": [],
+        "after_document": [],
+        "eos_appended": True,
         "file": None,
         "sha256": None,
         "source": None,
@@ -254,6 +257,74 @@ def test_a_bpe_tokenizer_json_with_its_tokenizer_config(tmp_path: Path):
         run_prepare(tmp_path / "corpus.parquet", tmp_path / "x", tokenizer=str(model_dir), eos_token="<eos>")
 
 
+# --- token files equal tokenizer.encode(document), for byte-level and Metaspace tokenizers --------------------------
+
+# Text that a cut inside a document would tokenize differently: blank lines before code (GPT-2's pattern makes "\n\n"
+# one pre-token at a piece's end), lines starting with a letter (where a Metaspace tokenizer would prepend "▁"), and
+# one document bigger than a 1 MiB read.
+CODE = "".join(f"x = {i}\n\ndef f{i % 7}():\n    return x\nwhile x:\n pass\n" for i in range(30_000))
+CUT_DOCUMENTS = [CODE, "Hello world\nsecond line", "", "déjà vu 🎉\n\n\nend", "word " * 300]
+
+
+def metaspace_bpe(documents: list[str]) -> tokenizers.Tokenizer:
+    """Llama 2's recipe, small: Metaspace pre-tokens ("▁" before the first word), merges learnt from ``documents``,
+    and a post-processor that puts <s> before every text."""
+    bpe = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    bpe.decoder = tokenizers.decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"])
+    bpe.train_from_iterator([d[:20_000] for d in documents], trainer)
+    bpe.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return bpe
+
+
+TOKENIZERS = {
+    "byte-level": lambda documents: byte_level_bpe([d[:20_000] for d in documents], 400),
+    "metaspace": metaspace_bpe,
+}
+
+
+@pytest.mark.parametrize("kind", ["text", "jsonl"])
+@pytest.mark.parametrize("name", sorted(TOKENIZERS))
+def test_prepared_documents_are_tokenizer_encode_at_one_and_two_workers(
+    tmp_path: Path, name: str, kind: str, monkeypatch
+):
+    from data import tokenize_pool
+
+    monkeypatch.setattr(tokenize_pool, "IN_FLIGHT_BYTES", 1 << 10)  # the 1.3 MB document waits for those before it
+    hf = TOKENIZERS[name]([d for d in CUT_DOCUMENTS if d])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    source = make_input(tmp_path, kind, CUT_DOCUMENTS)
+    for workers in (1, 2):
+        run_prepare(source, tmp_path / f"w{workers}", tokenizer=str(tmp_path / "tokenizer.json"), workers=workers)
+    assert (tmp_path / "w1" / "train.bin").read_bytes() == (tmp_path / "w2" / "train.bin").read_bytes()
+    meta, train, _ = read_tokens(tmp_path / "w1")
+    eos = meta["tokenizer"]["eos_id"]
+    expected = [hf.encode(d).ids for d in CUT_DOCUMENTS if d]  # the post-processor's special tokens included
+    assert split_documents(train, eos) == expected
+    bos = [] if name == "byte-level" else [hf.token_to_id("<s>")]
+    assert (meta["tokenizer"]["before_document"], meta["tokenizer"]["after_document"]) == (bos, [])
+    assert meta["tokenizer"]["eos_appended"] and meta["format"] == "stagecheck-tokens-v2"
+    tokenizer = open_tokenizer(MemmapDataConfig(path=str(tmp_path / "w1")))  # what a run on the files reads
+    assert (tokenizer.before_document, tokenizer.eos_appended) == (bos, True)
+
+
+def test_data_text_files_are_tokenizer_encode_with_the_post_processors_bos(tmp_path: Path):
+    hf = metaspace_bpe([d for d in CUT_DOCUMENTS if d])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    folder = write_text_folder(tmp_path / "texts", CUT_DOCUMENTS)
+    config = TextDataConfig(
+        path=str(folder),
+        cache_dir=str(tmp_path / "cache"),
+        tokenizer="bpe",
+        tokenizer_file=str(tmp_path / "tokenizer.json"),
+    )
+    config.workers = 2
+    tokens = open_token_source(config, 400).tokens
+    eos = hf.token_to_id("</s>")
+    assert split_documents(np.asarray(tokens), eos) == [hf.encode(d).ids for d in CUT_DOCUMENTS if d]
+
+
 # --- bad input: one message naming the file and line or row, and no file written ----------------------------------
 
 
@@ -381,3 +452,37 @@ def test_a_run_on_prepared_data_trains_evaluates_and_samples_with_its_tokenizer(
     assert sample.startswith("def") and len(tokenizer.encode(sample)) > len(tokenizer.encode("def"))
     exported = AutoTokenizer.from_pretrained(export_hf(ExportConfig(checkpoint=str(run_dir), out=str(tmp_path / "hf"))))
     assert exported.eos_token == "<|endoftext|>" and exported.eos_token_id == RUN_VOCAB - 1
+
+
+@pytest.mark.multiproc
+def test_evaluating_the_2_stage_checkpoint_equals_evaluating_its_export(case_runs, tmp_path: Path):
+    """evaluate.py on the checkpoint, in this process's model, against lm-eval's own hf model on its export."""
+    from harness.consolidate import consolidate
+    from harness.hf_export import export_hf
+    from harness.lm_evaluation import evaluate
+    from schema.scripts import EvaluateConfig, ExportConfig
+    from tests import wandb_file
+    from tests.test_evaluate import TASKS, assert_same_evaluation, read_samples
+
+    run_dir = case_runs["prepared"]
+    assert consolidate(run_dir).checkpoint.meta["pipeline_stages"] == 2
+    prepared = run_dir.parent.parent / "files" / run_dir.name / "prepared"
+    export = export_hf(ExportConfig(checkpoint=str(run_dir), out=str(tmp_path / "hf")))
+    options = [f"tasks=[{','.join(TASKS)}]", f"val_data={prepared}", "device=cpu"]
+    ours = subprocess.run(
+        [sys.executable, str(REPO / "evaluate.py"), f"checkpoint={run_dir}", f"out={tmp_path / 'ours'}", *options],
+        cwd=tmp_path,
+        env=cpu_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert ours.returncode == 0, ours.stderr[-4000:]
+    assert ours.stdout.splitlines()[-1].startswith("stagecheck: eval done | stagecheck_mc/acc ")
+    config = EvaluateConfig(pretrained=str(export), out=str(tmp_path / "hf_eval"), tasks=TASKS, val_data=str(prepared))
+    evaluate(config)
+    results = assert_same_evaluation(tmp_path / "ours", tmp_path / "hf_eval", TASKS)
+    assert len(read_samples(tmp_path / "ours", "stagecheck_val_ppl")) == 20  # every held-out document
+    assert results["stagecheck_val_ppl"]["bits_per_byte,none"] > 0
+    (run_file,) = wandb_file.find_run_files(tmp_path / "ours")  # the command's W&B run, complete once it exited
+    assert wandb_file.summary(run_file)["stagecheck_mc/acc"] == results["stagecheck_mc"]["acc,none"]
