@@ -4,9 +4,9 @@ before any file is written.
 The rule: every option must have its saved value, except those in MAY_CHANGE (how long to train, how often
 to log, evaluate and save, the recompute plan and the pipeline schedule, the logger, the device, launch
 mechanics). Those shape neither the weights nor the tokens nor the partition. The process grid and the precision
-are compared as the run resolved them (`parallel.pipeline_stages=null` and `=2` may be the same grid), and the
-layer partition once the plan is made (`check_partition`): a changed recompute plan can move a stage boundary
-under parallel.partition_method=balanced. Options naming a file or folder (PATH_OPTIONS) are compared resolved:
+are compared as the run resolved them (`parallel.pipeline_stages=null` and `=2` may be the same grid). The layer
+partition is the checkpoint's (harness/run_layout.py keeps it) unless parallel.partition_method changes; then the
+new method's is compared once the plan is made (`check_partition`). Options naming a file or folder (PATH_OPTIONS) are compared resolved:
 `data.path=corpus.txt` and the same file's absolute path are one value.
 
 A changed train.steps re-stretches the learning-rate decay from the resumed step (parallel/runtime/lr_schedule.py).
@@ -41,13 +41,13 @@ MAY_CHANGE = frozenset(
         "train.nan_skip_limit",
         "train.inject_nan_at_steps",
         "train.device",
-        "train.device_profile",  # the costs: the partition they price is compared (check_partition)
+        "train.device_profile",  # the costs: a resume keeps its partition (harness/run_layout.py)
         "train.device_memory_gb",  # the dry run's verdict only
         "train.precision",  # compared as resolved (auto is bf16 on cuda, fp32 on cpu)
         "parallel.pipeline_stages",  # the grid, compared as resolved
         "parallel.data_parallel_size",
         "parallel.schedule",
-        "parallel.partition_method",  # the partition itself is compared (check_partition)
+        "parallel.partition_method",  # the partition it plans is compared (check_partition)
         "model.init_from",  # read only by a fresh start
         "model.attention",  # kernels of the same computation
         "model.loss_chunk_tokens",
@@ -152,15 +152,15 @@ def _grid_differs(point: ResumePoint, shape: RunShape) -> str | None:
 
 def check_partition(resume: Resume | None, parts: list[int]) -> None:
     """The layer partition this launch planned (each stage's first layer, then one past the last) against the
-    checkpoint's: DeepSpeed saves the optimizer state per stage."""
+    checkpoint's: DeepSpeed saves the optimizer state per stage. Only a launch that changed
+    parallel.partition_method plans its own (harness/run_layout.py keeps the checkpoint's otherwise)."""
     if resume is None or resume.saved_partition is None or resume.saved_partition == parts:
         return
     raise ValueError(
         f"the checkpoint {resume.checkpoint} has stages starting at layers {resume.saved_partition}, this launch "
-        f"plans {parts}: a changed recompute plan, parallel.partition_method or device profile (the costs that price "
-        f"a balanced partition) moved a stage boundary. Resume with the saved +recompute, parallel.partition_method "
-        f"and train.device_profile (config.yaml of its run directory; its summary.json's cost_source names the "
-        f"profile it planned with)"
+        f"plans {parts}: parallel.partition_method changed and moved a stage boundary (DeepSpeed saved the optimizer "
+        f"per stage). Resume with the saved parallel.partition_method (config.yaml of its run directory), which keeps "
+        f"the checkpoint's partition"
     )
 
 

@@ -71,6 +71,10 @@ def _job_config(config: dict) -> dict:
 
 
 class SweepJob(JobHooks):
+    @property
+    def holds_partition(self) -> bool:
+        return True  # jobs that differ only in recompute options train on one partition
+
     def finished_earlier(self, run_dir: Path, cfg: DictConfig, rank: int) -> bool:
         """A sweep relaunched into its own directory (the same `hydra.sweep.dir`) to finish what a failure
         ended: a job that already finished there with this config (summary.json, no FAILED, the same

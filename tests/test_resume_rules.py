@@ -13,12 +13,16 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from harness.checkpoint import ResumePoint
-from harness.context import Resume
+from harness.context import Resume, RunContext
+from harness.job import JobHooks
 from harness.resume_check import ResumeCommand, check_partition, check_resume, override_value
 from harness.run_dir import register_run_stamp_resolver
+from harness.run_layout import layout_of
+from parallel.runtime.dist_env import DistEnv
 from parallel.runtime.lr_schedule import CosineSegment
 from schema import register_schemas
 from schema.checks import run_shape, to_run_config
+from sweep.job import SweepJob
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 TRAINED = ("data=text", "data.tokenizer=bpe", "data.bpe_vocab_size=1024", "model.vocab_size=1024", "train.steps=20")
@@ -177,3 +181,34 @@ def test_override_values_read_back_as_the_same_value():
         assert override_value(value) == text
     assert override_value([1, 2]) == "[1,2]" and override_value("a b") == "'a b'" and override_value("null") == "'null'"
     assert json.loads(json.dumps(override_value("/data/corpus.txt"))) == "/data/corpus.txt"
+
+
+MOVING = ("model=tiny", "parallel.pipeline_stages=3", "train.device_profile=analytic")
+"""A balanced partition that moves with the recompute plan: [0, 4, 5, 8] under none, [0, 3, 4, 8] under full(stage)."""
+
+
+def _layout_parts(overrides, resume=None, job=None):
+    run, resolved = _compose(overrides)
+    shape = run_shape(run, 3, cuda_available=False)
+    env = DistEnv(0, 3, 0, "127.0.0.1", 29500, "torch", 3)
+    return layout_of(RunContext(run, resolved, Path("/runs/a"), env, shape, job or JobHooks(), resume)).parts
+
+
+def test_a_resume_keeps_its_checkpoints_partition_when_the_recompute_plan_changes():
+    """docs/preemption.md's promise: +recompute may change on resume. Planned afresh, full(stage) would move a
+    boundary (and a device profile built between the launches could too); the checkpoint's partition is kept."""
+    changed = (*MOVING, "+recompute=full", "recompute.interval=stage")
+    assert _layout_parts(MOVING) == [0, 4, 5, 8] and _layout_parts(changed) == [0, 3, 4, 8]
+    resume = Resume(Path("/runs/a/checkpoints/step_00000004"), 4, True, saved_partition=[0, 4, 5, 8])
+    assert _layout_parts(changed, resume) == [0, 4, 5, 8]
+    # Another parallel.partition_method asks for another partition: planned, then compared (check_partition).
+    asked = Resume(resume.checkpoint, 4, True, {"parallel.partition_method": ["uniform", "balanced"]}, None, [0, 3, 6])
+    assert _layout_parts(changed, asked) == [0, 3, 4, 8]
+
+
+def test_a_sweeps_jobs_hold_one_partition_across_recompute_settings():
+    """Each job of a sweep under `balanced` takes the boundaries balanced picks for none: like with like."""
+    for mode in ((), ("+recompute=full", "recompute.interval=stage"), ("+recompute=selective",)):
+        assert _layout_parts((*MOVING, *mode), job=SweepJob()) == [0, 4, 5, 8]
+    # The partition itself swept: each method its own boundaries.
+    assert _layout_parts((*MOVING, "parallel.partition_method=uniform"), job=SweepJob()) == [0, 3, 6, 8]
