@@ -6,8 +6,8 @@ to log, evaluate and save, the recompute plan and the pipeline schedule, the log
 mechanics). Those shape neither the weights nor the tokens nor the partition. The process grid and the precision
 are compared as the run resolved them (`parallel.pipeline_stages=null` and `=2` may be the same grid). The layer
 partition is the checkpoint's (harness/run_layout.py keeps it) unless parallel.partition_method changes; then the
-new method's is compared once the plan is made (`check_partition`). Options naming a file or folder (PATH_OPTIONS) are compared resolved:
-`data.path=corpus.txt` and the same file's absolute path are one value.
+new method's is compared once the plan is made (`check_partition`). Options naming a file or folder
+(PATH_OPTIONS) are compared resolved: `data.path=corpus.txt` and the same file's absolute path are one value.
 
 A changed train.steps re-stretches the learning-rate decay from the resumed step (parallel/runtime/lr_schedule.py).
 """
