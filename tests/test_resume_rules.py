@@ -16,6 +16,7 @@ from harness.checkpoint import ResumePoint
 from harness.context import Resume, RunContext
 from harness.job import JobHooks
 from harness.resume_check import ResumeCommand, check_partition, check_resume, override_value
+from harness.run_control import resuming_line
 from harness.run_dir import register_run_stamp_resolver
 from harness.run_layout import layout_of
 from parallel.runtime.dist_env import DistEnv
@@ -212,3 +213,9 @@ def test_a_sweeps_jobs_hold_one_partition_across_recompute_settings():
         assert _layout_parts((*MOVING, *mode), job=SweepJob()) == [0, 4, 5, 8]
     # The partition itself swept: each method its own boundaries.
     assert _layout_parts((*MOVING, "parallel.partition_method=uniform"), job=SweepJob()) == [0, 3, 6, 8]
+
+
+def test_a_resume_names_its_wandb_run_only_when_it_logs_to_wandb():
+    checkpoint = Path("/runs/a/checkpoints/step_00000004")
+    assert resuming_line(checkpoint, 4, "abc123", "none") == f"stagecheck: resuming from {checkpoint} after step 4"
+    assert resuming_line(checkpoint, 4, "abc123", "wandb").endswith("after step 4 (W&B run abc123)")
