@@ -246,6 +246,8 @@ class Checkpointer:
             "precision": self.precision,
             "partition": [int(p) for p in self.engine.module.parts],  # each stage's first layer, then the end
             "lr_schedule": asdict(self.lr_segment),  # the decay a re-stretching resume continues
+            # updates applied (the steps less those skipped): the scheduler's count, which a re-stretch starts from
+            "applied_updates": int(self.engine.lr_scheduler.last_epoch),
             "config": self.config,  # what a resume is checked against (harness/resume_check.py)
             "wandb_run_id": self.wandb_run_id,
             "rank_states": [rank_state_name(r) for r in range(self.topology.world_size)],

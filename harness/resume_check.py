@@ -128,12 +128,14 @@ def check_resume(
     segment = point.meta.get("lr_schedule")
     saved_steps = old.get("train.steps", run.train.steps)
     segment = CosineSegment(**segment) if segment else CosineSegment.fresh(run.train.warmup_steps, saved_steps)
+    # The schedule counts applied updates (parallel/runtime/lr_schedule.py); older checkpoints did not record them.
+    applied = point.meta.get("applied_updates", point.step)
     return Resume(
         point.path,
         point.step,
         point.inside(run_dir),
         {k: v for k, v in differing.items() if known and may_change(k) and k not in NOT_RECORDED},
-        segment.stretched(point.step, run.train.warmup_steps, run.train.steps),
+        segment.stretched(applied, run.train.warmup_steps, run.train.steps),
         point.meta.get("partition"),
     )
 

@@ -20,7 +20,7 @@ from harness.run_control import resuming_line
 from harness.run_dir import register_run_stamp_resolver
 from harness.run_layout import layout_of
 from parallel.runtime.dist_env import DistEnv
-from parallel.runtime.lr_schedule import CosineSegment
+from parallel.runtime.lr_schedule import CosineSegment, lr_factor
 from schema import register_schemas
 from schema.checks import run_shape, to_run_config
 from sweep.job import SweepJob
@@ -219,3 +219,19 @@ def test_a_resume_names_its_wandb_run_only_when_it_logs_to_wandb():
     checkpoint = Path("/runs/a/checkpoints/step_00000004")
     assert resuming_line(checkpoint, 4, "abc123", "none") == f"stagecheck: resuming from {checkpoint} after step 4"
     assert resuming_line(checkpoint, 4, "abc123", "wandb").endswith("after step 4 (W&B run abc123)")
+
+
+@pytest.mark.parametrize("new_steps", [14, 40])
+def test_a_resume_after_skipped_updates_never_raises_the_learning_rate(tmp_path, new_steps):
+    """3 of 12 updates skipped (fp16 overflow, nan_policy=skip): the scheduler has applied 9. A re-stretch keyed by
+    the step started the new cosine 3 updates ahead of the scheduler: shortened, the next update ran back up the
+    cosine above the rate before the resume; extended, it dropped past the old schedule's next rate."""
+    point = _checkpoint(tmp_path, TRAINED, step=12, applied_updates=9)
+    resume = _check(point, tmp_path, (*TRAINED[:-1], f"train.steps={new_steps}"))
+
+    def old(update):
+        return lr_factor(update, 2, 20, 0.1)
+
+    after = lr_factor(10, 2, new_steps, 0.1, resume.lr_segment)  # the first update of the resumed launch
+    assert after <= old(9)  # never above the last update's rate
+    assert after >= (old(10) if new_steps > 20 else old(12))  # and no drop beyond a few updates' decay
