@@ -62,6 +62,28 @@ def resolve_init_from(cfg: DictConfig, overrides: Sequence[str]) -> None:
         check_tensors(checkpoint, model)
 
 
+def model_from_checkpoint(cfg: DictConfig, saved: dict | None, overrides: Sequence[str]) -> bool:
+    """A launch that resumes with model.init_from set: the model's shape comes from the checkpoint's saved config
+    (`saved`, stagecheck.json's), which the first launch read from model.init_from's config.json, and so do
+    data.tokenizer and data.tokenizer_file where that launch took them from the directory. model.init_from is not
+    read: a resume needs neither the directory nor its shard headers (the weights come from the checkpoint). An
+    option the command line sets keeps its value, for harness/resume_check.py to compare with the saved one. False
+    (nothing done) when the checkpoint saved no config: model.init_from is then read as at a fresh start."""
+    if cfg.model.init_from is None or saved is None or "model" not in saved:
+        return False
+    overridden = {override.split("=", 1)[0].lstrip("+~") for override in overrides}
+    for field, value in saved["model"].items():
+        if field in cfg.model and field != "init_from" and f"model.{field}" not in overridden:
+            cfg.model[field] = value
+    data, saved_data = cfg.data, saved.get("data") or {}
+    chosen = {"data.tokenizer", "data.tokenizer_file"} & overridden
+    if "tokenizer_file" in data and saved_data.get("name") == data.name and not chosen:
+        for field in ("tokenizer", "tokenizer_file"):
+            if field in data and field in saved_data:
+                data[field] = saved_data[field]
+    return True
+
+
 def pick_tokenizer(cfg: DictConfig, checkpoint: HFCheckpoint, overridden: set[str]) -> None:
     """The directory's tokenizer.json becomes data.tokenizer_file (text data: with data.tokenizer=bpe; a bare .bin)
     unless the user chose a tokenizer; whichever file the run then uses must fit the model's vocabulary and be the

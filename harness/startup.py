@@ -14,7 +14,7 @@ from harness.config_errors import unknown_added_keys
 from harness.context import RunContext
 from harness.dry_run import dry_run
 from harness.faults import EXIT_CONFIG, check_output_dir, run_guarded
-from harness.init_from import resolve_init_from
+from harness.init_from import model_from_checkpoint, resolve_init_from
 from harness.job import JobHooks
 from harness.resume_check import ResumeCommand, check_partition, check_resume
 from harness.run_dir import check_run_dir, remove_if_empty
@@ -67,7 +67,11 @@ def run_from_hydra(cfg: DictConfig, job: JobHooks) -> None:
 def validate(cfg: DictConfig, run_dir: Path, env: DistEnv, job: JobHooks) -> RunContext:
     """Config values, topology, device, data, the checkpoint to resume and the run directory; raises
     ValueError. (The layout, planned next, checks recompute=auto's budget.)"""
-    resolve_init_from(cfg, HydraConfig.get().overrides.task)  # model.init_from sets the model's shape
+    overrides = HydraConfig.get().overrides.task
+    point = resume_point(cfg.train, run_dir)  # train.resume: auto, false or a checkpoint path
+    # model.init_from sets the model's shape, unless this launch resumes: then the checkpoint's saved config does.
+    if point is None or not model_from_checkpoint(cfg, point.meta.get("config"), overrides):
+        resolve_init_from(cfg, overrides)
     unknown = unknown_added_keys(cfg)  # `+train.foo=1` passes Hydra: the typed config would drop it unread
     if unknown:
         raise ValueError("; ".join(unknown))
@@ -79,7 +83,6 @@ def validate(cfg: DictConfig, run_dir: Path, env: DistEnv, job: JobHooks) -> Run
         check_cuda_device(shape.target, run.train.precision, env.local_rank, *cuda_facts(env.local_rank))
     check_data(run)
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    point = resume_point(run.train, run_dir)  # train.resume: auto, false or a checkpoint path
     resume = None
     if point is not None:  # everything that shapes the weights, the tokens or the partition must match
         resume = check_resume(point, run, resolved, shape, run_dir, resume_command())
