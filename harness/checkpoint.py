@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from data.config import data_identity
 from data.tokenizer import META_FILE as TOKENIZER_META
 from data.tokenizer import TOKENIZER_FILE
 from harness.context import RunContext
@@ -193,6 +194,7 @@ class Checkpointer:
         self.seed = ctx.run.seed
         self.model = asdict(ctx.run.model)
         self.config = ctx.resolved
+        self.data_identity = data_identity(ctx.run.data)
         self.precision = ctx.target.precision
         resumed = ctx.resume.lr_segment if ctx.resume is not None else None
         self.lr_segment = resumed or CosineSegment.fresh(ctx.run.train.warmup_steps, ctx.run.train.steps)
@@ -237,6 +239,7 @@ class Checkpointer:
             "data": {
                 "next_step": step + 1,
                 "sampling": "each batch is a pure function of (seed, step, dp_rank, micro)",
+                "identity": self.data_identity,  # compared on resume (harness/resume_check.py)
             },
             "seed": self.seed,
             "model": self.model,  # the shape, so the checkpoint alone rebuilds the model (harness/consolidate.py)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from data.config import data_identity
 from harness.checkpoint import ResumePoint
 from harness.context import Resume
 from parallel.planning.shapes import RunShape
@@ -79,6 +80,32 @@ def comparable(key: str, value):
     return str(Path(value).expanduser().resolve())
 
 
+def absolute_paths(resolved: dict) -> dict:
+    """The resolved config with each path option (PATH_OPTIONS) absolute, as config.yaml and stagecheck.json record
+    it: a later launch from another directory compares the path the run used, not the same words resolved
+    elsewhere."""
+    out = {group: dict(values) if isinstance(values, dict) else values for group, values in resolved.items()}
+    for key in PATH_OPTIONS:
+        group, _, name = key.partition(".")
+        if isinstance(out.get(group), dict) and name in out[group]:
+            out[group][name] = comparable(key, out[group][name])
+    return out
+
+
+def check_data_identity(point: ResumePoint, run: RunConfig, saved: dict) -> None:
+    """The tokens this launch reads against those the checkpoint trained on (data/config.py's data_identity)."""
+    before = (point.meta.get("data") or {}).get("identity")
+    now = data_identity(run.data)
+    if before is None or now is None or before == now:
+        return
+    what = " and ".join(f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in now if before.get(k) != now.get(k))
+    raise ValueError(
+        f"data.path={run.data.path!r} holds other prepared data than the checkpoint {point.path} trained on "
+        f"(stagecheck_data.json {what}): set data.path to the folder the run trained on (saved: "
+        f"{saved.get('data', {}).get('path')!r}), or start a new run in a new hydra.run.dir"
+    )
+
+
 def flatten(tree, prefix: str = "") -> dict:
     """{"a": {"b": 1}} -> {"a.b": 1}; lists and None are values."""
     if not isinstance(tree, dict):
@@ -125,6 +152,7 @@ def check_resume(
         refused["train.precision (resolved)"] = [precision, shape.target.precision]
     if refused or grid:
         raise ValueError(command.refusal(point, refused, grid, old, run_dir))
+    check_data_identity(point, run, saved)
     segment = point.meta.get("lr_schedule")
     saved_steps = old.get("train.steps", run.train.steps)
     segment = CosineSegment(**segment) if segment else CosineSegment.fresh(run.train.warmup_steps, saved_steps)

@@ -16,7 +16,7 @@ from harness.dry_run import dry_run
 from harness.faults import EXIT_CONFIG, check_output_dir, run_guarded
 from harness.init_from import model_from_checkpoint, resolve_init_from
 from harness.job import JobHooks
-from harness.resume_check import ResumeCommand, check_partition, check_resume
+from harness.resume_check import ResumeCommand, absolute_paths, check_partition, check_resume
 from harness.run_dir import check_run_dir, remove_if_empty
 from harness.run_layout import layout_of
 from model import gpt_layers, model_param_count
@@ -82,7 +82,7 @@ def validate(cfg: DictConfig, run_dir: Path, env: DistEnv, job: JobHooks) -> Run
     if shape.target.device == "cuda" and not run.dry_run:
         check_cuda_device(shape.target, run.train.precision, env.local_rank, *cuda_facts(env.local_rank))
     check_data(run)
-    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resolved = absolute_paths(OmegaConf.to_container(cfg, resolve=True))  # recorded as the run used them
     resume = None
     if point is not None:  # everything that shapes the weights, the tokens or the partition must match
         resume = check_resume(point, run, resolved, shape, run_dir, resume_command())

@@ -5,6 +5,7 @@ for real are in tests/test_checkpoint_resume.py."""
 
 import json
 import shlex
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,10 +13,13 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from data.config import data_identity
+from data.prepare import prepare
+from data.prepare_config import PrepareDataConfig
 from harness.checkpoint import ResumePoint
 from harness.context import Resume, RunContext
 from harness.job import JobHooks
-from harness.resume_check import ResumeCommand, check_partition, check_resume, override_value
+from harness.resume_check import ResumeCommand, absolute_paths, check_partition, check_resume, override_value
 from harness.run_control import resuming_line
 from harness.run_dir import register_run_stamp_resolver
 from harness.run_layout import layout_of
@@ -235,3 +239,32 @@ def test_a_resume_after_skipped_updates_never_raises_the_learning_rate(tmp_path,
     after = lr_factor(10, 2, new_steps, 0.1, resume.lr_segment)  # the first update of the resumed launch
     assert after <= old(9)  # never above the last update's rate
     assert after >= (old(10) if new_steps > 20 else old(12))  # and no drop beyond a few updates' decay
+
+
+def _prepared(folder: Path, text: str) -> Path:
+    corpus = folder.parent / f"{folder.name}.jsonl"
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for _ in range(40)))
+    prepare(PrepareDataConfig(input=str(corpus), out=str(folder)))
+    return folder
+
+
+def test_path_options_are_recorded_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _, resolved = _compose(("data=memmap", "data.path=corpus", "train.device_profile=auto"))
+    recorded = absolute_paths(resolved)
+    assert recorded["data"]["path"] == str(tmp_path / "corpus") and resolved["data"]["path"] == "corpus"
+    assert recorded["train"]["device_profile"] == "auto"  # a keyword, not a file
+
+
+def test_prepared_data_is_compared_by_its_identity_not_only_its_path(tmp_path):
+    """The same data.path prepared again from another corpus (or, for checkpoints that recorded it relative, another
+    directory's folder of the same name) is refused naming the prepared key that differs."""
+    folder = _prepared(tmp_path / "corpus", "the first corpus " * 30)
+    options = ("data=memmap", f"data.path={folder}", "model=tiny", "model.vocab_size=257")
+    run, _ = _compose(options)
+    point = _checkpoint(tmp_path / "run", options, data={"identity": data_identity(run.data)})
+    assert _check(point, tmp_path / "run", options).changed == {}
+    shutil.rmtree(folder)
+    _prepared(folder, "another corpus altogether " * 30)
+    with pytest.raises(ValueError, match=r"holds other prepared data than the checkpoint .*prepared_key '"):
+        _check(point, tmp_path / "run", options)
