@@ -54,6 +54,7 @@ MAY_CHANGE = frozenset(
         "model.loss_chunk_tokens",
         "data.cache_dir",
         "dry_run",
+        "round",  # a sweep's repetition index: training ignores it
     }
 )
 MAY_CHANGE_GROUPS = ("recompute", "logger")
