@@ -45,6 +45,7 @@ from harness.context import RunContext
 from harness.faults import save_delay_for_test
 from harness.files import atomic_write, atomic_write_json, atomic_write_text, fsync_path
 from parallel.runtime.lr_schedule import CosineSegment, apply_current_lr
+from schema.training import normalize_resume
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -115,12 +116,14 @@ def latest_checkpoint(run_dir: Path) -> ResumePoint | None:
 
 
 def resume_point(train, run_dir: Path) -> ResumePoint | None:
-    """Where this launch starts from, per train.resume (auto, false, or a path). Raises ValueError."""
-    if train.resume == "false":
+    """Where this launch starts from, per train.resume (auto, false, or a path); `train` typed or still composed
+    (start-up looks before model.init_from is read). Raises ValueError."""
+    resume = normalize_resume(train.resume)
+    if resume == "false":
         return None
-    if train.resume == "auto":
+    if resume == "auto":
         return latest_checkpoint(run_dir)
-    return read_checkpoint(Path(train.resume))
+    return read_checkpoint(Path(resume))
 
 
 # ---- RNG states ------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from data.config import data_identity
 from data.prepare import prepare
 from data.prepare_config import PrepareDataConfig
-from harness.checkpoint import ResumePoint
+from harness.checkpoint import ResumePoint, resume_point
 from harness.context import Resume, RunContext
 from harness.job import JobHooks
 from harness.resume_check import ResumeCommand, absolute_paths, check_partition, check_resume, override_value
@@ -268,3 +268,14 @@ def test_prepared_data_is_compared_by_its_identity_not_only_its_path(tmp_path):
     _prepared(folder, "another corpus altogether " * 30)
     with pytest.raises(ValueError, match=r"holds other prepared data than the checkpoint .*prepared_key '"):
         _check(point, tmp_path / "run", options)
+
+
+def test_start_up_reads_train_resume_as_composed_before_it_is_typed(tmp_path):
+    """Start-up looks for the checkpoint before model.init_from is read, on the composed config, where a command
+    line's `train.resume=false` may still be the string 'False'."""
+    point = _checkpoint(tmp_path, TRAINED)
+    (point.path / "stagecheck.json").write_text(json.dumps(point.meta))
+    (tmp_path / "checkpoints" / "latest").write_text(point.path.name + "\n")
+    for off in ("False", False, "false"):
+        assert resume_point(OmegaConf.create({"resume": off}), tmp_path) is None
+    assert resume_point(OmegaConf.create({"resume": "auto"}), tmp_path).step == 20
