@@ -78,8 +78,9 @@ def axis_label(job: Job, axes: list[str]) -> str:
 
 
 def partition_varies(jobs: list[Job]) -> bool:
-    """Whether the report shows the blocks per stage: a `balanced` partition (it moves with the recompute mode, as
-    the planner prices each stage under it) or blocks that differ between jobs."""
+    """Whether the report shows the blocks per stage: a `balanced` partition (the planner's boundaries, which a
+    sweep's jobs share but a single run of each mode may not: harness/run_layout.py) or blocks that differ between
+    jobs."""
     blocks = {repr(j.blocks_per_stage()) for j in jobs if j.status in ("done", "planned")}
     return len(blocks) > 1 or any(j.partition_method == "balanced" for j in jobs)
 
