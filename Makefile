@@ -50,6 +50,8 @@ format: venv
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-# docs/configuration.md, generated from the config dataclasses' docstrings (a test checks it is current).
+# docs/configuration.md, generated from the config dataclasses' docstrings, and the docs' tables that quote the dry
+# run (harness/doc_tables.py); a test checks each is current.
 docs: venv
 	$(PY) -m schema.reference --write
+	$(CPU_ENV) $(PY) -m harness.doc_tables --write

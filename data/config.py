@@ -216,6 +216,19 @@ def _check_token_file(path: str, option: str, example: str, itemsize: int) -> No
         )
 
 
+def data_identity(config: DataConfig) -> dict | None:
+    """What the tokens are, beyond the path that names them: a prepared folder's key and its tokenizer's SHA-256
+    (stagecheck_data.json). A resume compares it with its checkpoint's, so that a relative data.path resolved in
+    another directory, or a folder prepared again from another corpus, is not taken for the run's data. None where
+    nothing names the tokens (synthetic, text, a bare .bin): the path options alone are compared."""
+    if not isinstance(config, MemmapDataConfig):
+        return None
+    meta = config.files().meta
+    if meta.meta_path is None:
+        return None
+    return {"prepared_key": meta.key, "tokenizer_sha256": meta.tokenizer_sha256}
+
+
 def data_has_val(config: DataConfig) -> bool:
     """Whether the source will have validation batches (cheap: reads at most a prepared folder's metadata)."""
     if isinstance(config, MemmapDataConfig):

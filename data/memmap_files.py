@@ -83,11 +83,12 @@ def _check_same_tokenizer(tokenizer_file: str, meta: TokenFiles) -> None:
     if meta.tokenizer_sha256 is None:
         raise ValueError(
             f"data.tokenizer_file={tokenizer_file!r} disagrees with {meta.meta_path}: the data was tokenized with the "
-            f"{meta.tokenizer_kind} tokenizer: leave data.tokenizer_file unset (null) for prepared data"
+            f"{meta.tokenizer_kind} tokenizer: drop data.tokenizer_file (prepared data is read with its folder's "
+            f"tokenizer)"
         )
     if file_digest(tokenizer_file) != meta.tokenizer_sha256:
         raise ValueError(
             f"data.tokenizer_file={tokenizer_file!r} is not the tokenizer that wrote the data (its SHA-256 differs "
-            f"from the one {meta.meta_path} records): leave data.tokenizer_file unset (null), the folder's "
-            f"tokenizer.json is used"
+            f"from the one {meta.meta_path} records): drop data.tokenizer_file (prepared data is read with the "
+            f"tokenizer.json its folder holds)"
         )

@@ -46,6 +46,8 @@ class TokenFiles:
     eos_id: int | None
     val_path: str | None
     meta_path: str | None
+    key: str | None = None
+    """prepare_data.py's key of the folder: it changes with the corpus files, the tokenizer's bytes and the options."""
 
 
 BARE_BIN = TokenFiles(np.dtype(np.uint16), None, None, None, None, None, None, None)
@@ -88,4 +90,5 @@ def read_token_files(path: str, option: str = "data.path") -> TokenFiles:
         eos_id=tokenizer.get("eos_id"),
         val_path=val_path,
         meta_path=meta_path,
+        key=meta.get("key"),
     )

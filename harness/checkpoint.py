@@ -38,12 +38,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from data.config import data_identity
 from data.tokenizer import META_FILE as TOKENIZER_META
 from data.tokenizer import TOKENIZER_FILE
 from harness.context import RunContext
 from harness.faults import save_delay_for_test
 from harness.files import atomic_write, atomic_write_json, atomic_write_text, fsync_path
 from parallel.runtime.lr_schedule import CosineSegment, apply_current_lr
+from schema.training import normalize_resume
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -114,12 +116,14 @@ def latest_checkpoint(run_dir: Path) -> ResumePoint | None:
 
 
 def resume_point(train, run_dir: Path) -> ResumePoint | None:
-    """Where this launch starts from, per train.resume (auto, false, or a path). Raises ValueError."""
-    if train.resume == "false":
+    """Where this launch starts from, per train.resume (auto, false, or a path); `train` typed or still composed
+    (start-up looks before model.init_from is read). Raises ValueError."""
+    resume = normalize_resume(train.resume)
+    if resume == "false":
         return None
-    if train.resume == "auto":
+    if resume == "auto":
         return latest_checkpoint(run_dir)
-    return read_checkpoint(Path(train.resume))
+    return read_checkpoint(Path(resume))
 
 
 # ---- RNG states ------------------------------------------------------------------------------------------
@@ -193,6 +197,7 @@ class Checkpointer:
         self.seed = ctx.run.seed
         self.model = asdict(ctx.run.model)
         self.config = ctx.resolved
+        self.data_identity = data_identity(ctx.run.data)
         self.precision = ctx.target.precision
         resumed = ctx.resume.lr_segment if ctx.resume is not None else None
         self.lr_segment = resumed or CosineSegment.fresh(ctx.run.train.warmup_steps, ctx.run.train.steps)
@@ -237,6 +242,7 @@ class Checkpointer:
             "data": {
                 "next_step": step + 1,
                 "sampling": "each batch is a pure function of (seed, step, dp_rank, micro)",
+                "identity": self.data_identity,  # compared on resume (harness/resume_check.py)
             },
             "seed": self.seed,
             "model": self.model,  # the shape, so the checkpoint alone rebuilds the model (harness/consolidate.py)
@@ -246,6 +252,8 @@ class Checkpointer:
             "precision": self.precision,
             "partition": [int(p) for p in self.engine.module.parts],  # each stage's first layer, then the end
             "lr_schedule": asdict(self.lr_segment),  # the decay a re-stretching resume continues
+            # updates applied (the steps less those skipped): the scheduler's count, which a re-stretch starts from
+            "applied_updates": int(self.engine.lr_scheduler.last_epoch),
             "config": self.config,  # what a resume is checked against (harness/resume_check.py)
             "wandb_run_id": self.wandb_run_id,
             "rank_states": [rank_state_name(r) for r in range(self.topology.world_size)],

@@ -12,6 +12,7 @@ from data.tokenizer_file import read_tokenizer_file
 from harness.checkpoint import resume_point
 from harness.context import RunContext
 from harness.hf_checkpoint import TOKENIZER_FILE, HFCheckpoint, open_hf_dir, open_tensors, tensor_shapes
+from harness.init_tokenizer import check_chosen_tokenizer, check_prepared_data, prepared_files
 from model import GPTConfig
 from model.hf_format import config_from_hf, hf_shapes, layer_state_from_hf
 from model.llama_names import HF_LM_HEAD
@@ -61,13 +62,43 @@ def resolve_init_from(cfg: DictConfig, overrides: Sequence[str]) -> None:
         check_tensors(checkpoint, model)
 
 
+def model_from_checkpoint(cfg: DictConfig, saved: dict | None, overrides: Sequence[str]) -> bool:
+    """A launch that resumes with model.init_from set: the model's shape comes from the checkpoint's saved config
+    (`saved`, stagecheck.json's), which the first launch read from model.init_from's config.json, and so do
+    data.tokenizer and data.tokenizer_file where that launch took them from the directory. model.init_from is not
+    read: a resume needs neither the directory nor its shard headers (the weights come from the checkpoint). An
+    option the command line sets keeps its value, for harness/resume_check.py to compare with the saved one. False
+    (nothing done) when the checkpoint saved no config: model.init_from is then read as at a fresh start."""
+    if cfg.model.init_from is None or saved is None or "model" not in saved:
+        return False
+    overridden = {override.split("=", 1)[0].lstrip("+~") for override in overrides}
+    for field, value in saved["model"].items():
+        if field in cfg.model and field != "init_from" and f"model.{field}" not in overridden:
+            cfg.model[field] = value
+    data, saved_data = cfg.data, saved.get("data") or {}
+    chosen = {"data.tokenizer", "data.tokenizer_file"} & overridden
+    if "tokenizer_file" in data and saved_data.get("name") == data.name and not chosen:
+        for field in ("tokenizer", "tokenizer_file"):
+            if field in data and field in saved_data:
+                data[field] = saved_data[field]
+    return True
+
+
 def pick_tokenizer(cfg: DictConfig, checkpoint: HFCheckpoint, overridden: set[str]) -> None:
-    """The directory's tokenizer.json becomes data.tokenizer_file (text data: with data.tokenizer=bpe) unless the
-    user chose a tokenizer; whichever file the run then uses must fit the model's vocabulary."""
+    """The directory's tokenizer.json becomes data.tokenizer_file (text data: with data.tokenizer=bpe; a bare .bin)
+    unless the user chose a tokenizer; whichever file the run then uses must fit the model's vocabulary and be the
+    model's own tokenizer (harness/init_tokenizer.py). Prepared data (a folder prepare_data.py wrote) keeps its own
+    tokenizer, which must be the model's."""
     data = cfg.data
     if "tokenizer_file" not in data:  # synthetic tokens have no tokenizer
         return
     own = checkpoint.directory / TOKENIZER_FILE
+    prepared = prepared_files(data.path) if data.name == "memmap" else None
+    if prepared is not None:  # data.tokenizer_file, if set, is held to the folder's (data/memmap_files.py)
+        check_prepared_data(
+            prepared, data.path, checkpoint.directory, own if own.is_file() else None, cfg.model.vocab_size
+        )
+        return
     picked = own.is_file() and data.tokenizer_file is None and "data.tokenizer" not in overridden
     if picked:
         data.tokenizer_file = str(own)
@@ -83,6 +114,8 @@ def pick_tokenizer(cfg: DictConfig, checkpoint: HFCheckpoint, overridden: set[st
             f"{option}={data.tokenizer_file!r} has {ids} token ids, more than the vocab_size="
             f"{cfg.model.vocab_size} of model.init_from={checkpoint.directory}: use the model's own tokenizer"
         )
+    if not picked and own.is_file():
+        check_chosen_tokenizer(data.tokenizer_file, checkpoint.directory, own)
 
 
 def check_tensors(checkpoint: HFCheckpoint, model: GPTConfig) -> None:

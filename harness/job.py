@@ -11,6 +11,13 @@ from omegaconf import DictConfig
 class JobHooks:
     """A single run: nothing to skip, nothing to mark, its own W&B run (a W&B agent's group when under one)."""
 
+    @property
+    def holds_partition(self) -> bool:
+        """Whether `partition_method=balanced` holds the boundaries it picks for +recompute=none whatever the
+        recompute options (harness/run_layout.py): a sweep's jobs, compared with each other, do; so does a run
+        under a W&B sweep agent."""
+        return bool(os.environ.get("WANDB_SWEEP_ID"))
+
     def finished_earlier(self, run_dir: Path, cfg: DictConfig, rank: int) -> bool:
         """True when this job already finished in `run_dir` and must not run again."""
         return False

@@ -4,10 +4,10 @@ before any file is written.
 The rule: every option must have its saved value, except those in MAY_CHANGE (how long to train, how often
 to log, evaluate and save, the recompute plan and the pipeline schedule, the logger, the device, launch
 mechanics). Those shape neither the weights nor the tokens nor the partition. The process grid and the precision
-are compared as the run resolved them (`parallel.pipeline_stages=null` and `=2` may be the same grid), and the
-layer partition once the plan is made (`check_partition`): a changed recompute plan can move a stage boundary
-under parallel.partition_method=balanced. Options naming a file or folder (PATH_OPTIONS) are compared resolved:
-`data.path=corpus.txt` and the same file's absolute path are one value.
+are compared as the run resolved them (`parallel.pipeline_stages=null` and `=2` may be the same grid). The layer
+partition is the checkpoint's (harness/run_layout.py keeps it) unless parallel.partition_method changes; then the
+new method's is compared once the plan is made (`check_partition`). Options naming a file or folder
+(PATH_OPTIONS) are compared resolved: `data.path=corpus.txt` and the same file's absolute path are one value.
 
 A changed train.steps re-stretches the learning-rate decay from the resumed step (parallel/runtime/lr_schedule.py).
 """
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from data.config import data_identity
 from harness.checkpoint import ResumePoint
 from harness.context import Resume
 from harness.relaunch import relaunch_command, with_ranks
@@ -44,18 +45,19 @@ MAY_CHANGE = frozenset(
         "train.nan_skip_limit",
         "train.inject_nan_at_steps",
         "train.device",
-        "train.device_profile",  # the costs: the partition they price is compared (check_partition)
+        "train.device_profile",  # the costs: a resume keeps its partition (harness/run_layout.py)
         "train.device_memory_gb",  # the dry run's verdict only
         "train.precision",  # compared as resolved (auto is bf16 on cuda, fp32 on cpu)
         "parallel.pipeline_stages",  # the grid, compared as resolved
         "parallel.data_parallel_size",
         "parallel.schedule",
-        "parallel.partition_method",  # the partition itself is compared (check_partition)
+        "parallel.partition_method",  # the partition it plans is compared (check_partition)
         "model.init_from",  # read only by a fresh start
         "model.attention",  # kernels of the same computation
         "model.loss_chunk_tokens",
         "data.cache_dir",
         "dry_run",
+        "round",  # a sweep's repetition index: training ignores it
     }
 )
 MAY_CHANGE_GROUPS = ("recompute", "logger")
@@ -82,6 +84,32 @@ def comparable(key: str, value):
     if key not in PATH_OPTIONS or not isinstance(value, str) or not value or value in PATH_KEYWORDS:
         return value
     return str(Path(value).expanduser().resolve())
+
+
+def absolute_paths(resolved: dict) -> dict:
+    """The resolved config with each path option (PATH_OPTIONS) absolute, as config.yaml and stagecheck.json record
+    it: a later launch from another directory compares the path the run used, not the same words resolved
+    elsewhere."""
+    out = {group: dict(values) if isinstance(values, dict) else values for group, values in resolved.items()}
+    for key in PATH_OPTIONS:
+        group, _, name = key.partition(".")
+        if isinstance(out.get(group), dict) and name in out[group]:
+            out[group][name] = comparable(key, out[group][name])
+    return out
+
+
+def check_data_identity(point: ResumePoint, run: RunConfig, saved: dict) -> None:
+    """The tokens this launch reads against those the checkpoint trained on (data/config.py's data_identity)."""
+    before = (point.meta.get("data") or {}).get("identity")
+    now = data_identity(run.data)
+    if before is None or now is None or before == now:
+        return
+    what = " and ".join(f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in now if before.get(k) != now.get(k))
+    raise ValueError(
+        f"data.path={run.data.path!r} holds other prepared data than the checkpoint {point.path} trained on "
+        f"(stagecheck_data.json {what}): set data.path to the folder the run trained on (saved: "
+        f"{saved.get('data', {}).get('path')!r}), or start a new run in a new hydra.run.dir"
+    )
 
 
 def flatten(tree, prefix: str = "") -> dict:
@@ -130,15 +158,18 @@ def check_resume(
         refused["train.precision (resolved)"] = [precision, shape.target.precision]
     if refused or grid:
         raise ValueError(command.refusal(point, refused, grid, old, run_dir))
+    check_data_identity(point, run, saved)
     segment = point.meta.get("lr_schedule")
     saved_steps = old.get("train.steps", run.train.steps)
     segment = CosineSegment(**segment) if segment else CosineSegment.fresh(run.train.warmup_steps, saved_steps)
+    # The schedule counts applied updates (parallel/runtime/lr_schedule.py); older checkpoints did not record them.
+    applied = point.meta.get("applied_updates", point.step)
     return Resume(
         point.path,
         point.step,
         point.inside(run_dir),
         {k: v for k, v in differing.items() if known and may_change(k) and k not in NOT_RECORDED},
-        segment.stretched(point.step, run.train.warmup_steps, run.train.steps),
+        segment.stretched(applied, run.train.warmup_steps, run.train.steps),
         point.meta.get("partition"),
     )
 
@@ -157,15 +188,15 @@ def _grid_differs(point: ResumePoint, shape: RunShape) -> str | None:
 
 def check_partition(resume: Resume | None, parts: list[int]) -> None:
     """The layer partition this launch planned (each stage's first layer, then one past the last) against the
-    checkpoint's: DeepSpeed saves the optimizer state per stage."""
+    checkpoint's: DeepSpeed saves the optimizer state per stage. Only a launch that changed
+    parallel.partition_method plans its own (harness/run_layout.py keeps the checkpoint's otherwise)."""
     if resume is None or resume.saved_partition is None or resume.saved_partition == parts:
         return
     raise ValueError(
         f"the checkpoint {resume.checkpoint} has stages starting at layers {resume.saved_partition}, this launch "
-        f"plans {parts}: a changed recompute plan, parallel.partition_method or device profile (the costs that price "
-        f"a balanced partition) moved a stage boundary. Resume with the saved +recompute, parallel.partition_method "
-        f"and train.device_profile (config.yaml of its run directory; its summary.json's cost_source names the "
-        f"profile it planned with)"
+        f"plans {parts}: parallel.partition_method changed and moved a stage boundary (DeepSpeed saved the optimizer "
+        f"per stage). Resume with the saved parallel.partition_method (config.yaml of its run directory), which keeps "
+        f"the checkpoint's partition"
     )
 
 

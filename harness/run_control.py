@@ -108,10 +108,7 @@ class RunControl:
         self.start_step = self.checkpointer.load(point) if point is not None else 0
         self.last_saved: int | None = self.start_step if in_place else None
         if self.rank == 0 and point is not None:
-            print(
-                f"stagecheck: resuming from {point.path} after step {self.start_step} (W&B run {self.wandb_run_id})",
-                flush=True,
-            )
+            print(resuming_line(point.path, self.start_step, self.wandb_run_id, ctx.run.logger.name), flush=True)
             if ctx.resume is not None and ctx.resume.changed:
                 changes = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in ctx.resume.changed.items())
                 print(f"stagecheck: options changed on resume (recorded in {RESUMES}): {changes}", flush=True)
@@ -246,3 +243,9 @@ def _remove_previous_outputs(run_dir: Path) -> None:
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
+
+
+def resuming_line(checkpoint: Path, step: int, wandb_run_id: str, logger: str) -> str:
+    """The start-up line of a resumed launch: the W&B run it logs to only where it logs to W&B (logger.name)."""
+    run = f" (W&B run {wandb_run_id})" if logger == "wandb" else ""
+    return f"stagecheck: resuming from {checkpoint} after step {step}{run}"

@@ -3,6 +3,8 @@ train.device_profile names (harness/device_costs.py)."""
 
 from harness.context import RunContext
 from harness.device_costs import run_costs, run_profile
+from parallel.planning.auto_recompute import CostTable
+from parallel.planning.config import NoRecompute
 from parallel.planning.layout import PipelineLayout, build_layout
 from parallel.planning.step_costs import DeviceRates, analytic_rates
 
@@ -17,16 +19,40 @@ def layout_of(ctx: RunContext) -> PipelineLayout:
     if ctx.env.rank == 0:
         print(f"stagecheck: {line}", flush=True)
     parallel = run.parallel
+    costs = run_costs(profile, ctx)
     return build_layout(
         run.model,
         run.recompute,
         ctx.shape,
         parallel.partition_method,
         run.seed,
-        run_costs(profile, ctx),
+        costs,
         run_rates(ctx),
         parallel.schedule,
+        held_parts=held_parts(ctx, costs),
     )
+
+
+def held_parts(ctx: RunContext, costs: CostTable | None) -> list[int] | None:
+    """Stage boundaries this launch keeps instead of choosing (None: partition_method chooses them).
+
+    - A resume keeps its checkpoint's: DeepSpeed saves the optimizer per stage, and under `balanced` the boundaries
+      depend on the recompute plan and the costs, which a resume may change. A launch that changes
+      parallel.partition_method asks for another partition: it is planned, and resume_check.check_partition refuses
+      it if a boundary moved.
+    - A sweep job under `balanced` takes the boundaries `balanced` chooses for +recompute=none with the same costs:
+      they depend on nothing a recompute option sets, so jobs that differ only in recompute options hold one
+      partition (like with like, bit-identical losses), with no file shared between jobs that may run at once. A job
+      sweeping parallel.partition_method itself gets each method's own boundaries."""
+    resume = ctx.resume
+    if resume is not None and resume.saved_partition and "parallel.partition_method" not in resume.changed:
+        return resume.saved_partition
+    if ctx.job.holds_partition and ctx.run.parallel.partition_method == "balanced":
+        reference = build_layout(
+            ctx.run.model, NoRecompute(), ctx.shape, "balanced", ctx.run.seed, costs, run_rates(ctx)
+        )
+        return reference.parts
+    return None
 
 
 def run_rates(ctx: RunContext) -> DeviceRates:

@@ -14,10 +14,10 @@ from harness.config_errors import unknown_added_keys
 from harness.context import RunContext
 from harness.dry_run import dry_run
 from harness.faults import EXIT_CONFIG, check_output_dir, run_guarded
-from harness.init_from import resolve_init_from
+from harness.init_from import model_from_checkpoint, resolve_init_from
 from harness.job import JobHooks
 from harness.relaunch import launcher_words
-from harness.resume_check import ResumeCommand, check_partition, check_resume
+from harness.resume_check import ResumeCommand, absolute_paths, check_partition, check_resume
 from harness.run_dir import check_run_dir, remove_if_empty, starts_again
 from harness.run_layout import layout_of
 from model import gpt_layers, model_param_count
@@ -74,7 +74,11 @@ def run_from_hydra(cfg: DictConfig, job: JobHooks) -> None:
 def validate(cfg: DictConfig, run_dir: Path, env: DistEnv, job: JobHooks) -> RunContext:
     """Config values, topology, device, data, the checkpoint to resume and the run directory; raises
     ValueError. (The layout, planned next, checks recompute=auto's budget.)"""
-    resolve_init_from(cfg, HydraConfig.get().overrides.task)  # model.init_from sets the model's shape
+    overrides = HydraConfig.get().overrides.task
+    point = resume_point(cfg.train, run_dir)  # train.resume: auto, false or a checkpoint path
+    # model.init_from sets the model's shape, unless this launch resumes: then the checkpoint's saved config does.
+    if point is None or not model_from_checkpoint(cfg, point.meta.get("config"), overrides):
+        resolve_init_from(cfg, overrides)
     unknown = unknown_added_keys(cfg)  # `+train.foo=1` passes Hydra: the typed config would drop it unread
     if unknown:
         raise ValueError("; ".join(unknown))
@@ -93,8 +97,7 @@ def validate(cfg: DictConfig, run_dir: Path, env: DistEnv, job: JobHooks) -> Run
         except ValueError as error:
             raise RankError(str(error)) from None
     check_data(run)
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    point = resume_point(run.train, run_dir)  # train.resume: auto, false or a checkpoint path
+    resolved = absolute_paths(OmegaConf.to_container(cfg, resolve=True))  # recorded as the run used them
     command = typed_command(world_size)
     resume = None
     if point is not None:  # everything that shapes the weights, the tokens or the partition must match

@@ -40,6 +40,10 @@ class RunConfig:
     """Seeds weights (per layer), dropout and data sampling."""
     dry_run: bool = False
     """Validate, plan and print the per-stage memory table without training."""
+    round: int = 0
+    """Which repetition of a sweep's setting this job is; training ignores it. `-m round=0,1,2 +recompute=none,full`
+    runs every setting three times, the rounds one after another (Hydra varies the first option slowest), and the
+    sweep report gives each setting's median throughput over its rounds and their spread (docs/sweeps.md)."""
 
 
 def register_schemas() -> None:

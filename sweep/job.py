@@ -35,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness.faults import EXIT_CONFIG, EXIT_FAILED, EXIT_NONFINITE
 from harness.job import JobHooks
+from harness.resume_check import absolute_paths
 
 FAILED = "FAILED"
 """A failed job's marker in its directory: one line per message (`stagecheck: ...`)."""
@@ -67,10 +68,16 @@ def mark_failed(run_dir: Path, message: str, code: int, write: bool = True) -> N
 
 
 def _job_config(config: dict) -> dict:
+    """A job's config as config.yaml records it (path options absolute: harness/resume_check.py), less RELAUNCH_KEYS."""
+    config = absolute_paths(config)
     return {**config, "train": {k: v for k, v in config.get("train", {}).items() if k not in RELAUNCH_KEYS}}
 
 
 class SweepJob(JobHooks):
+    @property
+    def holds_partition(self) -> bool:
+        return True  # jobs that differ only in recompute options train on one partition
+
     def finished_earlier(self, run_dir: Path, cfg: DictConfig, rank: int) -> bool:
         """A sweep relaunched into its own directory (the same `hydra.sweep.dir`) to finish what a failure
         ended: a job that already finished there with this config (summary.json, no FAILED, the same

@@ -225,3 +225,20 @@ def test_conflicting_model_override_is_refused(tmp_path, hf):
     ) in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
     assert not run_dir.exists()
+
+
+def test_a_resume_takes_the_model_from_its_checkpoint_without_reading_init_from(tmp_path):
+    """Start-up read model.init_from (config.json, every shard header) before it looked for a checkpoint, so a resume
+    needed the directory. Now the checkpoint's saved config gives the model: here the directory is gone, and the
+    model is the saved one (3 layers, not the preset's)."""
+    gone = tmp_path / "hf_gone"
+    run_dir = tmp_path / "run"
+    checkpoint = run_dir / "checkpoints" / "step_00000004"
+    checkpoint.mkdir(parents=True)
+    saved = {"model": {"n_layer": 3, "init_from": str(gone)}}
+    meta = {"step": 4, "world_size": 1, "pipeline_stages": 1, "config": saved}
+    (checkpoint / "stagecheck.json").write_text(json.dumps(meta))
+    (checkpoint.parent / "latest").write_text("step_00000004\n")
+    result = python_run(run_dir, *TINY, f"model.init_from={gone}", "dry_run=true", check=False, timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((run_dir / "plan.json").read_text())["model"]["n_layer"] == 3

@@ -84,3 +84,34 @@ def test_an_idle_pipeline_is_told_what_would_fill_it():
     _, plan = planned(auto, run, schedule="1f1b")
     lines = verdict(plan, 80, auto, run, "1f1b")
     assert "parallel.schedule=auto and recompute.early=null" in next(line for line in lines if "faster: " in line)
+
+
+def test_the_verdict_is_one_line_and_the_helping_change_is_priced_per_token():
+    """The issue's case: a half-size micro-batch halves the step and the tokens; the hint compares tokens/s."""
+    _, plan = planned(NoRecompute())
+    peaks = [s.predicted_peak_bytes / GIB for s in plan.stages]
+    roomy = verdict(plan, 2 * max(peaks), NoRecompute())[3]
+    assert roomy.startswith(f"verdict: fits: all 2 stages within {2 * max(peaks):.3f} GiB, ")
+    lines = verdict(plan, 0.5 * min(peaks), NoRecompute())
+    assert f"verdict: does not fit: 2 of 2 stages over {0.5 * min(peaks):.3f} GiB" in lines
+    helps = next(line for line in lines if line.startswith("helps most"))
+    assert f" tokens/s against {plan.tokens_per_s:,.0f} now)" in helps
+    tight = (min(peaks) + max(peaks)) / 2
+    replanner = Replanner(MODEL, "type:Block", 0, None, analytic_rates("cuda", "bf16"))
+    half = RunShape(Topology(2), CUDA.target, micro_batches=4, micro_batch_size=1)
+    peak, step = replanner.plan(NoRecompute(), half, "1f1b")
+    assert peak <= tight * GIB and step < plan.predicted_step_time_s  # it fits, and its step looks faster
+    chosen = next(line for line in verdict(plan, tight, NoRecompute()) if line.startswith("helps most"))
+    per_token = float(chosen.split(" s, ")[1].split(" tokens/s")[0].replace(",", ""))
+    assert per_token >= half.tokens_per_step(MODEL.seq_len) / step  # never a smaller batch that is slower per token
+
+
+def test_the_table_says_where_the_state_bytes_per_parameter_come_from():
+    lines = planned(NoRecompute())[1].lines()
+    assert "param+grad+opt: 18 bytes per parameter" in next(line for line in lines if line.startswith("param+grad"))
+    two = RunShape(Topology(2, 2), Target("cuda", "bf16"), micro_batches=4, micro_batch_size=2)
+    legend = next(line for line in planned(NoRecompute(), two)[1].lines() if line.startswith("param+grad"))
+    assert "12 BF16_Optimizer's fp32 master weights and two fp32 moments / 2 data-parallel ranks" in legend
+    assert "param+grad+opt: 12 bytes per parameter" in legend
+    step = next(line for line in planned(NoRecompute())[1].lines() if line.startswith("predicted_step_time_s"))
+    assert "1,024 tokens per step, " in step and " tokens/s (" in step

@@ -5,6 +5,7 @@ for real are in tests/test_checkpoint_resume.py."""
 
 import json
 import shlex
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,13 +13,21 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from harness.checkpoint import ResumePoint
-from harness.context import Resume
-from harness.resume_check import ResumeCommand, check_partition, check_resume, override_value
+from data.config import data_identity
+from data.prepare import prepare
+from data.prepare_config import PrepareDataConfig
+from harness.checkpoint import ResumePoint, resume_point
+from harness.context import Resume, RunContext
+from harness.job import JobHooks
+from harness.resume_check import ResumeCommand, absolute_paths, check_partition, check_resume, override_value
+from harness.run_control import resuming_line
 from harness.run_dir import register_run_stamp_resolver
-from parallel.runtime.lr_schedule import CosineSegment
+from harness.run_layout import layout_of
+from parallel.runtime.dist_env import DistEnv
+from parallel.runtime.lr_schedule import CosineSegment, lr_factor
 from schema import register_schemas
 from schema.checks import run_shape, to_run_config
+from sweep.job import SweepJob
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 TRAINED = ("data=text", "data.tokenizer=bpe", "data.bpe_vocab_size=1024", "model.vocab_size=1024", "train.steps=20")
@@ -180,3 +189,96 @@ def test_override_values_read_back_as_the_same_value():
         assert override_value(value) == text
     assert override_value([1, 2]) == "[1,2]" and override_value("a b") == "'a b'" and override_value("null") == "'null'"
     assert json.loads(json.dumps(override_value("/data/corpus.txt"))) == "/data/corpus.txt"
+
+
+MOVING = ("model=tiny", "parallel.pipeline_stages=3", "train.device_profile=analytic")
+"""A balanced partition that moves with the recompute plan: [0, 4, 5, 8] under none, [0, 3, 4, 8] under full(stage)."""
+
+
+def _layout_parts(overrides, resume=None, job=None):
+    run, resolved = _compose(overrides)
+    shape = run_shape(run, 3, cuda_available=False)
+    env = DistEnv(0, 3, 0, "127.0.0.1", 29500, "torch", 3)
+    return layout_of(RunContext(run, resolved, Path("/runs/a"), env, shape, job or JobHooks(), resume)).parts
+
+
+def test_a_resume_keeps_its_checkpoints_partition_when_the_recompute_plan_changes():
+    """docs/preemption.md's promise: +recompute may change on resume. Planned afresh, full(stage) would move a
+    boundary (and a device profile built between the launches could too); the checkpoint's partition is kept."""
+    changed = (*MOVING, "+recompute=full", "recompute.interval=stage")
+    assert _layout_parts(MOVING) == [0, 4, 5, 8] and _layout_parts(changed) == [0, 3, 4, 8]
+    resume = Resume(Path("/runs/a/checkpoints/step_00000004"), 4, True, saved_partition=[0, 4, 5, 8])
+    assert _layout_parts(changed, resume) == [0, 4, 5, 8]
+    # Another parallel.partition_method asks for another partition: planned, then compared (check_partition).
+    asked = Resume(resume.checkpoint, 4, True, {"parallel.partition_method": ["uniform", "balanced"]}, None, [0, 3, 6])
+    assert _layout_parts(changed, asked) == [0, 3, 4, 8]
+
+
+def test_a_sweeps_jobs_hold_one_partition_across_recompute_settings():
+    """Each job of a sweep under `balanced` takes the boundaries balanced picks for none: like with like."""
+    for mode in ((), ("+recompute=full", "recompute.interval=stage"), ("+recompute=selective",)):
+        assert _layout_parts((*MOVING, *mode), job=SweepJob()) == [0, 4, 5, 8]
+    # The partition itself swept: each method its own boundaries.
+    assert _layout_parts((*MOVING, "parallel.partition_method=uniform"), job=SweepJob()) == [0, 3, 6, 8]
+
+
+def test_a_resume_names_its_wandb_run_only_when_it_logs_to_wandb():
+    checkpoint = Path("/runs/a/checkpoints/step_00000004")
+    assert resuming_line(checkpoint, 4, "abc123", "none") == f"stagecheck: resuming from {checkpoint} after step 4"
+    assert resuming_line(checkpoint, 4, "abc123", "wandb").endswith("after step 4 (W&B run abc123)")
+
+
+@pytest.mark.parametrize("new_steps", [14, 40])
+def test_a_resume_after_skipped_updates_never_raises_the_learning_rate(tmp_path, new_steps):
+    """3 of 12 updates skipped (fp16 overflow, nan_policy=skip): the scheduler has applied 9. A re-stretch keyed by
+    the step started the new cosine 3 updates ahead of the scheduler: shortened, the next update ran back up the
+    cosine above the rate before the resume; extended, it dropped past the old schedule's next rate."""
+    point = _checkpoint(tmp_path, TRAINED, step=12, applied_updates=9)
+    resume = _check(point, tmp_path, (*TRAINED[:-1], f"train.steps={new_steps}"))
+
+    def old(update):
+        return lr_factor(update, 2, 20, 0.1)
+
+    after = lr_factor(10, 2, new_steps, 0.1, resume.lr_segment)  # the first update of the resumed launch
+    assert after <= old(9)  # never above the last update's rate
+    assert after >= (old(10) if new_steps > 20 else old(12))  # and no drop beyond a few updates' decay
+
+
+def _prepared(folder: Path, text: str) -> Path:
+    corpus = folder.parent / f"{folder.name}.jsonl"
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for _ in range(40)))
+    prepare(PrepareDataConfig(input=str(corpus), out=str(folder)))
+    return folder
+
+
+def test_path_options_are_recorded_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _, resolved = _compose(("data=memmap", "data.path=corpus", "train.device_profile=auto"))
+    recorded = absolute_paths(resolved)
+    assert recorded["data"]["path"] == str(tmp_path / "corpus") and resolved["data"]["path"] == "corpus"
+    assert recorded["train"]["device_profile"] == "auto"  # a keyword, not a file
+
+
+def test_prepared_data_is_compared_by_its_identity_not_only_its_path(tmp_path):
+    """The same data.path prepared again from another corpus (or, for checkpoints that recorded it relative, another
+    directory's folder of the same name) is refused naming the prepared key that differs."""
+    folder = _prepared(tmp_path / "corpus", "the first corpus " * 30)
+    options = ("data=memmap", f"data.path={folder}", "model=tiny", "model.vocab_size=257")
+    run, _ = _compose(options)
+    point = _checkpoint(tmp_path / "run", options, data={"identity": data_identity(run.data)})
+    assert _check(point, tmp_path / "run", options).changed == {}
+    shutil.rmtree(folder)
+    _prepared(folder, "another corpus altogether " * 30)
+    with pytest.raises(ValueError, match=r"holds other prepared data than the checkpoint .*prepared_key '"):
+        _check(point, tmp_path / "run", options)
+
+
+def test_start_up_reads_train_resume_as_composed_before_it_is_typed(tmp_path):
+    """Start-up looks for the checkpoint before model.init_from is read, on the composed config, where a command
+    line's `train.resume=false` may still be the string 'False'."""
+    point = _checkpoint(tmp_path, TRAINED)
+    (point.path / "stagecheck.json").write_text(json.dumps(point.meta))
+    (tmp_path / "checkpoints" / "latest").write_text(point.path.name + "\n")
+    for off in ("False", False, "false"):
+        assert resume_point(OmegaConf.create({"resume": off}), tmp_path) is None
+    assert resume_point(OmegaConf.create({"resume": "auto"}), tmp_path).step == 20

@@ -13,7 +13,7 @@ from parallel.planning.auto_recompute import CostTable, StageBudget, analytic_co
 from parallel.planning.balanced_search import balanced_counts
 from parallel.planning.budget_refusal import BudgetTooSmall, alternatives, smallest_budget_gb
 from parallel.planning.config import AutoRecompute, RecomputeConfig
-from parallel.planning.partition import StageRange, partition_layers, stages_of_block_counts
+from parallel.planning.partition import StageRange, partition_layers, stages_of_block_counts, stages_of_parts
 from parallel.planning.schedule_choice import ScheduleOption, choose_schedule
 from parallel.planning.shapes import GIB, RunShape, Shape
 from parallel.planning.stage_plan import StagePlan
@@ -143,12 +143,15 @@ def build_layout(
     rates: DeviceRates | None = None,
     schedule: str = "1f1b",
     price_alternatives: bool = True,
+    held_parts: list[int] | None = None,
 ) -> PipelineLayout:
     """The layout training and the dry run use. `recompute=auto` plans each stage against the budget (with
     `costs`, else the analytic ones) and raises BudgetTooSmall (a ValueError) when a stage cannot fit, with the
     settings that would help priced unless `price_alternatives` is false. `rates`: what the analytic step-time model
     charges at (default: parallel/planning/step_costs.py's nominal rates for the target). `schedule`
-    (parallel.schedule) and `recompute.early`: see schedule_choice.choose_schedule."""
+    (parallel.schedule) and `recompute.early`: see schedule_choice.choose_schedule. `held_parts` (each stage's first
+    layer, then one past the last) are boundaries kept rather than chosen: a resume's checkpoint's, a sweep's
+    (harness/run_layout.py); `partition_method` is then not consulted."""
     recipes = gpt_layers(model, seed)
     shape = Shape.of(model, run.micro_batch_size)
     table = costs or analytic_costs(shape, run.target)
@@ -157,7 +160,9 @@ def build_layout(
     num_stages = run.topology.pipeline_stages
     early = getattr(recompute, "early", False)
     candidates: tuple[tuple[str, float | None], ...] = ()
-    if partition_method != "balanced":
+    if held_parts is not None:
+        stages = stages_of_parts(held_parts)
+    elif partition_method != "balanced":
         stages = partition_layers(recipes, num_stages, partition_method)
     elif model.n_layer < num_stages:
         # Some stage must go without a block: DeepSpeed's layer-count split at least gives each a layer.

@@ -19,7 +19,7 @@ from model import BLOCK_CLASSES, LayerRecipe, LMHead
 from model.layers import FinalNorm, PositionEmbedding, TokenEmbedding
 from model.llama_layers import LlamaEmbedding, LlamaFinalNorm
 from parallel.planning.config import RECOMPUTE_MODULES
-from parallel.planning.shapes import DTYPE_BYTES, FP32, Shape, Target
+from parallel.planning.shapes import FP32, Shape, Target
 from parallel.planning.stage_plan import StagePlan
 
 INDEX_BYTES = 8  # int64 token ids, positions and labels
@@ -341,22 +341,43 @@ def pipe_buffer_bytes(
     )
 
 
+STATE_BYTES = {
+    "fp32": ((4, "fp32 weights"), (4, "fp32 gradients"), (8, "AdamW's two fp32 moments")),
+    "bf16": (
+        (2, "bf16 weights"),
+        (4, "bf16 gradients and their accumulation buffer"),
+        (12, "BF16_Optimizer's fp32 master weights and two fp32 moments"),
+    ),
+    "fp16": ((2, "fp16 weights"), (2, "fp16 gradients"), (16, "fp32 master weights and gradients, two fp32 moments")),
+}
+"""Bytes per parameter of AdamW under DeepSpeed 0.19.8, by precision: (weights, gradients, optimizer), each with
+what it holds. An estimate of its optimizer wrappers, read from their code, not measured."""
+
+
 def model_state_bytes(params: int, precision: str, zero_stage: int, data_parallel: int) -> dict[str, int]:
-    """Parameters, gradients and optimizer state of AdamW under DeepSpeed 0.19.8 (an estimate of its
-    optimizer wrappers, not measured): fp32 keeps fp32 weights and grads plus two fp32 moments; bf16
-    (BF16_Optimizer, which shards its fp32 master weights and moments over data-parallel ranks even at
-    ZeRO 0) keeps bf16 weights, bf16 grads and a bf16 gradient-accumulation buffer; fp16
-    (FP16_Optimizer, or ZeRO-1) keeps fp16 weights and grads, fp32 master weights and grads, and moments.
-    ZeRO-1 shards the optimizer part over data-parallel ranks."""
-    weight = DTYPE_BYTES[precision]
+    """Parameters, gradients and optimizer state (STATE_BYTES). The optimizer part is sharded over data-parallel
+    ranks under ZeRO-1, and under bf16 always: BF16_Optimizer shards its fp32 master weights and moments even at
+    ZeRO 0."""
+    (weight, _), (grads, _), (optimizer, _) = STATE_BYTES[precision]
     shard = data_parallel if (zero_stage == 1 or precision == "bf16") else 1
-    if precision == "fp32":
-        grads, optimizer = 4, 8 / shard
-    elif precision == "bf16":
-        grads, optimizer = 2 + 2, 12 / shard
-    else:
-        grads, optimizer = 2, 16 / shard
-    return {"params": params * weight, "grads": int(params * grads), "optimizer": int(params * optimizer)}
+    return {"params": params * weight, "grads": int(params * grads), "optimizer": int(params * optimizer / shard)}
+
+
+def state_bytes_legend(precision: str, shard: int) -> str:
+    """Where param+grad+opt's bytes per parameter come from, as the dry run prints it (`shard`: the data-parallel
+    ranks the optimizer part is split over)."""
+    parts = [f"{n} {what}" for n, what in STATE_BYTES[precision]]
+    if shard > 1:
+        parts[-1] += f" / {shard} data-parallel ranks"
+    total = sum(n for n, _ in STATE_BYTES[precision][:2]) + STATE_BYTES[precision][2][0] / shard
+    why = ""
+    if shard > 1:
+        why = " (BF16_Optimizer shards them even at ZeRO 0)" if precision == "bf16" else " (ZeRO-1 shards them)"
+    return (
+        f"param+grad+opt: {total:.3g} bytes per parameter, DeepSpeed 0.19.8's AdamW as estimated from its code: "
+        + " + ".join(parts)
+        + why
+    )
 
 
 def largest_parameter(recipes: Sequence[LayerRecipe], layers: range, shape: Shape) -> int:

@@ -47,6 +47,11 @@ def partition_layers(recipes: Sequence[LayerRecipe], num_stages: int, method: st
     return [StageRange(s, bounds[s], bounds[s + 1]) for s in range(num_stages)]
 
 
+def stages_of_parts(parts: Sequence[int]) -> list[StageRange]:
+    """Stage ranges from DeepSpeed's `parts` (each stage's first layer, then one past the last)."""
+    return [StageRange(s, parts[s], parts[s + 1]) for s in range(len(parts) - 1)]
+
+
 def uniform_bounds(items: int, parts: int) -> list[int]:
     """The `parts + 1` boundaries of `items` split into runs as even as can be, the longer runs first (DeepSpeed's
     `partition_uniform`); with fewer items than parts, one each to the first parts."""

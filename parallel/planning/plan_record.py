@@ -6,6 +6,7 @@ run's table. parallel/planning/run_plan.py builds it.
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from parallel.planning.memory_model import STATE_BYTES, state_bytes_legend
 from parallel.planning.shapes import GIB, Shape
 
 
@@ -276,6 +277,7 @@ class RunPlan:
                     f"{_gib(s.activation_bytes_per_microbatch)} GiB each; the others none, "
                     f"{_gib(s.plain_activation_bytes_per_microbatch)} GiB each"
                 )
+        lines.append(self.states_legend())
         k, blocks = self.korthikanti_per_block_bytes, self.per_block_activation_bytes
         lines.append(
             f"per block: {_gib(max(blocks)) if blocks else '-'} GiB kept (largest block) | paper, 16-bit: "
@@ -289,6 +291,21 @@ class RunPlan:
             lines += self.step_time_lines()
         return lines
 
+    def states_legend(self) -> str:
+        """Where param+grad+opt's bytes per parameter come from; the optimizer's sharding read off the stage with the
+        most parameters (the plan records no ZeRO stage)."""
+        precision = self.target.precision
+        stage = max(self.stages, key=lambda s: s.params)
+        unsharded = STATE_BYTES[precision][2][0] * stage.params
+        shard = max(1, round(unsharded / stage.optimizer_bytes)) if stage.optimizer_bytes else 1
+        return state_bytes_legend(precision, shard)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Tokens per predicted step (every data-parallel replica's), per second; None without a step time."""
+        step = self.predicted_step_time_s
+        return self.flops.tokens_per_step / step if step else None
+
     def step_time_lines(self) -> list[str]:
         st = self.step_time
         source = (
@@ -297,7 +314,8 @@ class RunPlan:
             else f"analytic costs at realistic {st.device} rates, no device profile"
         )
         lines = [
-            f"predicted_step_time_s {st.predicted_step_time_s:.4g} ({source}) | same stages and schedule: "
+            f"predicted_step_time_s {st.predicted_step_time_s:.4g}: {self.flops.tokens_per_step:,} tokens per step, "
+            f"{self.tokens_per_s:,.0f} tokens/s ({source}) | same stages and schedule: "
             + ", ".join(f"{mode} {t:.4g}" for mode, t in st.by_mode_s.items()),
             "predicted per stage (s): busy "
             + " ".join(f"{t:.4g}" for t in st.stage_busy_s)
@@ -324,7 +342,7 @@ class RunPlan:
         for gpu, figures in st.by_gpu.items():
             lines.append(
                 f"predicted on {gpu} (analytic costs at realistic rates, not measured): step "
-                f"{figures['step_time_s']:.4g} s, "
+                f"{figures['step_time_s']:.4g} s, {self.flops.tokens_per_step / figures['step_time_s']:,.0f} tokens/s, "
                 f"MFU {figures['mfu']:.1%}"
             )
         return lines

@@ -7,6 +7,12 @@ and its linear ramp starts at 0/warmup): with a short warm-up those steps are wa
 A resume that changes train.steps re-stretches the decay from the resumed step (`CosineSegment`): the cosine goes
 on from where it was at that step to its floor at the new last step, so the learning rate has no jump. A finished
 run that is extended therefore trains its new steps at the floor.
+
+The schedule is keyed by applied updates, as the scheduler counts them: a skipped update (fp16 overflow,
+train.nan_policy=skip) does not advance it. So is the re-stretch: from the checkpoint's applied updates
+(stagecheck.json's `applied_updates`), not its step; keyed by the step, a run with k skipped updates would resume k
+updates behind the segment's start, where its cosine runs back up (a shorter train.steps: a higher rate than
+before the resume) or ahead (a longer one: a drop).
 """
 
 import math
@@ -21,7 +27,8 @@ from parallel.planning.config import OptimConfig
 @dataclass(frozen=True)
 class CosineSegment:
     """The cosine decay from `start_step`, where it stands at `start_progress` (0: the peak, 1: the floor), to the
-    floor at `end_step`. A run's first launch: (warmup_steps, 0, train.steps)."""
+    floor at `end_step`; steps counted in applied updates (the scheduler's count). A run's first launch:
+    (warmup_steps, 0, train.steps)."""
 
     start_step: int
     start_progress: float
@@ -36,8 +43,9 @@ class CosineSegment:
         return min(1.0, self.start_progress + (1.0 - self.start_progress) * (step - self.start_step) / span)
 
     def stretched(self, resumed_step: int, warmup_steps: int, total_steps: int) -> "CosineSegment":
-        """The decay a resume after `resumed_step` with train.steps=`total_steps` follows: this one when the length
-        is unchanged (an exact resume); from the resumed step's progress to the new end otherwise."""
+        """The decay a resume with train.steps=`total_steps` follows, `resumed_step` being the checkpoint's applied
+        updates: this one when the length is unchanged (an exact resume); from the resumed point's progress to the
+        new end otherwise."""
         if total_steps == self.end_step:
             return self
         if resumed_step <= warmup_steps:  # the decay has not begun: it simply spans the new length

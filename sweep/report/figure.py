@@ -1,6 +1,8 @@
 """report.png: per stage, peak activation memory and peak tensor memory (MiB) against throughput (tokens/s), one
-marker per recompute mode and one colour per setting; the planner's prediction (hollow) just beside each
-measurement (filled). A job planned only (a dry-run sweep) stands at its predicted throughput, with its predictions
+marker per recompute mode and one colour per setting: the measurement (filled) at the measured tokens/s, the
+planner's prediction (hollow) at the predicted tokens/s (tokens per step / predicted step time), a thin line joining
+the two. A job without a predicted step time has its predicted memory drawn just beside its measurement, and the
+legend says so. A job planned only (a dry-run sweep) stands at its predicted throughput, with its predictions
 alone."""
 
 from pathlib import Path
@@ -31,7 +33,6 @@ def render_png(jobs: list[Job], path: Path) -> bool:
     stages = max(len(j.measured_peak_activation() or j.predicted_peak_activation() or []) for j in done)
     if stages == 0:
         return False
-    planned_only = any(j.status == "planned" for j in done)
     axes_keys = varying_axes(jobs)
     order = list(MARKERS)
     variants = sorted(
@@ -46,7 +47,9 @@ def render_png(jobs: list[Job], path: Path) -> bool:
     fig, grid = plt.subplots(
         len(panels), stages, figsize=(5.2 * stages + 3.4, 4.2 * len(panels)), squeeze=False, layout="constrained"
     )
-    xs = [throughput[j.num] for j in done]
+    predicted_x = {j.num: j.predicted_tokens_per_s for j in done}
+    beside = any(predicted_x[j.num] is None for j in done)
+    xs = [throughput[j.num] for j in done] + [x for x in predicted_x.values() if x]
     span = (max(xs) - min(xs)) or max(xs) * 0.1
     for row, (title, measured_of, predicted_of) in enumerate(panels):
         for stage in range(stages):
@@ -56,12 +59,14 @@ def render_png(jobs: list[Job], path: Path) -> bool:
                 color, marker = colors[job.variant], MARKERS.get(job.mode, "P")
                 m = (measured_of(job) or [None] * stages)[stage] if stage < len(measured_of(job) or []) else None
                 p = (predicted_of(job) or [None] * stages)[stage] if stage < len(predicted_of(job) or []) else None
-                dx = span * 0.012  # prediction just beside the measurement
+                dx = span * 0.012  # without a predicted throughput: the prediction just beside the measurement
+                px = predicted_x[job.num] or x + dx
+                mx = x if predicted_x[job.num] else x - dx
                 if m is not None:
-                    ax.plot(x - dx, m / MIB, marker=marker, color=color, markersize=8, linestyle="none")
+                    ax.plot(mx, m / MIB, marker=marker, color=color, markersize=8, linestyle="none")
                 if p is not None:
                     ax.plot(
-                        x + dx,
+                        px,
                         p / MIB,
                         marker=marker,
                         markerfacecolor="none",
@@ -71,7 +76,7 @@ def render_png(jobs: list[Job], path: Path) -> bool:
                         linestyle="none",
                     )
                 if m is not None and p is not None:
-                    ax.plot([x - dx, x + dx], [m / MIB, p / MIB], color=color, linewidth=0.8, alpha=0.6)
+                    ax.plot([mx, px], [m / MIB, p / MIB], color=color, linewidth=0.8, alpha=0.6)
                 label_at = m if m is not None else p  # a job planned only has its prediction alone
                 if axes_keys and label_at is not None:
                     ax.annotate(
@@ -83,7 +88,7 @@ def render_png(jobs: list[Job], path: Path) -> bool:
                         color=color,
                     )
             ax.set_title(f"stage {stage}: {title.split(' per stage')[0]}", fontsize=10)
-            ax.set_xlabel("throughput (tokens/s)" + ("; planned only: predicted" if planned_only else ""))
+            ax.set_xlabel("throughput (tokens/s): measured (filled), predicted (hollow)")
             ax.set_ylabel(title.replace(" per stage", ""))
             ax.grid(True, alpha=0.3)
             top = max(ax.get_ylim()[1], 1e-3) * 1.12  # room above the highest marker
@@ -106,7 +111,8 @@ def render_png(jobs: list[Job], path: Path) -> bool:
             markeredgecolor="0.3",
             linestyle="none",
             markersize=9,
-            label="predicted (hollow)",
+            label="predicted (hollow): at the predicted tokens/s"
+            + ("; beside the measurement where no step time was predicted" if beside else ""),
         ),
     ]
     # "outside": constrained layout gives the legend its own column, so it never covers a panel.

@@ -100,6 +100,36 @@ class Job:
         out["device"] = run.get("device", plan.target.device if plan is not None else None)
         return out
 
+    @property
+    def round(self) -> int:
+        """Which repetition of its setting the job is (the `round` option; 0 for jobs recorded before it)."""
+        return int(self.config.get("round", 0) or 0)
+
+    def partition(self) -> tuple | None:
+        """Each stage's (first layer, one past the last): the trained layout's (summary.json), else the plan's."""
+        layout = (self.summary or {}).get("layout")
+        if layout:
+            return tuple(tuple(stage.get("layers", ())) for stage in layout)
+        if self.plan is not None:
+            return tuple(tuple(s.layers) for s in self.plan.stages)
+        return None
+
+    def trained_plan(self) -> tuple | None:
+        """What each stage recomputed (its blocks' choices and segments), as the run recorded it; None when not
+        recorded. Two jobs with equal partitions and trained plans ran the same computation."""
+        layout = (self.summary or {}).get("layout")
+        if not layout:
+            return None
+        return tuple((tuple(s.get("choices", ())), tuple(map(tuple, s.get("segments", ())))) for s in layout)
+
+    @property
+    def predicted_tokens_per_step(self) -> int | None:
+        shape = self.shape()
+        keys = ("micro_batches", "micro_batch_size", "seq_len", "data_parallel_size")
+        if any(shape.get(k) is None for k in keys):
+            return None
+        return shape["micro_batches"] * shape["micro_batch_size"] * shape["seq_len"] * shape["data_parallel_size"]
+
     def measured_activation(self) -> list | None:
         return (self.summary or {}).get("activation_bytes_per_stage")
 
@@ -152,11 +182,11 @@ class Job:
 
     @property
     def predicted_tokens_per_s(self) -> float | None:
-        """Tokens per predicted step (predicted_step_time_s), for a job planned only."""
-        step, plan = self.predicted_step_time_s, self.plan
-        if not step or plan is None:
+        """Tokens per predicted step (predicted_step_time_s): where report.png draws the job's predictions."""
+        step, tokens = self.predicted_step_time_s, self.predicted_tokens_per_step
+        if not step or not tokens:
             return None
-        return plan.micro_batches * plan.micro_batch_size * plan.seq_len * plan.data_parallel_size / step
+        return tokens / step
 
     def blocks_per_stage(self) -> list[int] | None:
         """Transformer blocks on each stage: the plan's, else the trained layout's (summary.json)."""
@@ -168,6 +198,14 @@ class Job:
     @property
     def partition_method(self) -> str | None:
         return (self.config.get("parallel") or {}).get("partition_method", self.sweep_partition_method)
+
+    def predicted_peak_tensors(self) -> list | None:
+        """The planner's most live tensor bytes per stage, what measured_peak_tensors measures: the trained run's
+        (summary.json), else the plan's."""
+        s = self.summary or {}
+        # Summaries written before the planner had one peak gave the one the allocator measures this key.
+        recorded = s.get("predicted_peak_tensor_bytes_per_stage", s.get("predicted_peak_bytes_per_stage"))
+        return recorded or self.predicted_peak_memory()
 
     def measured_peak_tensors(self) -> list | None:
         """The most live tensor bytes per stage on train.measure_step (the allocator's view, what the planner

@@ -8,7 +8,8 @@ from pathlib import Path
 from parallel.planning.shapes import MIB
 from sweep.job import FAILED
 from sweep.report.loading import Job
-from sweep.report.table import partition_varies, rows, varying_axes
+from sweep.report.rounds import setting_rounds
+from sweep.report.table import baseline_of, baselines, partition_varies, rows, same_plan, varying_axes
 
 FIGURE = "![memory per stage against tokens/s](report.png)"
 NO_FIGURE = "(no figure: no job has both a throughput and a memory figure)"
@@ -48,9 +49,10 @@ def render_markdown(sweep_dir: Path, jobs: list[Job], figure: bool = True) -> st
     columns, table = rows(jobs)
     axes = varying_axes(jobs)
     blocks_column = ["blocks/stage"] if partition_varies(jobs) else []
-    n_axes = len(axes) + len(blocks_column)
+    round_column = ["round"] if any(j.round for j in jobs) else []
+    n_axes = len(axes) + len(blocks_column) + len(round_column)
+    base = baselines(jobs)
     done = [j for j in jobs if j.status == "done"]
-    kinds = sorted({(j.summary or {}).get("peak_memory_kind", "?") for j in done})
     lines = [
         f"# Recompute report: {sweep_dir.name}",
         "",
@@ -74,10 +76,12 @@ def render_markdown(sweep_dir: Path, jobs: list[Job], figure: bool = True) -> st
         "Per-stage values are listed stage 0 / stage 1 / ...; memory in MiB (2^20 bytes). *act/mb*: bytes kept "
         "for backward per micro-batch (measured with saved-tensor hooks on one step); *pred.*: the planner's; "
         "*error*: largest |measured/predicted - 1| over stages. *peak act*: act/mb x micro-batches in flight "
-        "under 1F1B; *saving*: 1 - peak act / peak act of `none` at the same shape; *overhead*: step time / "
-        f"step time of `none` - 1. *peak mem*: measured ({', '.join(kinds) or 'n/a'}; on CPU the resident set "
-        "includes the interpreter and libraries) and the planner's prediction (states + activations + buffers + "
-        "the backward's working set). "
+        "under 1F1B; *saving*: 1 - peak act / peak act of `none` at the same shape and the same stage boundaries "
+        "(n/a against another partition: its stages hold other layers); *overhead*: step time / step time of "
+        "`none` (of the same round) - 1, a single measurement (see the rounds below). *peak tensors*: the most live "
+        "tensor bytes at once on train.measure_step (the allocator's view; never the resident set, which holds the "
+        "interpreter) beside the planner's prediction of the same (states + activations + buffers + the "
+        "backward's working set). "
         "*val loss*: the last held-out loss (n/a: trained without train.eval_every). *step time*: median after "
         "warm-up, in ms; *pred.*: the step-time simulator's; *bubble*: idle share of the traced step per stage "
         "(train.trace_step; timelines below)."
@@ -102,6 +106,7 @@ def render_markdown(sweep_dir: Path, jobs: list[Job], figure: bool = True) -> st
         "job",
         "mode",
         "interval/modules",
+        *round_column,
         *axes,
         *blocks_column,
         "tokens/s",
@@ -111,8 +116,8 @@ def render_markdown(sweep_dir: Path, jobs: list[Job], figure: bool = True) -> st
         "error",
         "peak act",
         "saving",
-        "peak mem",
-        "peak mem pred.",
+        "peak tensors",
+        "peak tensors pred.",
         "val loss",
         "step time",
         "step time pred.",
@@ -124,15 +129,19 @@ def render_markdown(sweep_dir: Path, jobs: list[Job], figure: bool = True) -> st
         if job.status == "failed":
             continue
         *row, step_time, predicted_time, bubbles, blocks = row
-        (num, _, mode, setting, *axis_values, tps, overhead, act, pred, error, peak, saving, mem, pred_mem, val) = row
+        num, _, mode, setting, rnd, *axis_values, tps, overhead, act, pred, error, peak, saving, mem, pred_mem, val = (
+            row
+        )
+        alike = " (same plan as none: noise)" if same_plan(job, baseline_of(job, base)) else ""
         cells = [
             num,
             mode,
             setting,
+            *([str(rnd)] if round_column else []),
             *[str(v) for v in axis_values],
             *(["n/a" if blocks is None else "/".join(map(str, blocks))] if blocks_column else []),
             "n/a" if tps is None else f"{tps:,.0f}",
-            _pct(overhead),
+            _pct(overhead) + alike,
             _mib(act),
             _mib(pred),
             _pct(error, signed=False),
@@ -164,6 +173,7 @@ def render_markdown(sweep_dir: Path, jobs: list[Job], figure: bool = True) -> st
             f"over {len(errors)} jobs (median {statistics.median(errors) * 100:.2f}%).",
         ]
     lines += _tensor_peak_lines(done)
+    lines += _rounds_lines(jobs)
     lines += ["", FIGURE if figure else NO_FIGURE, ""]
     traced = [j for j in jobs if j.timeline is not None]
     if traced:
@@ -173,6 +183,36 @@ def render_markdown(sweep_dir: Path, jobs: list[Job], figure: bool = True) -> st
             lines += [f"Job {job.num} ({job.variant}), [trace.json]({folder}/trace.json):", ""]
             lines += [f"![timeline of job {job.num}]({folder}/timeline.png)", ""]
     return "\n".join(lines)
+
+
+def _rounds_lines(jobs: list[Job]) -> list[str]:
+    """Each setting's throughput over its rounds, the overhead's median and range against each round's `none`, and
+    whether it is beyond the spread; with one round, a warning that no spread is known."""
+    settings = setting_rounds(jobs)
+    if not settings:
+        return []
+    lines = [
+        "",
+        "## Throughput over rounds",
+        "",
+        "| setting | rounds | tokens/s (median) | spread | overhead (median) | overhead range | verdict |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for s in settings:
+        spread = "n/a" if s.spread is None else f"{s.spread:.1%}"
+        span = f"{min(s.overheads):+.1%} .. {max(s.overheads):+.1%}" if len(s.overheads) > 1 else "n/a"
+        lines.append(
+            f"| {s.variant} | {len(s.jobs)} | {s.median_tokens_per_s:,.0f} | {spread} | {_pct(s.median_overhead)} | "
+            f"{span} | {s.verdict} |"
+        )
+    if all(len(s.jobs) < 2 for s in settings):
+        lines += [
+            "",
+            "Warning: each setting ran once, so no spread is known, and on a shared or busy machine a difference of "
+            "tens of percent can be noise. Repeat the settings in rounds, `round` first among the options so that "
+            "the rounds run one after another: `-m round=0,1,2 +recompute=none,full,selective`.",
+        ]
+    return lines
 
 
 def _tensor_peak_lines(done: list[Job]) -> list[str]:

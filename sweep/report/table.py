@@ -42,12 +42,27 @@ def shape_key(job: Job) -> tuple:
 
 
 def baselines(jobs: list[Job]) -> dict[tuple, Job]:
-    """The `none` job of each shape (the first, when a shape has several)."""
+    """The `none` job of each shape and round (the first, when several), and of each shape alone (its first round):
+    a job is compared with the `none` of its own round where there is one (the rounds ran one after another, so a
+    machine's load drifts between them, not within)."""
     out: dict[tuple, Job] = {}
     for job in jobs:
         if job.status == "done" and job.mode == "none":
-            out.setdefault(shape_key(job), job)
+            out.setdefault((shape_key(job), job.round), job)
+            out.setdefault((shape_key(job), None), job)
     return out
+
+
+def baseline_of(job: Job, base: dict[tuple, Job]) -> Job | None:
+    return base.get((shape_key(job), job.round)) or base.get((shape_key(job), None))
+
+
+def same_plan(job: Job, none: Job | None) -> bool:
+    """Whether the job trained exactly what its `none` job did (an `auto` budget that needed no recompute): then
+    any difference between them is noise."""
+    if none is None or job is none or job.trained_plan() is None:
+        return False
+    return job.partition() == none.partition() and job.trained_plan() == none.trained_plan()
 
 
 def varying_axes(jobs: list[Job]) -> list[str]:
@@ -63,8 +78,9 @@ def axis_label(job: Job, axes: list[str]) -> str:
 
 
 def partition_varies(jobs: list[Job]) -> bool:
-    """Whether the report shows the blocks per stage: a `balanced` partition (it moves with the recompute mode, as
-    the planner prices each stage under it) or blocks that differ between jobs."""
+    """Whether the report shows the blocks per stage: a `balanced` partition (the planner's boundaries, which a
+    sweep's jobs share but a single run of each mode may not: harness/run_layout.py) or blocks that differ between
+    jobs."""
     blocks = {repr(j.blocks_per_stage()) for j in jobs if j.status in ("done", "planned")}
     return len(blocks) > 1 or any(j.partition_method == "balanced" for j in jobs)
 
@@ -78,6 +94,7 @@ def rows(jobs: list[Job]) -> tuple[list[str], list[list[Any]]]:
         "status",
         "mode",
         "interval/modules",
+        "round",
         *axes,
         "tokens_per_s",
         "time_overhead_vs_none",
@@ -86,8 +103,8 @@ def rows(jobs: list[Job]) -> tuple[list[str], list[list[Any]]]:
         "predicted_vs_measured_max_error",
         "peak_activation_bytes_per_stage",
         "saving_vs_none_per_stage",
-        "peak_memory_bytes_per_stage",
-        "predicted_peak_bytes_per_stage",
+        "measured_peak_tensor_bytes_per_stage",
+        "predicted_peak_tensor_bytes_per_stage",
         "val_loss",
         "step_time_s",
         "predicted_step_time_s",
@@ -96,7 +113,7 @@ def rows(jobs: list[Job]) -> tuple[list[str], list[list[Any]]]:
     ]
     table = []
     for job in jobs:
-        none = base.get(shape_key(job))
+        none = baseline_of(job, base)
         shape = job.shape()
         overhead = None
         if none is not None and job.step_time_s and none.step_time_s:
@@ -108,7 +125,8 @@ def rows(jobs: list[Job]) -> tuple[list[str], list[list[Any]]]:
             error = max(errors) if errors else None
         peak = job.measured_peak_activation()
         saving = None
-        if none is not None and peak and none.measured_peak_activation():
+        # Per stage, only against a `none` of the same stage boundaries: another partition's stage is another stage.
+        if none is not None and peak and none.measured_peak_activation() and job.partition() == none.partition():
             saving = [
                 None if a is None or b in (None, 0) else 1.0 - a / b
                 for a, b in zip(peak, none.measured_peak_activation())
@@ -119,6 +137,7 @@ def rows(jobs: list[Job]) -> tuple[list[str], list[list[Any]]]:
                 job.status,
                 job.mode,
                 job.setting,
+                job.round,
                 *[shape[k] for k in axes],
                 job.tokens_per_s,
                 overhead,
@@ -127,8 +146,8 @@ def rows(jobs: list[Job]) -> tuple[list[str], list[list[Any]]]:
                 error,
                 peak,
                 saving,
-                job.measured_peak_memory(),
-                job.predicted_peak_memory(),
+                job.measured_peak_tensors(),
+                job.predicted_peak_tensors(),
                 job.val_loss,
                 job.step_time_s,
                 job.predicted_step_time_s,
