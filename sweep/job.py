@@ -21,8 +21,9 @@ What fails how (ranks must stay in lockstep: a rank that skips a collective its 
   reports them. Going on would need every peer to leave the collective it is blocked in and a fresh
   process group, which a gloo/NCCL group cannot do short of its timeout. To finish the sweep, relaunch
   the same command with `hydra.sweep.dir=<that sweep dir>`: jobs that finished there are skipped
-  (`finished_earlier`), the failed job runs again (add `train.overwrite=true` if it left outputs and no
-  checkpoint to resume from; its earlier FAILED is kept as FAILED.1), and the report covers every job.
+  (`finished_earlier`), the failed job runs again (from its checkpoint, or from the start with the earlier
+  attempt's files set aside where it left none; its earlier FAILED is kept as FAILED.1), and the report covers
+  every job.
 """
 
 import sys
