@@ -24,6 +24,7 @@ _HF_KEYS = {
     "n_head": ("n_head", "num_attention_heads"),
     "n_kv_head": ("num_key_value_heads",),
     "n_embd": ("n_embd", "hidden_size"),
+    "head_dim": ("head_dim",),
     "norm_eps": ("layer_norm_epsilon", "rms_norm_eps"),
     "tie_embeddings": ("tie_word_embeddings",),
     "hf_model_type": ("model_type",),

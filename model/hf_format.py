@@ -1,6 +1,7 @@
 """Hugging Face's formats for both architectures: config.json <-> model.* fields, and our flat layers' state dicts <->
 a Hugging Face state dict. Dispatches to model/hf_gpt2.py (GPT2LMHeadModel) and model/hf_llama.py +
-model/llama_names.py (LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM). Pure PyTorch.
+model/llama_names.py (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+MistralForCausalLM). Pure PyTorch.
 
 Tensor names are those of the HF file, except GPT-2's, which go without GPT2LMHeadModel's `transformer.` prefix (the
 reader accepts both, an export writes it).
@@ -25,6 +26,7 @@ ARCH_FIELDS = (
     "n_head",
     "n_kv_head",
     "n_embd",
+    "head_dim",
     "intermediate_size",
     "vocab_size",
     "tie_embeddings",
@@ -36,6 +38,7 @@ ARCH_FIELDS = (
     "rope_high_freq_factor",
     "rope_original_max_positions",
     "qkv_bias",
+    "qk_norm",
     "bias",
     "activation",
     "hf_model_type",

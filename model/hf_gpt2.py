@@ -94,7 +94,6 @@ def hf_config_from_gpt(config: GPTConfig) -> dict:
         "initializer_range": 0.02,
         "scale_attn_weights": True,
         "tie_word_embeddings": True,
-        "torch_dtype": "float32",
     }
 
 
