@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 
 from harness.command import refuse_file_as_directory, run_command
 from harness.config_errors import config_errors
-from harness.hf_export import export_hf
+from harness.hf.export import export_hf
 from schema.scripts import register_script_schemas, to_script_config
 
 register_script_schemas()

@@ -9,7 +9,7 @@ Layout of <run dir>/checkpoints/:
         stagecheck_rank_00001.pt        ours: the RNG states of rank 1 (Python, NumPy, torch CPU, CUDA)
         stagecheck_tokenizer.json       ours: the run's tokenizer (tokenizer.json beside it for BPE)
         stagecheck_hf_source.json       ours, for a run from model.init_from: what its export keeps of the source
-                                        (harness/hf_source.py)
+                                        (harness/hf/source.py)
         stagecheck.json                 ours, written by rank 0 once every rank has finished: the step,
                                         the data position, the W&B run id, the topology, the model config,
                                         precision, partition, learning-rate decay and the whole resolved
@@ -45,7 +45,7 @@ from data.tokenizer import TOKENIZER_FILE
 from harness.context import RunContext
 from harness.faults import save_delay_for_test
 from harness.files import atomic_write, atomic_write_json, atomic_write_text, fsync_path
-from harness.hf_source import SOURCE_FILE
+from harness.hf.source import SOURCE_FILE
 from parallel.runtime.lr_schedule import CosineSegment, apply_current_lr
 
 CHECKPOINTS = "checkpoints"
@@ -174,7 +174,7 @@ def prune(root: Path, keep: int) -> list[Path]:
 
 
 def copy_run_files(run_dir: Path, tag_dir: Path) -> None:
-    """The run's tokenizer files (data/tokenizer.py) and its model.init_from record (harness/hf_source.py) go into
+    """The run's tokenizer files (data/tokenizer.py) and its model.init_from record (harness/hf/source.py) go into
     each checkpoint too, so a checkpoint copied away from its run still decodes with the tokenizer that trained it
     and exports as the model it came from (generate.py, export_hf.py)."""
     for name in RUN_FILES:

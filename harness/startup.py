@@ -14,7 +14,7 @@ from harness.config_errors import unknown_added_keys
 from harness.context import RunContext
 from harness.dry_run import dry_run
 from harness.faults import EXIT_CONFIG, check_output_dir, run_guarded
-from harness.init_from import resolve_init_from
+from harness.hf.init_from import resolve_init_from
 from harness.job import JobHooks
 from harness.resume_check import ResumeCommand, check_partition, check_resume
 from harness.run_dir import check_run_dir, remove_if_empty

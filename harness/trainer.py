@@ -11,8 +11,8 @@ from harness.accounting import Accounting
 from harness.context import RunContext
 from harness.evaluation import Evaluator, val_summary
 from harness.files import atomic_write_text
-from harness.hf_source import record_hf_source
-from harness.init_from import hf_initial_weights
+from harness.hf.init_from import hf_initial_weights
+from harness.hf.source import record_hf_source
 from harness.metrics import MetricsLog, median_after_warmup
 from harness.run_control import RunControl
 from harness.run_summary import done_line, wandb_sync_command

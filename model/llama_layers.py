@@ -1,7 +1,7 @@
 """The layers of the flat Llama-family sequence: token embedding, N blocks, final RMSNorm, and an untied LM head.
 
 Parameter names inside each layer are Hugging Face's (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
-MistralForCausalLM), so a weight map renames the layer prefix only (model/llama_names.py). There are no learned
+MistralForCausalLM), so a weight map renames the layer prefix only (model/hf/llama_names.py). There are no learned
 positions: each block's attention rotates q and k (model/rotary.py). Initialisation: N(0, 0.02) everywhere
 (transformers' `initializer_range`), unit RMSNorm gains, zero biases; from (seed, layer index) as model/layers.py
 does.

@@ -1,7 +1,7 @@
 """Hugging Face exports: a small random GPT2LMHeadModel, built locally (no hub), imported into model.GPT through
-model/hf_format.py, exported by harness/hf_export.py and reloaded by transformers gives HF's logits, and our greedy
+model/hf/format.py, exported by harness/hf/export.py and reloaded by transformers gives HF's logits, and our greedy
 sampler gives HF's greedy tokens; an export from scratch says where its values came from; random Llama-3.1, Qwen2.5
-and Qwen3 models fine-tuned two steps export with what the source had (harness/hf_source.py)."""
+and Qwen3 models fine-tuned two steps export with what the source had (harness/hf/source.py)."""
 
 import json
 import tempfile
@@ -17,11 +17,11 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from harness.checkpoint import read_checkpoint
 from harness.generation import sample_text
-from harness.hf_export import export_hf, write_hf_dir
-from harness.hf_source import SOURCE_FILE
+from harness.hf.export import export_hf, write_hf_dir
+from harness.hf.source import SOURCE_FILE
 from model import GPT, GPTConfig, gpt_layers, module_entries
-from model.hf_format import layer_state_from_hf
-from model.hf_gpt2 import HF_PREFIX, gpt_config_from_hf
+from model.hf.format import layer_state_from_hf
+from model.hf.gpt2 import HF_PREFIX, gpt_config_from_hf
 from model.sampling import SamplingConfig, generate
 from schema.scripts import ExportConfig, GenerateConfig
 from tests.shared_runs import case

@@ -16,7 +16,7 @@ from data.tokenizer import Tokenizer, load_tokenizer, save_tokenizer
 from harness.checkpoint import read_checkpoint
 from harness.consolidate import consolidate
 from harness.generation import sample_text
-from harness.hf_export import export_hf
+from harness.hf.export import export_hf
 from model import GPT, GPTConfig
 from model.sampling import SamplingConfig, generate
 from schema.scripts import ExportConfig, GenerateConfig

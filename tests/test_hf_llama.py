@@ -1,7 +1,7 @@
 """Hugging Face Llama, Qwen2 and Mistral in and out, in the litgpt manner: random `transformers` models built here
 (no hub), shrunk from the published configurations keeping the GQA ratio, tying, biases and rope theta/scaling, read
-through model.init_from's reader (harness/hf_checkpoint.py, model/hf_format.py) give HF's logits; an export
-(harness/hf_export.py) reloads in transformers with HF's logits and greedy tokens; sharded checkpoints are read shard
+through model.init_from's reader (harness/hf/checkpoint.py, model/hf/format.py) give HF's logits; an export
+(harness/hf/export.py) reloads in transformers with HF's logits and greedy tokens; sharded checkpoints are read shard
 by shard; the presets are the published shapes; what we do not compute is refused at start-up, exit 2."""
 
 import json
@@ -21,11 +21,11 @@ from safetensors.torch import save_file
 from data.synthetic import SyntheticTokenSource
 from data.tokenizer import Tokenizer
 from harness.consolidate import consolidate
-from harness.hf_checkpoint import open_hf_dir, open_tensors
-from harness.hf_export import export_hf, write_hf_dir
-from harness.init_from import check_tensors, pick_tokenizer
+from harness.hf.checkpoint import open_hf_dir, open_tensors
+from harness.hf.export import export_hf, write_hf_dir
+from harness.hf.init_from import check_tensors, pick_tokenizer
 from model import GPT, GPTConfig, gpt_layers, lm_loss, model_param_count, module_entries
-from model.hf_format import ARCH_FIELDS, config_from_hf, layer_hf_names, layer_state_from_hf
+from model.hf.format import ARCH_FIELDS, config_from_hf, layer_hf_names, layer_state_from_hf
 from model.sampling import SamplingConfig, generate
 from parallel.planning.config import NoRecompute
 from parallel.planning.layout import build_layout

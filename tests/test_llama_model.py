@@ -1,6 +1,6 @@
 """The Llama-family model against Hugging Face's, in the litgpt manner: random `transformers` models built locally
 from shrunk real configurations (GQA ratio, tying, biases, rope theta and scaling kept), weights copied by the
-name map of model/llama_names.py, logits equal within 1e-5 in fp32. Plus the pieces on their own: RMSNorm's and
+name map of model/hf/llama_names.py, logits equal within 1e-5 in fp32. Plus the pieces on their own: RMSNorm's and
 SwiGLU's hand-written backward, the KV cache of n_kv_head heads, validation."""
 
 import pytest
@@ -8,13 +8,13 @@ import torch
 import transformers
 
 from model import GPT, GPTConfig, gpt_layers, lm_loss, module_entries
-from model.hf_format import hf_config_from_model
+from model.hf.format import hf_config_from_model
+from model.hf.llama_names import flat_index_of, llama_layer_hf_names
 from model.llama_layers import LlamaBlock, SwiGLU
-from model.llama_names import flat_index_of, llama_layer_hf_names
 from model.rms_norm import RMSNorm
 
 # Shrunk from the published configs: (the HF class our config exports as, our fields). The HF model is built from the
-# config.json an export writes (model/hf_format.py).
+# config.json an export writes (model/hf/format.py).
 SHAPES = {
     "llama3.1": (
         transformers.LlamaForCausalLM,

@@ -367,7 +367,7 @@ def test_a_run_on_prepared_data_trains_evaluates_and_samples_with_its_tokenizer(
     from transformers import AutoTokenizer
 
     from harness.generation import sample_text
-    from harness.hf_export import export_hf
+    from harness.hf.export import export_hf
     from schema.scripts import ExportConfig, GenerateConfig
 
     run_dir = case_runs["prepared"]

@@ -1,12 +1,12 @@
 """export_hf.py: a checkpoint as a Hugging Face directory that `AutoModelForCausalLM.from_pretrained` loads, of the
-model type it came from (gpt2, or llama, qwen2, qwen3, mistral: model/hf_format.py).
+model type it came from (gpt2, or llama, qwen2, qwen3, mistral: model/hf/format.py).
 
 config.json, generation_config.json and the weights in the dtype asked for (default: the training precision): one
 model.safetensors, or shards of at most `max_shard_bytes` with model.safetensors.index.json, as save_pretrained
 writes them; a tied LM head is left out, as save_pretrained leaves it. For a BPE tokenizer also tokenizer.json and
 tokenizer_config.json, so that `AutoTokenizer.from_pretrained` loads it too.
 
-A run from model.init_from exports what the source had (harness/hf_source.py): its max_position_embeddings, and,
+A run from model.init_from exports what the source had (harness/hf/source.py): its max_position_embeddings, and,
 while the run's token ids are the source's, its bos, eos and pad ids, generation_config.json and tokenizer files
 (the chat template) verbatim. A run from scratch gets values made from its own config and tokenizer (token ids:
 the tokenizer's own, null where it has none). Each value's origin is printed. Files get the permissions the umask
@@ -25,10 +25,10 @@ from safetensors.torch import save_file
 from data.tokenizer import Tokenizer, load_tokenizer, save_tokenizer
 from harness.consolidate import consolidate
 from harness.files import fsync_path
-from harness.hf_checkpoint import INDEX_FILE
-from harness.hf_source import GENERATION_CONFIG, TOKENIZER_SIDE_FILES, HFSource, read_hf_source
+from harness.hf.checkpoint import INDEX_FILE
+from harness.hf.source import GENERATION_CONFIG, TOKENIZER_SIDE_FILES, HFSource, read_hf_source
 from model import GPT
-from model.hf_format import hf_config_from_model, hf_state_from_layers
+from model.hf.format import hf_config_from_model, hf_state_from_layers
 from schema.scripts import ExportConfig
 
 WEIGHTS = "model.safetensors"

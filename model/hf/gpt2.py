@@ -1,5 +1,5 @@
 """Hugging Face GPT-2 <-> our `arch=gpt2` GPT: the config fields and the tensor names, both ways. Pure PyTorch
-(model/hf_format.py applies them).
+(model/hf/format.py applies them).
 
 HF's GPT2LMHeadModel holds the same weights as our flat layer list, under other names and with its
 Conv1D weights stored (in, out) where our nn.Linear stores (out, in). HF names here are written without

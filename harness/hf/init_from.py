@@ -11,10 +11,10 @@ from omegaconf import DictConfig, OmegaConf
 from data.tokenizer_file import read_tokenizer_file
 from harness.checkpoint import resume_point
 from harness.context import RunContext
-from harness.hf_checkpoint import TOKENIZER_FILE, HFCheckpoint, open_hf_dir, open_tensors, tensor_shapes
+from harness.hf.checkpoint import TOKENIZER_FILE, HFCheckpoint, open_hf_dir, open_tensors, tensor_shapes
 from model import GPTConfig
-from model.hf_format import config_from_hf, hf_shapes, layer_state_from_hf
-from model.llama_names import HF_LM_HEAD
+from model.hf.format import config_from_hf, hf_shapes, layer_state_from_hf
+from model.hf.llama_names import HF_LM_HEAD
 
 # Our model.* field -> the config.json keys it may come from (GPT-2's, Llama's), where the names differ.
 _HF_KEYS = {

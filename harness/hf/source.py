@@ -3,7 +3,7 @@
 
 Rank 0 records them at start-up in the run directory as stagecheck_hf_source.json, which every checkpoint copies
 (harness/checkpoint.py), so a checkpoint copied away from its run still exports as the model it came from
-(harness/hf_export.py): the source's max_position_embeddings (not the training length), its special token ids, chat
+(harness/hf/export.py): the source's max_position_embeddings (not the training length), its special token ids, chat
 template and generation settings (Llama-3-Instruct stops on both <|end_of_text|> and <|eot_id|>). Token ids,
 generation settings and tokenizer files are the source's only while the run's token ids are: its tokenizer is the
 source's tokenizer.json, or it has none of its own (data=synthetic, data=memmap without data.tokenizer_file).

@@ -1,6 +1,6 @@
 """Hugging Face's formats for both architectures: config.json <-> model.* fields, and our flat layers' state dicts <->
-a Hugging Face state dict. Dispatches to model/hf_gpt2.py (GPT2LMHeadModel) and model/hf_llama.py +
-model/llama_names.py (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+a Hugging Face state dict. Dispatches to model/hf/gpt2.py (GPT2LMHeadModel) and model/hf/llama.py +
+model/hf/llama_names.py (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
 MistralForCausalLM). Pure PyTorch.
 
 Tensor names are those of the HF file, except GPT-2's, which go without GPT2LMHeadModel's `transformer.` prefix (the
@@ -14,9 +14,9 @@ import torch
 
 from model.config import GPTConfig
 from model.gpt import gpt_layers
-from model.hf_gpt2 import HF_PREFIX, gpt_config_from_hf, gpt_layer_hf_names, hf_config_from_gpt
-from model.hf_llama import hf_config_from_llama, llama_config_from_hf
-from model.llama_names import llama_layer_hf_names
+from model.hf.gpt2 import HF_PREFIX, gpt_config_from_hf, gpt_layer_hf_names, hf_config_from_gpt
+from model.hf.llama import hf_config_from_llama, llama_config_from_hf
+from model.hf.llama_names import llama_layer_hf_names
 
 # The model.* fields a config.json decides, under either architecture: those it does not give keep their defaults
 # (so a llama preset's n_kv_head does not outlive model.init_from of a GPT-2). seq_len and dropout are the run's.

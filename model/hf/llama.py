@@ -5,7 +5,7 @@ The four model types compute the same block (RMSNorm, rotary positions in the ro
 grouped-query attention), and differ in what config.json switches on: Qwen2 adds biases on q, k and v, Qwen3 an
 RMSNorm on each head's q and k (and often a head_dim other than hidden_size / heads), Mistral may add a sliding
 attention window. What our block does not compute is refused by name. Tensor names need no map beyond
-the layer prefix: model/llama_names.py.
+the layer prefix: model/hf/llama_names.py.
 """
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -152,7 +152,7 @@ def hf_config_from_llama(config) -> dict:
     type hf_model_type() names. max_position_embeddings is what the model alone says: model.seq_len, or under llama3
     scaling the context the scaling stretches rope_original_max_positions to (x rope_factor) when that is longer,
     which transformers wants above rope_original_max_positions (an export of a run from model.init_from writes the
-    source's value instead: harness/hf_export.py)."""
+    source's value instead: harness/hf/export.py)."""
     if config.qkv_bias and config.qk_norm:
         raise ValueError(
             "model.qkv_bias=true with model.qk_norm=true cannot be exported: no Hugging Face model type has both"

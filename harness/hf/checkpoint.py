@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from model.hf_gpt2 import HF_PREFIX
+from model.hf.gpt2 import HF_PREFIX
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
