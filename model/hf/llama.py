@@ -5,8 +5,11 @@ The four model types compute the same block (RMSNorm, rotary positions in the ro
 grouped-query attention), and differ in what config.json switches on: Qwen2 adds biases on q, k and v, Qwen3 an
 RMSNorm on each head's q and k (and often a head_dim other than hidden_size / heads), Mistral may add a sliding
 attention window. What our block does not compute is refused by name. Tensor names need no map beyond
-the layer prefix: model/hf/llama_names.py.
+the layer prefix: model/hf/llama_names.py. `LLAMA` is the family (model/hf/family.py).
 """
+
+from model.hf.family import MOE_KEYS, HFFamily
+from model.hf.llama_names import HF_LM_HEAD, llama_layer_hf_names
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 ARCHITECTURES = {
@@ -20,8 +23,6 @@ ROPE_TYPES = {"default": "none", "llama3": "llama3"}  # HF rope_type -> model.ro
 # has them all; hand-written ones may not).
 HF_DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu"}
 MISTRAL_SLIDING_WINDOW = 4096  # MistralConfig's default when config.json has no sliding_window key
-# config.json keys that mean a mixture of experts (Mixtral, Qwen2-MoE, DeepSeek, ...).
-MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 # HF's llama3 rope_parameters key -> our model.* field.
 LLAMA3_KEYS = {
     "factor": "rope_factor",
@@ -188,3 +189,16 @@ def hf_config_from_llama(config) -> dict:
     else:
         hf["sliding_window"] = None  # MistralConfig's default would be a window of 4096
     return hf
+
+
+LLAMA = HFFamily(
+    arch="llama",
+    model_types=MODEL_TYPES,
+    config_from_hf=llama_config_from_hf,
+    hf_config=hf_config_from_llama,
+    # Same (out, in) layout as ours: nothing is transposed.
+    layer_names=lambda config, i: {ours: (theirs, False) for ours, theirs in llama_layer_hf_names(config, i).items()},
+    # A tied model's lm_head.weight (some checkpoints save it) and older files' rotary buffers: anything else (a
+    # bias, a layer, an expert config.json does not declare) the model would silently lack.
+    unread_tensor=lambda config, name: (name == HF_LM_HEAD and config.tie_embeddings) or name.endswith(".inv_freq"),
+)
