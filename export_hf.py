@@ -1,7 +1,7 @@
-"""stagecheck: export a checkpoint as a Hugging Face directory of its model type (gpt2, llama, qwen2, mistral) that
-transformers' AutoModelForCausalLM loads.
+"""stagecheck: export a checkpoint as a Hugging Face directory of its model type (gpt2, llama, qwen2, qwen3, mistral)
+that transformers' AutoModelForCausalLM loads, keeping what model.init_from's source had (harness/hf/export.py).
 
-python export_hf.py checkpoint=outputs/RUN out=exports/my-model
+python export_hf.py checkpoint=outputs/RUN out=exports/my-model [dtype=bf16|fp16|fp32]
 """
 
 import sys

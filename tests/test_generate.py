@@ -271,6 +271,7 @@ def test_the_commands_exit_2_with_one_line_for_bad_input(trained, tmp_path):
     cases = [
         ("generate.py", [f"checkpoint={trained}", "top_k=0"], "top_k=0 is invalid"),
         ("export_hf.py", [f"checkpoint={trained}", f"out={tmp_path / 'taken'}"], "exists and is not an empty"),
+        ("export_hf.py", [f"checkpoint={trained}", f"out={tmp_path / 'new'}", "dtype=int8"], "dtype='int8' is unknown"),
     ]
     for name, overrides, message in cases:
         result = script(name, tmp_path, *overrides)
