@@ -105,7 +105,7 @@ def test_an_export_from_scratch_writes_sensible_values_and_says_where_they_came_
     origins = write_hf_dir(GPT(config, 0), None, out, dtype=torch.bfloat16)
     assert origins[0] == (
         "config.json max_position_embeddings=256 from model.rope_original_max_positions x model.rope_factor (llama3 "
-        "scaling; trained from scratch)"
+        "scaling; no source gave it)"
     )
     assert any(
         line.startswith("config.json bos/eos/pad ids [None, None, None] from the run's tokenizer") for line in origins

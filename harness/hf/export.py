@@ -124,37 +124,40 @@ def _source_or_own(
     the model and its tokenizer; returns the other files to write (name -> text) and each value's origin."""
     config = model.config
     files, origins = {}, []
-    from_source = f"model.init_from's {{}} ({source.directory})" if source is not None else None
+
+    def from_source(what: str) -> str:
+        return f"model.init_from's {what} ({source.directory})"
+
     if config.arch == "llama":
         key = "max_position_embeddings"
         if source is not None and source.max_positions is not None:
             hf_config[key] = source.max_positions
-            origin = from_source.format("config.json")
+            origin = from_source("config.json")
         elif config.rope_scaling == "llama3" and hf_config[key] > config.seq_len:
-            origin = "model.rope_original_max_positions x model.rope_factor (llama3 scaling; trained from scratch)"
+            origin = "model.rope_original_max_positions x model.rope_factor (llama3 scaling; no source gave it)"
         else:
-            origin = "model.seq_len (the training length; no model.init_from)"
+            origin = "model.seq_len (the training length; no source gave it)"
         origins.append(f"config.json {key}={hf_config[key]} from {origin}")
     tokens = special_tokens(tokenizer)
     ids = {f"{role}_id": found[1] if found else None for role, found in tokens.items()}
     carried = source.token_ids() if source is not None else {}
     hf_config.update({**ids, **carried})
-    id_origin = from_source.format("config.json") if carried else "the run's tokenizer"
+    id_origin = from_source("config.json") if carried else "the run's tokenizer"
     origins.append(f"config.json bos/eos/pad ids {[hf_config[k] for k in ids]} from {id_origin}")
 
     source_files = source.files if source is not None else {}
     if GENERATION_CONFIG in source_files:
         files[GENERATION_CONFIG] = source_files[GENERATION_CONFIG]
-        origins.append(f"{GENERATION_CONFIG} from {from_source.format(GENERATION_CONFIG)}")
+        origins.append(f"{GENERATION_CONFIG} from {from_source(GENERATION_CONFIG)}")
     else:
         generation = {"_from_model_config": True, **{k: hf_config[k] for k in ids}}
         files[GENERATION_CONFIG] = json.dumps(generation, indent=2) + "\n"
-        origins.append(f"{GENERATION_CONFIG} made from config.json's token ids (the source had none, or no source)")
+        origins.append(f"{GENERATION_CONFIG} made from config.json's token ids (no source gave one)")
     if tokenizer is not None and tokenizer.kind == "bpe":
         side = {name: text for name, text in source_files.items() if name in TOKENIZER_SIDE_FILES}
         if side:
             files.update(side)
-            origins.append(f"{', '.join(side)} (the chat template) from {from_source.format('tokenizer files')}")
+            origins.append(f"{', '.join(side)} (the chat template) from {from_source('tokenizer files')}")
         else:
             tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config.seq_len}
             tokenizer_config.update({role: found[0] for role, found in tokens.items() if found})
