@@ -1,7 +1,7 @@
-"""stagecheck: export a checkpoint as a Hugging Face directory of its model type (gpt2, llama, qwen2, mistral) that
-transformers' AutoModelForCausalLM loads.
+"""stagecheck: export a checkpoint as a Hugging Face directory of its model type (gpt2, llama, qwen2, qwen3, mistral)
+that transformers' AutoModelForCausalLM loads, keeping what model.init_from's source had (harness/hf/export.py).
 
-python export_hf.py checkpoint=outputs/RUN out=exports/my-model
+python export_hf.py checkpoint=outputs/RUN out=exports/my-model [dtype=bf16|fp16|fp32]
 """
 
 import sys
@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 
 from harness.command import refuse_file_as_directory, run_command
 from harness.config_errors import config_errors
-from harness.hf_export import export_hf
+from harness.hf.export import export_hf
 from schema.scripts import register_script_schemas, to_script_config
 
 register_script_schemas()

@@ -33,7 +33,7 @@ import torch
 
 from data import SyntheticDataConfig, open_token_source
 from model import GPTConfig, lm_loss
-from model.hf_format import hf_config_from_model
+from model.hf.format import hf_config_from_model
 from parallel.measurement.activation_meter import ActivationMeter
 from parallel.measurement.local_stages import LocalPipeline
 from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
@@ -80,7 +80,7 @@ class Stagecheck:
 
 
 def _hf_peer(cfg: GPTConfig):
-    """The HF model of `cfg`'s shape, from the config.json an export writes (model/hf_format.py), and its layers."""
+    """The HF model of `cfg`'s shape, from the config.json an export writes (model/hf/format.py), and its layers."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(

@@ -8,6 +8,8 @@ Layout of <run dir>/checkpoints/:
         mp_rank_NN_model_states.pt      DeepSpeed: optimizer, LR scheduler, engine counters, per stage
         stagecheck_rank_00001.pt        ours: the RNG states of rank 1 (Python, NumPy, torch CPU, CUDA)
         stagecheck_tokenizer.json       ours: the run's tokenizer (tokenizer.json beside it for BPE)
+        stagecheck_hf_source.json       ours, for a run from model.init_from: what its export keeps of the source
+                                        (harness/hf/source.py)
         stagecheck.json                 ours, written by rank 0 once every rank has finished: the step,
                                         the data position, the W&B run id, the topology, the model config,
                                         precision, partition, learning-rate decay and the whole resolved
@@ -44,6 +46,7 @@ from data.tokenizer import TOKENIZER_FILE
 from harness.context import RunContext
 from harness.faults import save_delay_for_test
 from harness.files import atomic_write, atomic_write_json, atomic_write_text, fsync_path
+from harness.hf.source import SOURCE_FILE
 from parallel.runtime.lr_schedule import CosineSegment, apply_current_lr
 from schema.training import normalize_resume
 
@@ -52,7 +55,7 @@ LATEST = "latest"
 META = "stagecheck.json"
 TAG_PATTERN = re.compile(r"^step_(\d{8,})$")
 FORMAT_VERSION = 1
-TOKENIZER_FILES = (TOKENIZER_META, TOKENIZER_FILE)
+RUN_FILES = (TOKENIZER_META, TOKENIZER_FILE, SOURCE_FILE)  # copied from the run directory into each checkpoint
 
 
 def tag_for(step: int) -> str:
@@ -174,10 +177,11 @@ def prune(root: Path, keep: int) -> list[Path]:
     return removed
 
 
-def copy_tokenizer(run_dir: Path, tag_dir: Path) -> None:
-    """The run's tokenizer files (data/tokenizer.py) go into each checkpoint too, so a checkpoint copied away from
-    its run still decodes with the tokenizer that trained it (generate.py, export_hf.py)."""
-    for name in TOKENIZER_FILES:
+def copy_run_files(run_dir: Path, tag_dir: Path) -> None:
+    """The run's tokenizer files (data/tokenizer.py) and its model.init_from record (harness/hf/source.py) go into
+    each checkpoint too, so a checkpoint copied away from its run still decodes with the tokenizer that trained it
+    and exports as the model it came from (generate.py, export_hf.py)."""
+    for name in RUN_FILES:
         if (run_dir / name).is_file():
             shutil.copyfile(run_dir / name, tag_dir / name)
 
@@ -224,7 +228,7 @@ class Checkpointer:
             time.sleep(delay)
         dist.barrier()  # every rank's files are written
         if self.rank == 0:
-            copy_tokenizer(self.run_dir, path)
+            copy_run_files(self.run_dir, path)
             for child in path.iterdir():
                 if child.is_file():
                     fsync_path(child)  # a power cut must not leave `latest` naming unwritten pages

@@ -14,7 +14,7 @@ from harness.config_errors import unknown_added_keys
 from harness.context import RunContext
 from harness.dry_run import dry_run
 from harness.faults import EXIT_CONFIG, check_output_dir, run_guarded
-from harness.init_from import model_from_checkpoint, resolve_init_from
+from harness.hf.init_from import model_from_checkpoint, resolve_init_from
 from harness.job import JobHooks
 from harness.relaunch import launcher_words
 from harness.resume_check import ResumeCommand, absolute_paths, check_partition, check_resume

@@ -11,7 +11,8 @@ from harness.accounting import Accounting
 from harness.context import RunContext
 from harness.evaluation import Evaluator, val_summary
 from harness.files import atomic_write_text
-from harness.init_from import hf_initial_weights
+from harness.hf.init_from import hf_initial_weights
+from harness.hf.source import record_hf_source
 from harness.metrics import MetricsLog, median_after_warmup
 from harness.prediction_check import prediction_record, prediction_warning
 from harness.run_control import RunControl
@@ -109,6 +110,7 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
     source = open_token_source(run.data, run.model.vocab_size) if needs_data else None
     if rank == 0:  # generate.py and export_hf.py find the tokenizer that trained the model here
         save_run_tokenizer(run.data, run_dir)
+        record_hf_source(run.model.init_from, run.data, run_dir)  # what export_hf.py keeps of model.init_from
     evaluator = Evaluator(ctx, engine, source)  # train.eval_every: val loss on fixed batches
     holds_loss = engine.is_last_stage() and dp_rank == 0
     metrics = None

@@ -7,14 +7,14 @@ ATTENTION_KERNELS = ("sdpa", "math")
 ACTIVATIONS = ("gelu", "gelu_tanh")
 ACTIVATIONS_OF = {"gpt2": ACTIVATIONS, "llama": ("silu",)}
 ROPE_SCALINGS = ("none", "llama3")
-HF_MODEL_TYPES = {"gpt2": (), "llama": ("llama", "qwen2", "mistral")}  # model.hf_model_type's values per arch
+HF_MODEL_TYPES = {"gpt2": (), "llama": ("llama", "qwen2", "qwen3", "mistral")}  # model.hf_model_type's values per arch
 
 
 @dataclass
 class GPTConfig:
     arch: str = "gpt2"
     """Block architecture: `gpt2` (LayerNorm, learned positions, GELU MLP, tied head) or `llama` (RMSNorm, rotary
-    positions, SwiGLU MLP, grouped-query attention, tied or untied head: Llama, Qwen2, Mistral and SmolLM2)."""
+    positions, SwiGLU MLP, grouped-query attention, tied or untied head: Llama, Qwen2, Qwen3, Mistral and SmolLM2)."""
     n_layer: int = 4
     """Transformer blocks."""
     n_head: int = 4
@@ -24,6 +24,10 @@ class GPTConfig:
     divide n_head. null: n_head (multi-head attention)."""
     n_embd: int = 128
     """Hidden size h (channels of the residual stream)."""
+    head_dim: int | None = None
+    """Channels per attention head (llama only); q is n_head * head_dim wide, k and v n_kv_head * head_dim, and the
+    output projection maps n_head * head_dim back to n_embd. null: n_embd / n_head. Qwen3-0.6B: 128, with n_embd
+    1024 and 16 heads."""
     seq_len: int = 128
     """Tokens per sequence s (also the number of learned positions under gpt2)."""
     intermediate_size: int | None = None
@@ -51,10 +55,14 @@ class GPTConfig:
     """llama3 scaling: the context length the model was first trained at."""
     qkv_bias: bool = False
     """Biases on the query, key and value projections only (llama: Qwen2 has them)."""
+    qk_norm: bool = False
+    """An RMSNorm over each head's head_dim channels of the queries and of the keys, after their projections and
+    before the rotary embedding, eps model.norm_eps (llama: Qwen3 has them, as `q_norm` and `k_norm`)."""
     hf_model_type: str | None = None
     """The Hugging Face model_type export_hf.py writes for model.arch=llama: `llama`, `qwen2` (with qkv_bias, which
-    Qwen2 always has) or `mistral`; model.init_from sets it from config.json. null: qwen2 with qkv_bias, else llama
-    (gpt2 under model.arch=gpt2)."""
+    Qwen2 always has), `qwen3` (with qk_norm, which Qwen3 always has, and no qkv_bias) or `mistral`; model.init_from
+    sets it from config.json. null: qwen2 with qkv_bias, qwen3 with qk_norm, else llama (gpt2 under
+    model.arch=gpt2)."""
     dropout: float = 0.0
     """Dropout probability on embeddings, attention probabilities, and residual branches."""
     bias: bool = True
@@ -76,12 +84,13 @@ class GPTConfig:
     the same stream: docs/memory_floor.md). Embedding, residual and, with attention=math, attention-probability
     dropout (SDPA draws its own mask inside the kernel). A no-op with dropout 0."""
     init_from: str | None = None
-    """A local Hugging Face directory to start training from: config.json (model_type gpt2, llama, qwen2 or mistral)
-    plus model.safetensors or pytorch_model.bin, or a shard index of either. Its config.json sets the
+    """A local Hugging Face directory to start training from: config.json (model_type gpt2, llama, qwen2, qwen3 or
+    mistral) plus model.safetensors or pytorch_model.bin, or a shard index of either. Its config.json sets the
     architecture and shape (gpt2: also seq_len = n_positions; llama: seq_len stays the run's, at most
     max_position_embeddings), its tokenizer.json the run's tokenizer unless data.tokenizer_file or data.tokenizer is
-    given (docs/llama.md). A dry run needs config.json alone. Ignored when the run resumes from a checkpoint. null:
-    initialisation from the seed."""
+    given (docs/llama.md). Its max_position_embeddings, token ids, generation_config.json and tokenizer files (chat
+    template) are recorded in the run and its checkpoints, and export_hf.py writes them back. A dry run needs
+    config.json alone. Ignored when the run resumes from a checkpoint. null: initialisation from the seed."""
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size"):
@@ -90,10 +99,10 @@ class GPTConfig:
                 raise ValueError(f"model.{name}={value!r} is invalid: it must be a positive integer")
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"model.arch={self.arch!r} is unknown: allowed values are {', '.join(ARCHITECTURES)}")
-        if self.n_embd % self.n_head != 0:
+        if self.head_dim is None and self.n_embd % self.n_head != 0:
             raise ValueError(
                 f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}: "
-                f"choose n_head among the divisors of n_embd"
+                f"choose n_head among the divisors of n_embd (llama: or give model.head_dim)"
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout={self.dropout} is invalid: it must be in [0, 1)")
@@ -129,7 +138,12 @@ class GPTConfig:
         if self.hf_model_type is not None and (self.hf_model_type == "qwen2") != self.qkv_bias:
             raise ValueError(
                 f"model.hf_model_type={self.hf_model_type} with model.qkv_bias={self.qkv_bias}: Qwen2 has biases on "
-                "q, k and v, Llama and Mistral none; set both to match, or model.hf_model_type=null"
+                "q, k and v, Llama, Qwen3 and Mistral none; set both to match, or model.hf_model_type=null"
+            )
+        if self.hf_model_type is not None and (self.hf_model_type == "qwen3") != self.qk_norm:
+            raise ValueError(
+                f"model.hf_model_type={self.hf_model_type} with model.qk_norm={self.qk_norm}: Qwen3 normalises q and "
+                "k per head, Llama, Qwen2 and Mistral do not; set both to match, or model.hf_model_type=null"
             )
 
     def _check_gpt2(self) -> None:
@@ -144,7 +158,12 @@ class GPTConfig:
                 f"model.intermediate_size={self.intermediate_size} is invalid with model.arch=gpt2, whose MLP is "
                 f"4 n_embd = {4 * self.n_embd} wide: use null, or model.arch=llama"
             )
-        for name in ("qkv_bias", "tie_embeddings"):
+        if self.head_dim is not None:
+            raise ValueError(
+                f"model.head_dim={self.head_dim} is invalid with model.arch=gpt2 (heads split n_embd): use null, or "
+                "model.arch=llama"
+            )
+        for name in ("qkv_bias", "qk_norm", "tie_embeddings"):
             if getattr(self, name) != (name == "tie_embeddings"):
                 raise ValueError(
                     f"model.{name}={getattr(self, name)} is invalid with model.arch=gpt2: "
@@ -174,10 +193,11 @@ class GPTConfig:
                 f"model.dropout={self.dropout} / model.packed_dropout={self.packed_dropout} are invalid with "
                 "model.arch=llama, whose blocks have no dropout: set model.dropout=0 and model.packed_dropout=false"
             )
+        if self.head_dim is not None and (not isinstance(self.head_dim, int) or self.head_dim <= 0):
+            raise ValueError(f"model.head_dim={self.head_dim!r} is invalid: give a positive integer, or null")
         if self.head_size % 2:
-            raise ValueError(
-                f"model.n_embd / model.n_head = {self.head_size} is odd: rotary embeddings rotate pairs of channels"
-            )
+            what = "model.head_dim" if self.head_dim is not None else "model.n_embd / model.n_head"
+            raise ValueError(f"{what} = {self.head_size} is odd: rotary embeddings rotate pairs of channels")
         if self.rope_theta <= 0:
             raise ValueError(f"model.rope_theta={self.rope_theta} is invalid: it must be > 0")
         if self.rope_scaling not in ROPE_SCALINGS:
@@ -198,7 +218,13 @@ class GPTConfig:
 
     @property
     def head_size(self) -> int:
-        return self.n_embd // self.n_head
+        """Channels per head hs: head_dim, or n_embd / n_head when null."""
+        return self.head_dim or self.n_embd // self.n_head
+
+    @property
+    def q_width(self) -> int:
+        """Channels of the queries (and of the attention output): nh * hs, n_embd unless head_dim says otherwise."""
+        return self.n_head * self.head_size
 
     @property
     def kv_heads(self) -> int:
@@ -207,7 +233,7 @@ class GPTConfig:
 
     @property
     def kv_width(self) -> int:
-        """Channels of the keys (and of the values): g * head_size = n_embd * g / n_head."""
+        """Channels of the keys (and of the values): g * hs."""
         return self.kv_heads * self.head_size
 
     @property

@@ -1,9 +1,10 @@
 """The layers of the flat Llama-family sequence: token embedding, N blocks, final RMSNorm, and an untied LM head.
 
-Parameter names inside each layer are Hugging Face's (LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM), so
-a weight map renames the layer prefix only (model/llama_names.py). There are no learned positions: each block's
-attention rotates q and k (model/rotary.py). Initialisation: N(0, 0.02) everywhere (transformers'
-`initializer_range`), unit RMSNorm gains, zero biases; from (seed, layer index) as model/layers.py does.
+Parameter names inside each layer are Hugging Face's (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+MistralForCausalLM), so a weight map renames the layer prefix only (model/hf/llama_names.py). There are no learned
+positions: each block's attention rotates q and k (model/rotary.py). Initialisation: N(0, 0.02) everywhere
+(transformers' `initializer_range`), unit RMSNorm gains, zero biases; from (seed, layer index) as model/layers.py
+does.
 """
 
 import torch
@@ -45,32 +46,40 @@ class LlamaEmbedding(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    """Grouped-query self-attention with rotary positions: nh query heads, g key/value heads."""
+    """Grouped-query self-attention with rotary positions: nh query heads, g key/value heads, hs channels each
+    (model.head_dim; q nh * hs wide, which may differ from C); with model.qk_norm, Qwen3's per-head RMSNorm on q and
+    k before they are rotated."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        c, kv = config.n_embd, config.kv_width
-        self.q_proj = Linear(c, c, bias=config.qkv_bias)
+        c, q, kv = config.n_embd, config.q_width, config.kv_width
+        self.q_proj = Linear(c, q, bias=config.qkv_bias)
         self.k_proj = Linear(c, kv, bias=config.qkv_bias)
         self.v_proj = Linear(c, kv, bias=config.qkv_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_size, config.norm_eps)
+            self.k_norm = RMSNorm(config.head_size, config.norm_eps)
         self.core = AttentionCore(config)
-        self.o_proj = Linear(c, c, bias=False)
+        self.o_proj = Linear(q, c, bias=False)
 
     def _heads(self, x: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (B, T, C) of positions start .. start + T - 1 -> rotated q (B, nh, T, hs), rotated k and v
         (B, g, T, hs)."""
         B, T, _ = x.shape
         hs = self.config.head_size
-        q = self.q_proj(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = self.k_proj(x).view(B, T, -1, hs).transpose(1, 2)  # (B, g, T, hs)
+        q = self.q_proj(x).view(B, T, -1, hs)  # (B, T, nh, hs)
+        k = self.k_proj(x).view(B, T, -1, hs)  # (B, T, g, hs)
+        if self.config.qk_norm:  # over each head's hs channels, before the rotation (transformers' Qwen3)
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh, T, hs), (B, g, T, hs)
         v = self.v_proj(x).view(B, T, -1, hs).transpose(1, 2)  # (B, g, T, hs)
         cos, sin = rotary_cos_sin(self.config, start, T, x.dtype, x.device)  # (T, hs) each
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def _project(self, y: torch.Tensor) -> torch.Tensor:
         B, nh, T, hs = y.shape
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, nh * hs))  # (B, T, C)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, nh * hs))  # (B, T, nh * hs) -> (B, T, C)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._project(self.core(*self._heads(x, 0)))  # (B, T, C)

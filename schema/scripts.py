@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from data.prepare_config import PrepareDataConfig
 from schema.training import DEVICES
 
+EXPORT_DTYPES = ("bf16", "fp16", "fp32")  # export_hf.py's dtype
 CHECKPOINT_HINT = "give a run directory (its latest checkpoint), its checkpoints/ directory or a step directory"
 
 
@@ -64,22 +65,29 @@ class GenerateConfig:
 
 @dataclass
 class ExportConfig:
-    """python export_hf.py checkpoint=PATH out=DIR max_shard_bytes=N"""
+    """python export_hf.py checkpoint=PATH out=DIR max_shard_bytes=N dtype=bf16|fp16|fp32"""
 
     checkpoint: str | None = None
     """The checkpoint to export: a run directory (its latest checkpoint), its checkpoints/ directory or a
     checkpoints/step_NNNNNNNN directory."""
     out: str | None = None
     """A new (or empty) directory to write the Hugging Face model into, of the model type it came from (gpt2, llama,
-    qwen2, mistral): config.json, model.safetensors (or shards and model.safetensors.index.json), and for a BPE
-    tokenizer tokenizer.json and tokenizer_config.json. Never overwritten."""
+    qwen2, qwen3, mistral): config.json, generation_config.json, model.safetensors (or shards and
+    model.safetensors.index.json), and for a BPE tokenizer tokenizer.json and tokenizer_config.json; a run from
+    model.init_from keeps the source's max_position_embeddings, token ids, generation_config.json and tokenizer files
+    (chat template). Never overwritten."""
     max_shard_bytes: int = 5_000_000_000
-    """Largest weight file, in bytes: fp32 weights above it are split into model-0000K-of-0000N.safetensors shards
+    """Largest weight file, in bytes: weights above it are split into model-0000K-of-0000N.safetensors shards
     plus model.safetensors.index.json, as save_pretrained does (a tensor bigger than this gets a shard of its own).
     Default 5 GB."""
+    dtype: str | None = None
+    """Dtype of the weights written: bf16, fp16 or fp32 (config.json's `dtype` says which). null: the precision the
+    checkpoint trained in (train.precision as resolved; fp32 for checkpoints that do not record it)."""
 
     def validate(self) -> None:
         _check_checkpoint(self.checkpoint)
+        if self.dtype is not None and self.dtype not in EXPORT_DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is unknown: allowed values are {', '.join(EXPORT_DTYPES)}, null")
         if not self.out:
             raise ValueError(f"out={self.out!r} is not set: give a new directory to write the Hugging Face model into")
         if self.max_shard_bytes < 1:

@@ -43,6 +43,8 @@ def test_presets_cover_the_gpt2_gpt3_and_llama_families():
         "llama3-70b",
         "qwen2.5-0.5b",
         "qwen2.5-7b",
+        "qwen3-0.6b",
+        "qwen3-8b",
         "mistral-7b",
         "smollm2-135m",
         "gpt2",

@@ -173,12 +173,15 @@ def test_a_llama_block_is_priced_from_its_op_list_with_gqa_widths_and_swiglus_th
     assert set(ARCHITECTURES) == set(MODEL_ARCHITECTURES)  # a profile prices every model.arch
 
 
-def test_the_llama_op_lists_matmuls_are_the_real_blocks_forward_and_backward_matmuls():
+@pytest.mark.parametrize("qwen3", [False, True], ids=["llama", "qwen3"])
+def test_the_llama_op_lists_matmuls_are_the_real_blocks_forward_and_backward_matmuls(qwen3):
     """FlopCounterMode over model/llama_layers.py's LlamaBlock, forward and backward: its Linear layers' matmuls
-    (aten.mm; the attention core's are batched) are the op list's, FLOP for FLOP, split 1:2."""
+    (aten.mm; the attention core's are batched) are the op list's, FLOP for FLOP, split 1:2. Qwen3's shape (q and k
+    norms, a head_dim that makes q twice the hidden size) too, its norms in the `layernorm` part."""
     config = GPTConfig(
         arch="llama", activation="silu", bias=False, tie_embeddings=False, n_layer=2, n_head=8, n_kv_head=2,
         n_embd=128, intermediate_size=352, seq_len=64, attention="math",
+        **({"head_dim": 32, "qk_norm": True} if qwen3 else {}),
     )  # fmt: skip
     block = LlamaBlock(config, 0, 0)
     x = torch.randn(2, config.seq_len, config.n_embd, requires_grad=True)  # (B, T, C)
@@ -191,6 +194,9 @@ def test_the_llama_op_lists_matmuls_are_the_real_blocks_forward_and_backward_mat
     )
     assert forward + backward == counter.get_flop_counts()["Global"][torch.ops.aten.mm]
     assert backward == 2 * forward
+    assert len(ops.parts["layernorm"]) == (4 if qwen3 else 2)
+    params = sum(p.numel() for name, p in block.named_parameters() if name.endswith("proj.weight"))
+    assert ARCHITECTURES["llama"].block_params(Shape.of(config, 2)) == params
 
 
 def test_attention_is_priced_between_the_head_sizes_it_was_measured_at(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 
 from data import MemmapDataConfig, open_tokenizer
 from harness.eval_model import CheckpointLM
-from harness.hf_export import write_hf_dir
+from harness.hf.export import write_hf_dir
 from harness.lm_evaluation import evaluate, run_tasks
 from model import GPT, GPTConfig
 from schema.scripts import EvaluateConfig

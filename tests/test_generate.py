@@ -16,7 +16,7 @@ from data.tokenizer import Tokenizer, load_tokenizer, save_tokenizer
 from harness.checkpoint import read_checkpoint
 from harness.consolidate import consolidate
 from harness.generation import sample_text
-from harness.hf_export import export_hf
+from harness.hf.export import export_hf
 from model import GPT, GPTConfig
 from model.sampling import SamplingConfig, generate
 from schema.scripts import ExportConfig, GenerateConfig
@@ -311,6 +311,7 @@ def test_the_commands_exit_2_with_one_line_for_bad_input(trained, tmp_path):
     cases = [
         ("generate.py", [f"checkpoint={trained}", "top_k=0"], "top_k=0 is invalid"),
         ("export_hf.py", [f"checkpoint={trained}", f"out={tmp_path / 'taken'}"], "exists and is not an empty"),
+        ("export_hf.py", [f"checkpoint={trained}", f"out={tmp_path / 'new'}", "dtype=int8"], "dtype='int8' is unknown"),
     ]
     for name, overrides, message in cases:
         result = script(name, tmp_path, *overrides)

@@ -1,7 +1,7 @@
 """Hugging Face Llama, Qwen2 and Mistral in and out, in the litgpt manner: random `transformers` models built here
 (no hub), shrunk from the published configurations keeping the GQA ratio, tying, biases and rope theta/scaling, read
-through model.init_from's reader (harness/hf_checkpoint.py, model/hf_format.py) give HF's logits; an export
-(harness/hf_export.py) reloads in transformers with HF's logits and greedy tokens; sharded checkpoints are read shard
+through model.init_from's reader (harness/hf/checkpoint.py, model/hf/format.py) give HF's logits; an export
+(harness/hf/export.py) reloads in transformers with HF's logits and greedy tokens; sharded checkpoints are read shard
 by shard; the presets are the published shapes; what we do not compute is refused at start-up, exit 2."""
 
 import json
@@ -21,11 +21,11 @@ from safetensors.torch import save_file
 from data.synthetic import SyntheticTokenSource
 from data.tokenizer import Tokenizer
 from harness.consolidate import consolidate
-from harness.hf_checkpoint import open_hf_dir, open_tensors
-from harness.hf_export import export_hf, write_hf_dir
-from harness.init_from import check_tensors, pick_tokenizer
+from harness.hf.checkpoint import open_hf_dir, open_tensors
+from harness.hf.export import export_hf, write_hf_dir
+from harness.hf.init_from import check_tensors, pick_tokenizer
 from model import GPT, GPTConfig, gpt_layers, lm_loss, model_param_count, module_entries
-from model.hf_format import ARCH_FIELDS, config_from_hf, layer_hf_names, layer_state_from_hf
+from model.hf.format import ARCH_FIELDS, config_from_hf, layer_hf_names, layer_state_from_hf
 from model.sampling import SamplingConfig, generate
 from parallel.planning.config import NoRecompute
 from parallel.planning.layout import build_layout
@@ -70,6 +70,30 @@ SHRUNK = {
     "qwen2.5-7b": (
         transformers.Qwen2Config,
         dict(hidden_size=56, num_attention_heads=7, num_key_value_heads=1, intermediate_size=296, rms_norm_eps=1e-6),
+        dict(rope_theta=1000000.0, tie_word_embeddings=False, use_sliding_window=False),
+    ),
+    "qwen3-0.6b": (  # head_dim 32 with hidden 64 and 4 heads: q is twice the hidden size, as in the 0.6B
+        transformers.Qwen3Config,
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            intermediate_size=192,
+            rms_norm_eps=1e-6,
+        ),
+        dict(rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False),
+    ),
+    "qwen3-8b": (
+        transformers.Qwen3Config,
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            intermediate_size=192,
+            rms_norm_eps=1e-6,
+        ),
         dict(rope_theta=1000000.0, tie_word_embeddings=False, use_sliding_window=False),
     ),
     "mistral-7b": (
@@ -136,7 +160,7 @@ def test_export_reloads_in_transformers_with_hf_logits_and_greedy_tokens(hf, tmp
     name, model, directory = hf
     out = tmp_path / "export"
     write_hf_dir(load_ours(directory), None, out)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
     exported = json.loads((out / "config.json").read_text())
     assert exported["model_type"] == model.config.model_type
     assert (exported["bos_token_id"], exported["eos_token_id"], exported["pad_token_id"]) == (None, None, None)
@@ -339,6 +363,52 @@ PUBLISHED = {
         },
         7_615_616_512,
     ),
+    "qwen3-0.6b": (
+        {
+            "model_type": "qwen3",
+            "hidden_size": 1024,
+            "intermediate_size": 3072,
+            "num_attention_heads": 16,
+            "num_hidden_layers": 28,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "max_position_embeddings": 40960,
+            "max_window_layers": 28,
+            "rms_norm_eps": 1e-06,
+            "rope_theta": 1000000,
+            "rope_scaling": None,
+            "sliding_window": None,
+            "use_sliding_window": False,
+            "attention_bias": False,
+            "tie_word_embeddings": True,
+            "vocab_size": 151936,
+            "hidden_act": "silu",
+        },
+        596_049_920,
+    ),
+    "qwen3-8b": (
+        {
+            "model_type": "qwen3",
+            "hidden_size": 4096,
+            "intermediate_size": 12288,
+            "num_attention_heads": 32,
+            "num_hidden_layers": 36,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "max_position_embeddings": 40960,
+            "max_window_layers": 36,
+            "rms_norm_eps": 1e-06,
+            "rope_theta": 1000000,
+            "rope_scaling": None,
+            "sliding_window": None,
+            "use_sliding_window": False,
+            "attention_bias": False,
+            "tie_word_embeddings": False,
+            "vocab_size": 151936,
+            "hidden_act": "silu",
+        },
+        8_190_735_360,
+    ),
     "mistral-7b": (
         {
             "model_type": "mistral",
@@ -403,7 +473,7 @@ QWEN = PUBLISHED["qwen2.5-7b"][0]
 @pytest.mark.parametrize(
     "config, message",
     [
-        ({**MISTRAL, "model_type": "qwen3"}, "model_type='qwen3' is not supported: allowed values are gpt2, llama"),
+        ({**MISTRAL, "model_type": "gemma2"}, "model_type='gemma2' is not supported: allowed values are gpt2, llama"),
         ({**MISTRAL, "model_type": "mixtral", "num_local_experts": 8}, "num_local_experts=8 describes a mixture"),
         ({**MISTRAL, "sliding_window": 4096}, "sliding_window=4096 is shorter than model.seq_len=8192"),
         ({k: v for k, v in MISTRAL.items() if k != "sliding_window"}, "sliding_window=4096 is shorter"),
@@ -413,7 +483,8 @@ QWEN = PUBLISHED["qwen2.5-7b"][0]
         ({**LLAMA, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3 rope scaling lacks low_freq"),
         ({**LLAMA, "attention_bias": True}, "attention_bias=true is not supported: biases are modelled on q, k"),
         ({**LLAMA, "mlp_bias": True}, "mlp_bias=true is not supported"),
-        ({**LLAMA, "head_dim": 64}, "head_dim=64 is not hidden_size / num_attention_heads = 4096 / 32"),
+        ({**LLAMA, "head_dim": 0}, "head_dim=0 must be a positive integer"),
+        ({**PUBLISHED["qwen3-8b"][0], "attention_bias": True}, "attention_bias=true is not supported"),
         ({**LLAMA, "hidden_act": "gelu"}, "hidden_act='gelu' is not supported: only silu"),
         ({**LLAMA, "max_position_embeddings": 4096}, "model.seq_len=8192 exceeds model.init_from's max_position"),
         ({**LLAMA, "quantization_config": {"quant_method": "gptq"}}, "quantization_config: quantized weights"),

@@ -5,6 +5,7 @@ contract. And in subprocesses: start-up, the dry run and the sweep report load n
 loads it with train.device's accelerator."""
 
 import ast
+import importlib
 import os
 import shutil
 import subprocess
@@ -119,6 +120,44 @@ def test_packages_import_only_what_the_contract_allows():
         if part_of(target) != part_of(module) and part_of(target) not in MAY_IMPORT[part_of(module)]
     ]
     assert not wrong, "imports against docs/ARCHITECTURE.md's contract:\n" + "\n".join(wrong)
+
+
+def test_hugging_face_interop_lives_in_model_hf_and_harness_hf():
+    """The mappings are model/hf/'s (they import the model; the rest of model/ never imports them), the files
+    harness/hf/'s (the only modules that import safetensors; the rest of harness/ reaches the mappings through
+    them), so adding a family touches model/hf/ alone."""
+    wrong = []
+    for module, (project, external) in GRAPH.items():
+        uses_mappings = any(target.startswith("model.hf") for target in project)
+        if (
+            part_of(module) in ("model", "harness")
+            and uses_mappings
+            and not module.startswith(("model.hf", "harness.hf"))
+        ):
+            wrong.append(f"{module} imports model/hf/ (only model/hf/ and harness/hf/ may)")
+        if "safetensors" in external and not module.startswith("harness.hf"):
+            wrong.append(f"{module} imports safetensors (only harness/hf/ may)")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_each_family_is_one_module_of_model_hf_registered_once():
+    """Every HFFamily a model/hf/ module builds is in format.FAMILIES, each model.arch has exactly one, and every
+    model.hf_model_type a config accepts is some family's."""
+    from model import ARCHITECTURES
+    from model.config import HF_MODEL_TYPES
+    from model.hf.family import HFFamily
+    from model.hf.format import FAMILIES, FAMILY_OF_TYPE
+
+    built = [
+        value
+        for module in MODULES
+        if module.startswith("model.hf.")
+        for value in vars(importlib.import_module(module)).values()
+        if isinstance(value, HFFamily)
+    ]
+    assert set(built) == set(FAMILIES) and len(FAMILIES) == len(set(FAMILIES))
+    assert sorted(family.arch for family in FAMILIES) == sorted(ARCHITECTURES)
+    assert {model_type for types in HF_MODEL_TYPES.values() for model_type in types} <= set(FAMILY_OF_TYPE)
 
 
 def test_planning_modules_import_only_earlier_steps():

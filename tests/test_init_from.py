@@ -9,11 +9,11 @@ import transformers
 import yaml
 
 from data.synthetic import SyntheticTokenSource
-from harness.hf_checkpoint import open_hf_dir, open_tensors
-from harness.init_from import check_tensors
+from harness.hf.checkpoint import open_hf_dir, open_tensors
+from harness.hf.init_from import check_tensors
 from model import GPT, GPTConfig, lm_loss
-from model.hf_format import hf_state_from_layers, layer_hf_names, layer_state_from_hf
-from model.hf_gpt2 import gpt_config_from_hf
+from model.hf.format import hf_state_from_layers, layer_hf_names, layer_state_from_hf
+from model.hf.gpt2 import gpt_config_from_hf
 from tests.runs import TINY, launch, metrics, python_run
 
 HF_SHAPE = dict(n_layer=2, n_head=2, n_embd=32, n_positions=32, vocab_size=256)

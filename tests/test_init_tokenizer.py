@@ -11,8 +11,8 @@ from omegaconf import OmegaConf
 
 from data.prepare import prepare
 from data.prepare_config import PrepareDataConfig
-from harness.hf_checkpoint import open_hf_dir
-from harness.init_from import pick_tokenizer
+from harness.hf.checkpoint import open_hf_dir
+from harness.hf.init_from import pick_tokenizer
 
 LLAMA = {
     "model_type": "llama",

@@ -1,6 +1,6 @@
 """The Llama-family model against Hugging Face's, in the litgpt manner: random `transformers` models built locally
 from shrunk real configurations (GQA ratio, tying, biases, rope theta and scaling kept), weights copied by the
-name map of model/llama_names.py, logits equal within 1e-5 in fp32. Plus the pieces on their own: RMSNorm's and
+name map of model/hf/llama_names.py, logits equal within 1e-5 in fp32. Plus the pieces on their own: RMSNorm's and
 SwiGLU's hand-written backward, the KV cache of n_kv_head heads, validation."""
 
 import pytest
@@ -8,14 +8,14 @@ import torch
 import transformers
 
 from model import GPT, GPTConfig, gpt_layers, lm_loss, module_entries
-from model.hf_format import hf_config_from_model
+from model.hf.format import hf_config_from_model
+from model.hf.llama_names import flat_index_of, llama_layer_hf_names
 from model.llama_layers import LlamaBlock, SwiGLU
-from model.llama_names import flat_index_of, llama_layer_hf_names
 from model.rms_norm import RMSNorm
 from model.rotary import inverse_frequencies, rotary_angles, rotary_cos_sin
 
 # Shrunk from the published configs: (the HF class our config exports as, our fields). The HF model is built from the
-# config.json an export writes (model/hf_format.py).
+# config.json an export writes (model/hf/format.py).
 SHAPES = {
     "llama3.1": (
         transformers.LlamaForCausalLM,
@@ -165,6 +165,40 @@ def test_block_parameters_carry_hugging_faces_names():
         flat_index_of(cfg, "model.layers.2.self_attn.q_proj.weight")
 
 
+def test_qwen3_blocks_norm_each_heads_q_and_k_and_may_be_wider_than_the_hidden_size():
+    """Qwen3-0.6B's layout: head_dim 2 n_embd / n_head, so q and o are twice the hidden size wide; the q and k
+    norms' gains are head_dim wide, under Hugging Face's names; cached decoding still equals the whole forward."""
+    cfg = llama_config(head_dim=32, qk_norm=True, hf_model_type="qwen3")
+    block = LlamaBlock(cfg, seed=0, layer_index=1)
+    shapes = {n: tuple(p.shape) for n, p in block.named_parameters()}
+    assert shapes["self_attn.q_norm.weight"] == shapes["self_attn.k_norm.weight"] == (32,)
+    assert shapes["self_attn.q_proj.weight"] == (cfg.n_head * 32, cfg.n_embd)
+    assert shapes["self_attn.o_proj.weight"] == (cfg.n_embd, cfg.n_head * 32)
+    assert shapes["self_attn.k_proj.weight"] == (cfg.kv_heads * 32, cfg.n_embd)
+    model = GPT(cfg, seed=0).eval()
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+    caches = model.new_caches(batch=2)
+    pieces = [model.forward_cached(idx[:, a:b], caches) for a, b in ((0, 7), (7, cfg.seq_len))]
+    with torch.no_grad():
+        torch.testing.assert_close(torch.cat(pieces, dim=1), model(idx), rtol=0, atol=1e-5)
+
+
+def test_an_rms_norm_that_drops_its_rstd_gives_the_same_gradients():
+    """Selective recompute of `layernorm` makes Qwen3's q and k norms keep their input only: the rstd made again
+    in backward gives bit-identical gradients."""
+    x = torch.randn(2, 3, 4, 8, requires_grad=True)
+    grads = []
+    for keep in (True, False):
+        norm = RMSNorm(8, 1e-6)
+        norm.keep_rstd = keep
+        with torch.no_grad():
+            norm.weight.normal_(generator=torch.Generator().manual_seed(0))
+        norm(x).pow(2).sum().backward()
+        grads.append((x.grad.clone(), norm.weight.grad.clone()))
+        x.grad = None
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -175,6 +209,10 @@ def test_block_parameters_carry_hugging_faces_names():
         ({"dropout": 0.1}, r"model.dropout=0.1 / model.packed_dropout=False are invalid with model.arch=llama"),
         ({"rope_scaling": "yarn"}, r"model.rope_scaling='yarn' is unknown: allowed values are none, llama3"),
         ({"arch": "mamba"}, r"model.arch='mamba' is unknown: allowed values are gpt2, llama"),
+        ({"head_dim": 7}, r"model.head_dim = 7 is odd: rotary embeddings rotate pairs of channels"),
+        ({"head_dim": 0}, r"model.head_dim=0 is invalid: give a positive integer, or null"),
+        ({"hf_model_type": "qwen3"}, r"model.hf_model_type=qwen3 with model.qk_norm=False: Qwen3 normalises q"),
+        ({"qk_norm": True, "hf_model_type": "llama"}, r"model.hf_model_type=llama with model.qk_norm=True"),
     ],
 )
 def test_llama_config_validation(overrides, message):
@@ -187,6 +225,10 @@ def test_gpt2_refuses_llama_only_options():
         GPTConfig(n_kv_head=2)
     with pytest.raises(ValueError, match=r"model.tie_embeddings=False is invalid with model.arch=gpt2"):
         GPTConfig(tie_embeddings=False)
+    with pytest.raises(ValueError, match=r"model.qk_norm=True is invalid with model.arch=gpt2"):
+        GPTConfig(qk_norm=True)
+    with pytest.raises(ValueError, match=r"model.head_dim=64 is invalid with model.arch=gpt2"):
+        GPTConfig(head_dim=64)
 
 
 def angles_anew(cfg: GPTConfig, start: int, length: int) -> torch.Tensor:

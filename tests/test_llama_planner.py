@@ -46,8 +46,12 @@ def llama(**overrides) -> GPTConfig:
     return GPTConfig(**{**fields, **overrides})
 
 
-def run_llama(recompute, attention, precision, tied, chunk, stages=2, micro_batch_size=2):
-    cfg = llama(attention=attention, tie_embeddings=tied, loss_chunk_tokens=chunk)
+# Qwen3's block: q and k normed per head, and a head_dim that makes q twice the hidden size (as Qwen3-0.6B's).
+QWEN3 = {"head_dim": 16, "qk_norm": True}
+
+
+def run_llama(recompute, attention, precision, tied, chunk, stages=2, micro_batch_size=2, **overrides):
+    cfg = llama(attention=attention, tie_embeddings=tied, loss_chunk_tokens=chunk, **overrides)
     run = RunShape(Topology(stages), Target("cpu", precision), micro_batches=2, micro_batch_size=micro_batch_size)
     layout = build_layout(cfg, recompute, run, "type:Block", seed=0)
     plan = plan_run(cfg, recompute, layout, run)
@@ -65,6 +69,23 @@ def test_planned_bytes_equal_measured_bytes(recompute, attention, precision, tie
     for stage, planned in zip(pipe.stages, plan.stages):
         assert stage.meter.bytes_per_micro_batch() == [planned.activation_bytes_per_microbatch] * 2
         assert stage.meter.stage_input_bytes() == [planned.stage_input_bytes] * 2
+
+
+@pytest.mark.parametrize("attention, precision", [("sdpa", "fp32"), ("math", "bf16")])
+@pytest.mark.parametrize("recompute", MODES, ids=mode_id)
+def test_qwen3_planned_bytes_equal_measured_bytes(recompute, attention, precision):
+    _, pipe, plan, batches = run_llama(recompute, attention, precision, False, 0, **QWEN3)
+    pipe.step(batches, measure=True)
+    for stage, planned in zip(pipe.stages, plan.stages):
+        assert stage.meter.bytes_per_micro_batch() == [planned.activation_bytes_per_microbatch] * 2
+
+
+@pytest.mark.parametrize("recompute", [MODES[0], MODES[1], *MODES[4:]], ids=mode_id)
+def test_qwen3_hardware_flops_match_flop_counter_mode(recompute):
+    _, pipe, plan, batches = run_llama(recompute, "math", "fp32", False, 0, **QWEN3)
+    with FlopCounterMode(display=False) as counter:
+        pipe.step(batches)
+    assert counter.get_total_flops() == sum(s.hardware_flops_per_step for s in plan.stages)
 
 
 def test_three_stages_and_one_sequence_agree_too():
@@ -91,12 +112,15 @@ def test_hardware_flops_match_flop_counter_mode(recompute, tied, chunk):
     assert counter.get_total_flops() == sum(s.hardware_flops_per_step for s in plan.stages)
 
 
-def test_model_flops_formula_matches_counted_matmuls_up_to_norm_gains():
-    cfg, pipe, plan, batches = run_llama(NoRecompute(), "math", "fp32", False, 0)
+@pytest.mark.parametrize("overrides", [{}, QWEN3], ids=["llama", "qwen3"])
+def test_model_flops_formula_matches_counted_matmuls_up_to_norm_gains(overrides):
+    cfg, pipe, plan, batches = run_llama(NoRecompute(), "math", "fp32", False, 0, **overrides)
     with FlopCounterMode(display=False) as counter:
         pipe.step(batches)
-    # 6N counts the RMSNorm gains as if they were matmul weights: 6 (2 h L + h) per token more.
-    extra = 6 * (2 * cfg.n_embd * cfg.n_layer + cfg.n_embd) * plan.flops.tokens_per_step
+    # 6N counts the RMSNorm gains as if they were matmul weights: 6 (2 h L + h) per token more, and Qwen3's q and k
+    # norms' 2 hs per block.
+    gains = 2 * cfg.n_embd * cfg.n_layer + cfg.n_embd + (2 * cfg.head_size * cfg.n_layer if cfg.qk_norm else 0)
+    extra = 6 * gains * plan.flops.tokens_per_step
     assert plan.flops.model_flops_per_step == counter.get_total_flops() + extra
 
 

@@ -438,7 +438,7 @@ def test_a_run_on_prepared_data_trains_evaluates_and_samples_with_its_tokenizer(
     from transformers import AutoTokenizer
 
     from harness.generation import sample_text
-    from harness.hf_export import export_hf
+    from harness.hf.export import export_hf
     from schema.scripts import ExportConfig, GenerateConfig
 
     run_dir = case_runs["prepared"]
@@ -458,7 +458,7 @@ def test_a_run_on_prepared_data_trains_evaluates_and_samples_with_its_tokenizer(
 def test_evaluating_the_2_stage_checkpoint_equals_evaluating_its_export(case_runs, tmp_path: Path):
     """evaluate.py on the checkpoint, in this process's model, against lm-eval's own hf model on its export."""
     from harness.consolidate import consolidate
-    from harness.hf_export import export_hf
+    from harness.hf.export import export_hf
     from harness.lm_evaluation import evaluate
     from schema.scripts import EvaluateConfig, ExportConfig
     from tests import wandb_file

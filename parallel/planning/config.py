@@ -178,7 +178,8 @@ class SelectiveRecompute(PlannedRecompute):
     """What to recompute: `core_attn` (softmax(QK^T)V with its dropout), `mlp_act` (the GELU output
     read by the second MLP matmul; under model.arch=llama the SwiGLU product read by the down projection),
     `layernorm` (the LayerNorm outputs read by the QKV and first MLP matmuls; under llama the two RMSNorm
-    outputs), `mlp` (the whole MLP with its dropout)."""
+    outputs, and with model.qk_norm (Qwen3) the q and k norms' fp32 rstd, made again from their kept input),
+    `mlp` (the whole MLP with its dropout)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

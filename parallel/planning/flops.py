@@ -30,16 +30,16 @@ from parallel.planning.stage_plan import StagePlan
 
 
 def block_forward_flops(shape: Shape) -> int:
-    """One block, one micro-batch: q and output projections (2 h^2), k and v (2 h kv, kv = h g / a), the MLP's
-    matmuls per token (gpt2: 2 h f with f = 4h, so 12 h^2 in all; llama's SwiGLU: 3 h f), plus QK^T and (softmax)
-    x V over the full square."""
+    """One block, one micro-batch: q and output projections (2 h q, q = a hs: h unless model.head_dim says
+    otherwise), k and v (2 h kv, kv = g hs), the MLP's matmuls per token (gpt2: 2 h f with f = 4h, so 12 h^2 in all;
+    llama's SwiGLU: 3 h f), plus QK^T and (softmax) x V over the full square. Qwen3's q and k norms do no matmul."""
     tokens = shape.b * shape.s
-    projections = 2 * shape.h * shape.h + 2 * shape.h * shape.kv_width
+    projections = 2 * shape.h * shape.q_width + 2 * shape.h * shape.kv_width
     return 2 * tokens * projections + mlp_forward_flops(shape) + attention_core_forward_flops(shape)
 
 
 def attention_core_forward_flops(shape: Shape) -> int:
-    return 2 * 2 * shape.b * shape.s * shape.s * shape.h
+    return 2 * 2 * shape.b * shape.s * shape.s * shape.q_width
 
 
 def mlp_forward_flops(shape: Shape) -> int:
@@ -89,9 +89,10 @@ def non_embedding_params(recipes: Sequence[LayerRecipe], param_counts: Sequence[
 
 
 def model_flops_per_token(model: GPTConfig, non_embedding: int) -> int:
-    """6 (N + h V) + 12 L h s, N = `non_embedding` (non_embedding_params)."""
+    """6 (N + h V) + 12 L q s, N = `non_embedding` (non_embedding_params), q = the query width (h unless
+    model.head_dim says otherwise: the attention core's matmuls are q wide)."""
     h = model.n_embd
-    return 6 * (non_embedding + h * model.vocab_size) + 12 * model.n_layer * h * model.seq_len
+    return 6 * (non_embedding + h * model.vocab_size) + 12 * model.n_layer * model.q_width * model.seq_len
 
 
 def head_flops_per_token(model: GPTConfig) -> int:

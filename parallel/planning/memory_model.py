@@ -45,7 +45,8 @@ def dropout_mask_bytes(elements: int, shape: Shape, target: Target) -> int:
 
 def attention_core_items(shape: Shape, target: Target) -> list[Item]:
     """What the attention core keeps, including the (B, T, C) output the output projection reads."""
-    d, bsh, scores = target.dtype_bytes, shape.bsh, shape.scores
+    # q and the attention output are a hs wide: h, unless model.head_dim sets hs (Qwen3-0.6B: 2h)
+    d, bsq, scores = target.dtype_bytes, shape.b * shape.s * shape.q_width, shape.scores
     kernel = attention_kernel(shape, target)
     if kernel in ("math", "sdpa-math"):
         # matmul reshapes the strided q, k, v views into contiguous copies and keeps those (with b = 1 the explicit
@@ -54,15 +55,15 @@ def attention_core_items(shape: Shape, target: Target) -> list[Item]:
         c = d if kernel == "math" else FP32
         # SDPA's math backend draws its own fp32 mask; explicit ops run the model's dropout
         mask = dropout_mask_bytes(scores, shape, target) if kernel == "math" else scores * FP32
-        items = [("q, k, v copies kept by the two batched matmuls", 3 * bsh * c)]
+        items = [("q, k, v copies kept by the two batched matmuls", 3 * bsq * c)]
         if kernel == "sdpa-math" and d == FP32 and shape.b == 1:
             # its v is a view there: the second matmul keeps the whole QKV output
-            items = [("q and k copies", 2 * bsh * c), ("QKV output (v viewed by the second matmul)", 3 * bsh * d)]
+            items = [("q and k copies", 2 * bsq * c), ("QKV output (v viewed by the second matmul)", 3 * bsq * d)]
         items.append(("softmax output", scores * c))
         if shape.dropout:
             items += [("attention dropout mask", mask), ("attention dropout output", scores * c)]
         # (no dropout: the second matmul keeps the softmax output itself, counted once)
-        items.append(("attention output, contiguous (output projection input)", bsh * d))
+        items.append(("attention output, contiguous (output projection input)", bsq * d))
         return items
     # Fused kernels keep q, k, v (gpt2: views of the QKV projection output; llama: the rotated q and k, v a view of
     # its projection's output, k and v g/a as wide: SDPA reads grouped heads itself), their output (which, laid out
@@ -71,8 +72,8 @@ def attention_core_items(shape: Shape, target: Target) -> list[Item]:
     # flash keeps s of them: counting the padded rows never plans too little.
     rows = -(-shape.s // 32) * 32 if target.device == "cuda" else shape.s
     return [
-        ("q, k, v", (bsh + 2 * shape.b * shape.s * shape.kv_width) * d),
-        ("attention output (output projection input, same storage)", bsh * d),
+        ("q, k, v", (bsq + 2 * shape.b * shape.s * shape.kv_width) * d),
+        ("attention output (output projection input, same storage)", bsq * d),
         ("log-sum-exp", shape.b * shape.a * rows * FP32),
     ]
 
@@ -115,22 +116,29 @@ def block_items(shape: Shape, target: Target, modules: Sequence[str] = ()) -> li
 
 def llama_block_items(shape: Shape, target: Target, modules: Sequence[str] = ()) -> list[Item]:
     """What one Llama block keeps (model/llama_layers.py; no dropout there) with no recompute or with selective
-    recompute of `modules`: `layernorm` discards the RMSNorm outputs, `mlp_act` the SwiGLU product. RMSNorm keeps
-    its input and an fp32 rstd per token (model/rms_norm.py); the rotary embedding keeps its cos and sin, (s, hs)
-    each; the attention core is attention_core_items' (the explicit ops repeat k and v to nh heads first, which
-    their batched matmuls keep as copies of the full width); the SwiGLU product keeps gate and up, the down
-    projection the product."""
+    recompute of `modules`: `layernorm` discards the RMSNorm outputs, and the q and k norms' rstd (made again from
+    their kept input), `mlp_act` the SwiGLU product. RMSNorm keeps its input and an fp32 rstd per token
+    (model/rms_norm.py), per token and head for Qwen3's q and k norms; the rotary embedding keeps its cos and sin,
+    (s, hs) each, and not its input; the attention core is attention_core_items' (the explicit ops repeat k and v to
+    nh heads first, which their batched matmuls keep as copies of the full width); the SwiGLU product keeps gate and
+    up, the down projection the product."""
     d, bsh, bs = target.dtype_bytes, shape.bsh, shape.b * shape.s
-    kv, ffn = bs * shape.kv_width * d, bs * shape.mlp_width * d
+    bsq, kv, ffn = bs * shape.q_width * d, bs * shape.kv_width * d, bs * shape.mlp_width * d
     mods = set(modules)
     items: list[Item] = [("block input (input_layernorm input)", bsh * d), ("input_layernorm rstd (fp32)", bs * FP32)]
     if "layernorm" not in mods:
         items.append(("input_layernorm output (q, k, v projections' input)", bsh * d))
+    if shape.qk_norm:
+        items.append(("q_norm and k_norm inputs (q and k projection outputs)", bsq + kv))
+        if "layernorm" not in mods:
+            items.append(
+                ("q_norm and k_norm rstd (fp32, per token and head)", bs * (shape.a + (shape.g or shape.a)) * FP32)
+            )
     items.append(("rotary cos and sin", 2 * shape.s * shape.head_size * d))
     if "core_attn" in mods:
         items += [
-            ("rotated q and k, and v (checkpoint inputs)", bsh * d + 2 * kv),
-            ("attention output (o_proj input)", bsh * d),
+            ("rotated q and k, and v (checkpoint inputs)", bsq + 2 * kv),
+            ("attention output (o_proj input)", bsq),
         ]
     else:
         items += attention_core_items(shape, target)
@@ -208,10 +216,10 @@ def weight_grad_items(shape: Shape, target: Target) -> list[Item]:
     d, bsh = target.dtype_bytes, shape.bsh
     if shape.arch == "llama":
         bs = shape.b * shape.s
-        kv, ffn = bs * shape.kv_width * d, bs * shape.mlp_width * d
+        bsq, kv, ffn = bs * shape.q_width * d, bs * shape.kv_width * d, bs * shape.mlp_width * d
         return [
-            ("q, k, v projections' input and output gradients", 2 * bsh * d + 2 * kv),
-            ("o_proj input and output gradient", 2 * bsh * d),
+            ("q, k, v projections' input and output gradients", bsh * d + bsq + 2 * kv),
+            ("o_proj input and output gradient", bsq + bsh * d),
             ("gate and up projections' input and output gradients", bsh * d + 2 * ffn),
             ("down projection input and output gradient", ffn + bsh * d),
         ]

@@ -111,21 +111,24 @@ def gpt_block_ops(shape: Shape) -> BlockOps:
 def llama_block_ops(shape: Shape) -> BlockOps:
     """model/llama_layers.py's LlamaBlock: pre-RMSNorm grouped-query attention with rotary q and k, and the SwiGLU
     MLP; no dropout. q, k and v are three Linear layers (k and v kv_width wide), as gate and up are two: the
-    gradients of their shared input are summed (one add per extra layer)."""
-    tokens, h, kv, f = shape.b * shape.s, shape.h, shape.kv_width, shape.mlp_width
-    q, q_back = _linear(tokens, h, h)
+    gradients of their shared input are summed (one add per extra layer). q is a hs wide (model.head_dim); Qwen3's
+    q and k norms are RMSNorms over hs channels, priced on the rmsnorm curve by their elements, and join the
+    `layernorm` part: selective recompute of `layernorm` makes their rstd again in backward."""
+    tokens, h, qw, kv, f = shape.b * shape.s, shape.h, shape.q_width, shape.kv_width, shape.mlp_width
+    q, q_back = _linear(tokens, h, qw)
     k, k_back = _linear(tokens, h, kv)
     v, v_back = _linear(tokens, h, kv)
-    o, o_back = _linear(tokens, h, h)
+    o, o_back = _linear(tokens, qw, h)
     gate, gate_back = _linear(tokens, h, f)
     up, up_back = _linear(tokens, h, f)
     down, down_back = _linear(tokens, f, h)
-    core = AttentionOp(shape.attention, False, shape.scores, shape.head_size, grouped=kv < h)
-    rotary = (Op("rotary", tokens * h), Op("rotary", tokens * kv))  # q and k
+    core = AttentionOp(shape.attention, False, shape.scores, shape.head_size, grouped=kv < qw)
+    rotary = (Op("rotary", tokens * qw), Op("rotary", tokens * kv))  # q and k
+    qk_norms = (Op("rmsnorm", tokens * qw), Op("rmsnorm", tokens * kv)) if shape.qk_norm else ()
     mlp = (gate, up, Op("swiglu", tokens * f), down)
     return BlockOps(
         parts={
-            "layernorm": (Op("rmsnorm", tokens * h),) * 2,
+            "layernorm": (Op("rmsnorm", tokens * h),) * 2 + qk_norms,
             "core_attn": (core,),
             "mlp": mlp,
             "mlp_act": (mlp[2],),
@@ -133,6 +136,7 @@ def llama_block_ops(shape: Shape) -> BlockOps:
         },
         backward=(
             *(Op("rmsnorm_backward", tokens * h),) * 2,
+            *(Op("rmsnorm_backward", op.size) for op in qk_norms),
             *q_back,
             *k_back,
             *v_back,
@@ -169,7 +173,7 @@ ARCHITECTURES = {
         llama_block_ops,
         "rmsnorm",
         False,
-        lambda shape: 2 * shape.h * (shape.h + shape.kv_width) + 3 * shape.h * shape.mlp_width,
+        lambda shape: 2 * shape.h * (shape.q_width + shape.kv_width) + 3 * shape.h * shape.mlp_width,
     ),
 }
 """The block architectures a profile prices, by their op lists: every model.arch (tests/test_device_profile.py)."""

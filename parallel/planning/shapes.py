@@ -111,6 +111,10 @@ class Shape:
     """MLP width (model.intermediate_size); 0: 4h."""
     tied: bool = True
     """model.tie_embeddings: the LM head is the token embedding (one tied all-reduce between the end stages)."""
+    hd: int = 0
+    """Channels per head (model.head_dim); 0: h / a."""
+    qk_norm: bool = False
+    """model.qk_norm: an RMSNorm on each head's q and k (Qwen3)."""
 
     @classmethod
     def of(cls, model: GPTConfig, micro_batch_size: int) -> "Shape":
@@ -128,6 +132,8 @@ class Shape:
             model.kv_heads,
             model.mlp_width,
             model.tie_embeddings,
+            model.head_dim or 0,
+            model.qk_norm,
         )
 
     @property
@@ -136,8 +142,13 @@ class Shape:
 
     @property
     def kv_width(self) -> int:
-        """Channels of k (and of v): h g / a."""
-        return self.h * (self.g or self.a) // self.a
+        """Channels of k (and of v): g hs."""
+        return (self.g or self.a) * self.head_size
+
+    @property
+    def q_width(self) -> int:
+        """Channels of q and of the attention output: a hs, h unless model.head_dim says otherwise."""
+        return self.a * self.head_size
 
     @property
     def mlp_width(self) -> int:
@@ -145,7 +156,7 @@ class Shape:
 
     @property
     def head_size(self) -> int:
-        return self.h // self.a
+        return self.hd or self.h // self.a
 
     @property
     def scores(self) -> int:

@@ -121,7 +121,8 @@ def _remade_copies(shape: Shape, target: Target) -> int:
     (its v is a view then)."""
     kernel = attention_kernel(shape, target)
     if shape.arch == "llama":  # the checkpoint holds rotated q and k and v; the explicit ops copy all three
-        return (shape.bsh + 2 * shape.b * shape.s * shape.kv_width) * target.dtype_bytes if kernel == "math" else 0
+        bs = shape.b * shape.s
+        return (bs * shape.q_width + 2 * bs * shape.kv_width) * target.dtype_bytes if kernel == "math" else 0
     views = shape.b == 1 and (kernel == "math" or (kernel == "sdpa-math" and target.dtype_bytes == FP32))
     copies = kernel in ("math", "sdpa-math") and not views
     return 3 * shape.bsh * target.dtype_bytes if copies else 0

@@ -200,7 +200,9 @@ def _discard_output(producer: nn.Module, consumer: nn.Module) -> None:
 
 def apply_selective(block: Block | LlamaBlock, modules: Sequence[str]) -> None:
     """gpt2: ln_1, attn, ln_2, mlp, GELU -> c_proj; llama: input_layernorm, self_attn, post_attention_layernorm,
-    mlp, SwiGLU product -> down_proj (`mlp_act` discards the product, made again from gate and up)."""
+    mlp, SwiGLU product -> down_proj (`mlp_act` discards the product, made again from gate and up). Qwen3's q and k
+    norms join `layernorm`: nothing keeps their output (the rotary embedding keeps only its cos and sin), so they
+    drop their rstd instead, made again in backward from the projection output they keep."""
     if isinstance(block, LlamaBlock):
         norm_1, attn, norm_2, mlp, act_consumer = (
             block.input_layernorm,
@@ -221,6 +223,9 @@ def apply_selective(block: Block | LlamaBlock, modules: Sequence[str]) -> None:
     if "mlp_act" in modules:
         _discard_output(mlp.act, act_consumer)
     if "layernorm" in modules:
+        for qk_norm in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)):
+            if qk_norm is not None:
+                qk_norm.keep_rstd = False
         _discard_output(norm_1, attn)
         if "mlp" not in modules:
             _discard_output(norm_2, mlp)

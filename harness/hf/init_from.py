@@ -11,11 +11,10 @@ from omegaconf import DictConfig, OmegaConf
 from data.tokenizer_file import read_tokenizer_file
 from harness.checkpoint import resume_point
 from harness.context import RunContext
-from harness.hf_checkpoint import TOKENIZER_FILE, HFCheckpoint, open_hf_dir, open_tensors, tensor_shapes
+from harness.hf.checkpoint import TOKENIZER_FILE, HFCheckpoint, open_hf_dir, open_tensors, tensor_shapes
 from harness.init_tokenizer import check_chosen_tokenizer, check_prepared_data, prepared_files
 from model import GPTConfig
-from model.hf_format import config_from_hf, hf_shapes, layer_state_from_hf
-from model.llama_names import HF_LM_HEAD
+from model.hf.format import config_from_hf, family_of, hf_shapes, layer_state_from_hf
 
 # Our model.* field -> the config.json keys it may come from (GPT-2's, Llama's), where the names differ.
 _HF_KEYS = {
@@ -25,6 +24,7 @@ _HF_KEYS = {
     "n_head": ("n_head", "num_attention_heads"),
     "n_kv_head": ("num_key_value_heads",),
     "n_embd": ("n_embd", "hidden_size"),
+    "head_dim": ("head_dim",),
     "norm_eps": ("layer_norm_epsilon", "rms_norm_eps"),
     "tie_embeddings": ("tie_word_embeddings",),
     "hf_model_type": ("model_type",),
@@ -119,20 +119,18 @@ def pick_tokenizer(cfg: DictConfig, checkpoint: HFCheckpoint, overridden: set[st
 
 
 def check_tensors(checkpoint: HFCheckpoint, model: GPTConfig) -> None:
-    """Every tensor the model reads is in the weight files, with its shape. Extra tensors are ignored in a GPT-2
-    file (older ones carry attention-mask buffers); in a Llama-family file only a tied model's lm_head.weight and
-    the rotary inv_freq buffers of older files are: any other (a bias, a layer, an expert config.json does not
-    declare) is refused, since the model would silently lack it."""
+    """Every tensor the model reads is in the weight files, with its shape. An extra tensor is refused, since the
+    model would silently lack it, unless its family says the model does not read it (model/hf/family.py's
+    `unread_tensor`: GPT-2's attention-mask buffers, a tied Llama's lm_head.weight, rotary inv_freq buffers)."""
     found = tensor_shapes(checkpoint)
     expected = hf_shapes(model)
-    if model.arch == "llama":
-        ignored = {HF_LM_HEAD} if model.tie_embeddings else set()
-        foreign = [n for n in found if n not in expected and n not in ignored and not n.endswith(".inv_freq")]
-        if foreign:
-            raise ValueError(
-                f"{checkpoint.where} holds {len(foreign)} tensors the model config.json describes has no place for, "
-                f"e.g. {', '.join(foreign[:3])}"
-            )
+    unread = family_of(model).unread_tensor
+    foreign = [name for name in found if name not in expected and not unread(model, name)]
+    if foreign:
+        raise ValueError(
+            f"{checkpoint.where} holds {len(foreign)} tensors the model config.json describes has no place for, "
+            f"e.g. {', '.join(foreign[:3])}"
+        )
     missing = [name for name in expected if name not in found]
     if missing:
         raise ValueError(

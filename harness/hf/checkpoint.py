@@ -3,8 +3,8 @@ one at a time (safetensors reads only the bytes of the tensor asked for; a .bin 
 checkpoint (model.safetensors.index.json, or pytorch_model.bin.index.json) opens a shard only when a tensor of it
 is first read, so a pipeline stage opens only the shards that hold its layers.
 
-Every failure is a ValueError that names model.init_from. Tensor names are given without GPT2LMHeadModel's
-`transformer.` prefix; files written with or without it both work.
+Every failure is a ValueError that names model.init_from. Tensor names are given without a family's file prefix
+(GPT2LMHeadModel's `transformer.`: model/hf/format.py's FILE_PREFIXES); files written with or without it both work.
 """
 
 import json
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from model.hf_gpt2 import HF_PREFIX
+from model.hf.format import FILE_PREFIXES
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -84,7 +84,9 @@ def _read_index(index: Path) -> dict[str, Path]:
 
 
 def _unprefixed(name: str) -> str:
-    return name.removeprefix(HF_PREFIX)
+    for prefix in FILE_PREFIXES:
+        name = name.removeprefix(prefix)
+    return name
 
 
 def _open_safetensors(file: Path, checkpoint: HFCheckpoint):

@@ -1,9 +1,9 @@
-"""Hugging Face's formats for both architectures: config.json <-> model.* fields, and our flat layers' state dicts <->
-a Hugging Face state dict. Dispatches to model/hf_gpt2.py (GPT2LMHeadModel) and model/hf_llama.py +
-model/llama_names.py (LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM). Pure PyTorch.
+"""Hugging Face's formats for every family: config.json <-> model.* fields, and our flat layers' state dicts <-> a
+Hugging Face state dict. Dispatches to the families in FAMILIES (model/hf/family.py's protocol): config.json's
+model_type picks one when reading, model.arch when writing. Pure PyTorch.
 
-Tensor names are those of the HF file, except GPT-2's, which go without GPT2LMHeadModel's `transformer.` prefix (the
-reader accepts both, an export writes it).
+Tensor names are those of the HF file without a family's file prefix (GPT-2's `transformer.`): the reader accepts
+both, an export writes it.
 """
 
 from collections.abc import Callable
@@ -13,9 +13,13 @@ import torch
 
 from model.config import GPTConfig
 from model.gpt import gpt_layers
-from model.hf_gpt2 import HF_PREFIX, gpt_config_from_hf, gpt_layer_hf_names, hf_config_from_gpt
-from model.hf_llama import hf_config_from_llama, llama_config_from_hf
-from model.llama_names import llama_layer_hf_names
+from model.hf.family import MOE_KEYS, HFFamily
+from model.hf.gpt2 import GPT2
+from model.hf.llama import LLAMA
+
+FAMILIES = (GPT2, LLAMA)
+FAMILY_OF_TYPE = {model_type: family for family in FAMILIES for model_type in family.model_types}
+FILE_PREFIXES = tuple(family.file_prefix for family in FAMILIES if family.file_prefix)
 
 # The model.* fields a config.json decides, under either architecture: those it does not give keep their defaults
 # (so a llama preset's n_kv_head does not outlive model.init_from of a GPT-2). seq_len and dropout are the run's.
@@ -25,6 +29,7 @@ ARCH_FIELDS = (
     "n_head",
     "n_kv_head",
     "n_embd",
+    "head_dim",
     "intermediate_size",
     "vocab_size",
     "tie_embeddings",
@@ -36,6 +41,7 @@ ARCH_FIELDS = (
     "rope_high_freq_factor",
     "rope_original_max_positions",
     "qkv_bias",
+    "qk_norm",
     "bias",
     "activation",
     "hf_model_type",
@@ -47,24 +53,33 @@ def config_from_hf(hf_config: dict, seq_len: int, where: str = "model.init_from"
     have it); `seq_len` is the run's, which a Llama-family config only bounds. ValueError starting with `where`."""
     if not isinstance(hf_config, dict):
         raise ValueError(f"{where}: config.json holds a {type(hf_config).__name__}, not an object")
-    if hf_config.get("model_type", "gpt2") == "gpt2":
-        given = gpt_config_from_hf(hf_config, where)
-    else:
-        given = llama_config_from_hf(hf_config, seq_len, where)
+    model_type = hf_config.get("model_type", "gpt2")
+    if model_type not in FAMILY_OF_TYPE:
+        moe = [key for key in MOE_KEYS if hf_config.get(key)]
+        reason = (
+            f"{moe[0]}={hf_config[moe[0]]} describes a mixture of experts, which is not supported"
+            if moe
+            else f"model_type={model_type!r} is not supported: allowed values are {', '.join(FAMILY_OF_TYPE)}"
+        )
+        raise ValueError(f"{where}: config.json {reason}")
+    given = FAMILY_OF_TYPE[model_type].config_from_hf(hf_config, seq_len, where)
     defaults = {f.name: f.default for f in fields(GPTConfig) if f.name in ARCH_FIELDS}
     return {**defaults, **given}
 
 
+def family_of(config: GPTConfig) -> HFFamily:
+    """The family that reads and writes models of config.arch."""
+    return next(family for family in FAMILIES if family.arch == config.arch)
+
+
 def hf_config_from_model(config: GPTConfig) -> dict:
     """A config.json dict that transformers' AutoModelForCausalLM loads for `config`, without token ids."""
-    return hf_config_from_llama(config) if config.arch == "llama" else hf_config_from_gpt(config)
+    return family_of(config).hf_config(config)
 
 
 def layer_hf_names(config: GPTConfig, flat_index: int) -> dict[str, tuple[str, bool]]:
     """One flat layer's parameter names -> (HF name, stored transposed?); only GPT-2's Conv1D weights are."""
-    if config.arch == "gpt2":
-        return gpt_layer_hf_names(config, flat_index)
-    return {ours: (theirs, False) for ours, theirs in llama_layer_hf_names(config, flat_index).items()}
+    return family_of(config).layer_names(config, flat_index)
 
 
 def layer_state_from_hf(config: GPTConfig, flat_index: int, get: Callable[[str], torch.Tensor]) -> dict:
@@ -79,7 +94,7 @@ def layer_state_from_hf(config: GPTConfig, flat_index: int, get: Callable[[str],
 def hf_state_from_layers(config: GPTConfig, layer_states: dict[int, dict[str, torch.Tensor]]) -> dict:
     """Our per-flat-layer state dicts -> the HF model's state dict as its file holds it (GPT-2's `transformer.`
     names, Conv1D weights transposed back). A tied LM head is left out, as HF's own save_pretrained does."""
-    prefix = HF_PREFIX if config.arch == "gpt2" else ""
+    prefix = family_of(config).file_prefix
     state = {}
     for flat_index, layer_state in layer_states.items():
         for ours, (theirs, transposed) in layer_hf_names(config, flat_index).items():

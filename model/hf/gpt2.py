@@ -1,5 +1,5 @@
 """Hugging Face GPT-2 <-> our `arch=gpt2` GPT: the config fields and the tensor names, both ways. Pure PyTorch
-(model/hf_format.py applies them).
+(model/hf/format.py applies them).
 
 HF's GPT2LMHeadModel holds the same weights as our flat layer list, under other names and with its
 Conv1D weights stored (in, out) where our nn.Linear stores (out, in). HF names here are written without
@@ -8,6 +8,7 @@ the `transformer.` prefix that GPT2LMHeadModel's own state dict adds (the reader
 
 from model.config import GPTConfig
 from model.gpt import FIRST_BLOCK_INDEX
+from model.hf.family import HFFamily
 
 HF_PREFIX = "transformer."
 LAYER_NORM_EPS = 1e-5  # our nn.LayerNorm's default, GPT-2's layer_norm_epsilon
@@ -94,7 +95,6 @@ def hf_config_from_gpt(config: GPTConfig) -> dict:
         "initializer_range": 0.02,
         "scale_attn_weights": True,
         "tie_word_embeddings": True,
-        "torch_dtype": "float32",
     }
 
 
@@ -112,3 +112,14 @@ def gpt_layer_hf_names(config: GPTConfig, flat_index: int) -> dict[str, tuple[st
     if flat_index == last_block:
         return {"ln_f.weight": ("ln_f.weight", False), "ln_f.bias": ("ln_f.bias", False)}
     raise IndexError(f"flat layer {flat_index} does not exist in a model of {config.n_layer} blocks")
+
+
+GPT2 = HFFamily(
+    arch="gpt2",
+    model_types=("gpt2",),
+    config_from_hf=lambda hf_config, seq_len, where: gpt_config_from_hf(hf_config, where),  # n_positions is seq_len
+    hf_config=hf_config_from_gpt,
+    layer_names=gpt_layer_hf_names,
+    file_prefix=HF_PREFIX,
+    unread_tensor=lambda config, name: True,  # older files carry attention-mask buffers
+)
