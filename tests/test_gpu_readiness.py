@@ -162,7 +162,9 @@ def test_only_an_fp16_overflow_skip_is_not_a_fault(loss, norm, applied, fp16, fa
 def test_deepspeed_reads_the_ranks_gpu_as_its_local_rank(cuda_device, exported, monkeypatch):
     """DeepSpeed's engine sets its device from LOCAL_RANK: under a per-task binding that is the one visible GPU."""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
+        # setenv, not delenv: monkeypatch restores only what it recorded, and deleting an absent variable records
+        # nothing, so export_dist_env's RANK=5 would leak into every later launch (a rank 5 prints no start-up error)
+        monkeypatch.setenv(name, "")
     export_dist_env(DistEnv(5, 8, 5, "h", 123, "slurm", 8), cuda_device)
     assert os.environ["LOCAL_RANK"] == exported and os.environ["RANK"] == "5"
 
