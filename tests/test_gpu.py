@@ -59,6 +59,22 @@ RECOMPUTES = [
 ]
 
 
+def metered_on_cuda(cfg: GPTConfig, recompute, precision: str):
+    """Every stage of a 2-stage layout in this process on the GPU, two micro-batches metered by each stage's
+    saved-tensor meter; returns the pipeline and its plan."""
+    run = RunShape(Topology(2), Target("cuda", precision), micro_batches=2, micro_batch_size=2)
+    layout = build_layout(cfg, recompute, run, "type:Block", seed=0)
+    plan = plan_run(cfg, recompute, layout, run)
+    pipe = LocalPipeline(layout, precision)
+    for stage in pipe.stages:
+        stage.cuda()
+    g = torch.Generator().manual_seed(0)
+    tokens = (2, cfg.seq_len)
+    batches = [tuple(torch.randint(0, cfg.vocab_size, tokens, generator=g).cuda() for _ in range(2)) for _ in range(2)]
+    pipe.step(batches, measure=True)
+    return pipe, plan
+
+
 @pytest.mark.parametrize(
     "attention, dropout, precision",
     [("math", 0.1, "fp32"), ("math", 0.1, "bf16"), ("sdpa", 0.1, "bf16"), ("sdpa", 0.0, "bf16"), ("sdpa", 0.1, "fp32")],
@@ -70,18 +86,10 @@ def test_planned_activation_bytes_equal_measured_on_cuda(recompute, attention, d
     against the planner, per micro-batch. seq_len 64: flash's log-sum-exp rows and the efficient kernel's padded
     ones agree."""
     cfg = GPTConfig(n_layer=6, n_head=4, n_embd=64, seq_len=64, vocab_size=64, dropout=dropout, attention=attention)
-    run = RunShape(Topology(2), Target("cuda", precision), micro_batches=2, micro_batch_size=2)
-    layout = build_layout(cfg, recompute, run, "type:Block", seed=0)
-    plan = plan_run(cfg, recompute, layout, run)
-    pipe = LocalPipeline(layout, precision)
-    for stage in pipe.stages:
-        stage.cuda()
-    g = torch.Generator().manual_seed(0)
-    batches = [tuple(torch.randint(0, 64, (2, 64), generator=g).cuda() for _ in range(2)) for _ in range(2)]
-    pipe.step(batches, measure=True)
+    pipe, plan = metered_on_cuda(cfg, recompute, precision)
     slack = RNG_BYTES_PER_BLOCK if attention == "sdpa" and dropout else 0
-    for stage, planned, stage_range in zip(pipe.stages, plan.stages, layout.stages):
-        blocks = sum(layout.recipes[i].module_class is Block for i in stage_range.layers)
+    for stage, planned, stage_range in zip(pipe.stages, plan.stages, pipe.layout.stages):
+        blocks = sum(pipe.layout.recipes[i].module_class is Block for i in stage_range.layers)
         for measured in stage.meter.bytes_per_micro_batch():
             assert 0 <= measured - planned.activation_bytes_per_microbatch <= slack * blocks
         assert stage.meter.stage_input_bytes() == [planned.stage_input_bytes] * 2
@@ -199,15 +207,7 @@ def test_planned_llama_activation_bytes_equal_measured_on_cuda(recompute, attent
     """The Llama family with grouped-query attention and its untied head (the last stage's own weight) on the GPU:
     the saved-tensor meter against the planner, per micro-batch, every stage in this process."""
     cfg = llama_gpu_config(attention=attention, tie_embeddings=tied)
-    run = RunShape(Topology(2), Target("cuda", precision), micro_batches=2, micro_batch_size=2)
-    layout = build_layout(cfg, recompute, run, "type:Block", seed=0)
-    plan = plan_run(cfg, recompute, layout, run)
-    pipe = LocalPipeline(layout, precision)
-    for stage in pipe.stages:
-        stage.cuda()
-    g = torch.Generator().manual_seed(0)
-    batches = [tuple(torch.randint(0, 256, (2, 64), generator=g).cuda() for _ in range(2)) for _ in range(2)]
-    pipe.step(batches, measure=True)
+    pipe, plan = metered_on_cuda(cfg, recompute, precision)
     for stage, planned in zip(pipe.stages, plan.stages):
         assert stage.meter.bytes_per_micro_batch() == [planned.activation_bytes_per_microbatch] * 2
         assert stage.meter.stage_input_bytes() == [planned.stage_input_bytes] * 2

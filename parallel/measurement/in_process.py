@@ -72,8 +72,9 @@ class LocalStageWork:
         self.stage, self.plan, self.index = stage, stage.plan, index
         self.first, self.last = index == 0, index == stages - 1
         self.loss_fn, self.data, self.optimizer = loss_fn, data, optimizer
-        self.recv_buffer = None if self.first else torch.zeros(hidden, dtype=dtype)
-        self.grad_buffer = None if self.last else torch.zeros(hidden, dtype=dtype)
+        device = next(stage.parameters()).device  # the local pipeline's stages may have been moved to a GPU
+        self.recv_buffer = None if self.first else torch.zeros(hidden, dtype=dtype, device=device)
+        self.grad_buffer = None if self.last else torch.zeros(hidden, dtype=dtype, device=device)
         self.inputs: list[torch.Tensor | None] = [None] * buffers
         self.outputs: list[torch.Tensor | None] = [None] * buffers
         self.labels: list[torch.Tensor | None] = [None] * buffers
