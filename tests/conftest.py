@@ -1,5 +1,6 @@
 """Shared pytest set-up: the `slurm_cluster` fixture (a real two-node Slurm on this machine), one intra-op thread for
-in-process tests, no cached device profile, the shared launches of tests/shared_runs.py, and the quick tier's guard."""
+in-process tests, no cached device profile, the environment restored after each test, the shared launches of
+tests/shared_runs.py, and the quick tier's guard."""
 
 import os
 
@@ -49,6 +50,18 @@ def no_process_group_in_the_quick_tier():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(dist, "init_process_group", refused)
         yield
+
+
+@pytest.fixture(autouse=True)
+def restored_environment():
+    """Each test leaves os.environ as it found it. monkeypatch.delenv of an absent variable records nothing, so a test
+    that deletes one and then calls code that sets it (the launcher's LOCAL_RANK, a rank's RANK) leaked it into every
+    later test: a launch then ran as rank 5 and printed no start-up error, and lm-eval, reading LOCAL_RANK=1, returned
+    no results."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.fixture(scope="session")
