@@ -111,7 +111,7 @@ class _Exchange:
 
 @dataclass
 class _Counts:
-    """Instructions of each kind run so far in this step (or evaluation): the k-th is micro-batch k."""
+    """Instructions of each kind run so far in this training step: the k-th is micro-batch k."""
 
     sent_activations: int = 0
     received_activations: int = 0
@@ -121,6 +121,9 @@ class _Counts:
 
 @dataclass
 class StageInterpreter:
+    """Stage `stage_id`'s instructions run one at a time (`execute`), with its deferred weight gradients, early
+    recomputes and posted sends."""
+
     work: StageWork
     transport: Transport
     stage_id: int
