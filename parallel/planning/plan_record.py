@@ -6,7 +6,7 @@ run's table. parallel/planning/run_plan.py builds it.
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from parallel.planning.memory_model import STATE_BYTES, state_bytes_legend
+from parallel.planning.model_states import STATE_BYTES, state_bytes_legend
 from parallel.planning.shapes import GIB, Shape
 
 

@@ -13,9 +13,6 @@ from parallel.planning.memory_model import (
     LayerActivation,
     block_kept_items,
     causal_mask_bytes,
-    largest_parameter,
-    model_state_bytes,
-    optimizer_step_bytes,
     pipe_buffer_bytes,
     selective_combinations,
     stage_activations,
@@ -24,6 +21,7 @@ from parallel.planning.memory_model import (
     stage_weight_grad_bytes,
     total,
 )
+from parallel.planning.model_states import largest_parameter, model_state_bytes, optimizer_step_bytes
 from parallel.planning.partition import StageRange
 from parallel.planning.schedule_walk import ActivationPeak, activation_peak, in_flight_micro_batches, pipe_buffers
 from parallel.planning.shapes import RunShape, Shape, Target
