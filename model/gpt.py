@@ -14,6 +14,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from model.config import GPTConfig
 from model.kv_cache import KVCache
@@ -116,11 +117,22 @@ def module_entries(recipes: Sequence[LayerRecipe]) -> list[int]:
     return [i for i, recipe in enumerate(recipes) if recipe.forward_fn is None]
 
 
+class _NoNormalInit(TorchFunctionMode):
+    """Skips `normal_`: a meta tensor holds no values to draw, and normal_ on the meta device imports
+    torch._dynamo (4 s of every dry run's start-up, for an embedding's initialisation that never happens)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.nn.init.normal_, torch.Tensor.normal_):
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
 def layer_param_counts(recipes: Sequence[LayerRecipe]) -> list[int]:
     """Trainable parameters of each entry, counted on the meta device; a tied module counts at each of its
     positions, as in DeepSpeed's `parameters` partition method."""
     per_class: dict[type, int] = {}
-    with torch.device("meta"):
+    with torch.device("meta"), _NoNormalInit():
         for recipe in recipes:
             # Layers of one class share one config, hence one size: build each class once (the 96 blocks
             # of gpt3-175b take seconds to build even on the meta device).

@@ -3,6 +3,7 @@ DeepSpeed's 1F1B, or ZB-H1, with or without early recompute; pure: no process gr
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 
 from parallel.planning import schedules
 
@@ -52,8 +53,7 @@ def activation_peak(
     the micro-batch's activations; None counts the state between instructions only. `posted_grad_bytes`: one
     input gradient that the engine's posted SendGrad holds until it is surely received
     (schedules.grad_sends_released), counted from its SendGrad to its release (0: none held)."""
-    commands = schedules.train_schedule(schedule, early, micro_batches, stages, stage, deferred).commands()
-    program = [type(command).__name__ for command in commands]
+    program = _instruction_names(schedule, early, micro_batches, stages, stage, deferred)
     released_at = schedules.grad_sends_released(micro_batches, stages, stage)
     forwards = backwards = weights = 0  # counts so far: micro-batch k is the k-th of each kind
     grads_sent = grads_released = activations_received = 0
@@ -97,6 +97,15 @@ def activation_peak(
     return best
 
 
+@cache
+def _instruction_names(
+    schedule: str, early: bool, micro_batches: int, stages: int, stage: int, deferred: int | None
+) -> tuple[str, ...]:
+    commands = schedules.train_schedule(schedule, early, micro_batches, stages, stage, deferred).commands()
+    return tuple(type(command).__name__ for command in commands)
+
+
+@cache
 def in_flight_micro_batches(micro_batches: int, stages: int, stage_id: int) -> int:
     """The most micro-batches whose activations stage `stage_id` holds at once under DeepSpeed's own 1F1B
     (forward passes not yet matched by their backward pass)."""

@@ -24,6 +24,7 @@ changes that.
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import cache
 
 SCHEDULES = ("1f1b", "zb-h1")
 """The concrete schedules (`parallel.schedule=auto` resolves to one of them at planning time)."""
@@ -136,6 +137,7 @@ def _work_of_step(step: int, micro_batches: int, stages: int, stage_id: int) -> 
     return (micro_batch if 0 <= micro_batch < micro_batches else None), forward
 
 
+@cache  # programmes are immutable, and the planner asks for the same one thousands of times per plan
 def one_f_one_b(micro_batches: int, stages: int, stage_id: int) -> StageProgram:
     """DeepSpeed's synchronous 1F1B: 2 * (micro_batches + stages - 1) steps (see `_work_of_step`). A step first
     talks to the neighbours: a forward step sends upstream the gradient of the backward just run and receives its
@@ -286,6 +288,7 @@ def p2p_batches(program: StageProgram) -> list[tuple[Command, ...]]:
     return out
 
 
+@cache
 def grad_sends_released(micro_batches: int, stages: int, stage_id: int) -> tuple[int, ...]:
     """Per RecvActivation of stage `stage_id` (the k-th receives micro-batch k): how many of the stage's posted
     gradient sends are complete by then, so that waiting for them costs nothing. The previous stage posts its
@@ -302,6 +305,7 @@ def grad_sends_released(micro_batches: int, stages: int, stage_id: int) -> tuple
     return tuple(out)
 
 
+@cache
 def train_schedule(
     kind: str, early: bool, micro_batches: int, stages: int, stage_id: int, deferred: int | None = None
 ) -> StageProgram:
