@@ -25,8 +25,8 @@ boundary's communication). Every message is posted by both its ranks at the same
 rendezvous transport (a send waits until its receive is posted) the lowest boundary still pending always has both
 sides of each of its messages posted: no programme can deadlock, whatever the real costs
 (tests/test_virtual_schedules.py replays every shape). A message received before it is needed is held until then
-(parallel/planning/virtual_walk.py counts it). The input a rank's chunk hands to its own next chunk (the V's turn
-on rank p - 1) stays on the rank: no communication.
+(parallel/planning/virtual_walk.py counts it). What a rank's chunk hands to its own next chunk (the V's turn on
+rank p - 1) is a message to itself: a copy on the rank, which the simulator prices at no transfer.
 """
 
 from collections.abc import Callable
@@ -289,23 +289,32 @@ def _programs(schedule: str, placement: Placement, micro_batches: int, split: bo
                 sends, recvs = schedules.SendGrad, schedules.RecvGrad
             else:
                 continue
-            if to != rank:
-                steps[rank][boundary].append(ChunkCommand(sends, chunk, stage, m, peer=to))
-                step = stage + 1 if sends is schedules.SendActivation else stage - 1
-                steps[to][boundary].append(ChunkCommand(recvs, to_chunk, step, m, peer=rank))
-    per_step = [ChunkCommand(schedules.ReduceTiedGrads), ChunkCommand(schedules.ReduceGrads)]
-    per_step.append(ChunkCommand(schedules.OptimizerStep))
-    return [
-        VirtualProgram(
-            schedule,
-            p,
-            placement.chunks,
-            micro_batches,
-            rank,
-            tuple(tuple(step) for step in steps[rank][:-1]) + (tuple(steps[rank][-1] + per_step),),
-        )
-        for rank in range(p)
-    ]
+            steps[rank][boundary].append(ChunkCommand(sends, chunk, stage, m, peer=to))
+            step = stage + 1 if sends is schedules.SendActivation else stage - 1
+            steps[to][boundary].append(ChunkCommand(recvs, to_chunk, step, m, peer=rank))
+    per_step = (
+        ChunkCommand(schedules.ReduceTiedGrads),
+        ChunkCommand(schedules.ReduceGrads),
+        ChunkCommand(schedules.OptimizerStep),
+    )
+    programs = []
+    for rank in range(p):
+        ordered = tuple(_sends_before_receives(step) for step in steps[rank])
+        ordered = ordered[:-1] + (ordered[-1] + per_step,)
+        programs.append(VirtualProgram(schedule, p, placement.chunks, micro_batches, rank, ordered))
+    return programs
+
+
+def _sends_before_receives(step: list[ChunkCommand]) -> VirtualStep:
+    """The step's computation, then its sends, then its receives: the batch is posted as one, and a runner that
+    receives one message at a time (the local pipeline) must have sent first."""
+    sends = (schedules.SendActivation, schedules.SendGrad)
+    receives = (schedules.RecvActivation, schedules.RecvGrad)
+    return tuple(
+        [c for c in step if c.kind not in schedules.COMMUNICATION]
+        + [c for c in step if c.kind in sends]
+        + [c for c in step if c.kind in receives]
+    )
 
 
 def virtual_schedule(schedule: str, micro_batches: int, ranks: int, chunks: int = 2) -> list[VirtualProgram]:

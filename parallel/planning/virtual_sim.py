@@ -34,6 +34,11 @@ def _seconds(command: ChunkCommand, costs: Sequence[StageCosts]) -> float:
     return costs[command.chunk or 0].by_instruction()[command.name]
 
 
+def _transfer_s(receive: ChunkCommand, rank: int, costs: Sequence[StageCosts]) -> float:
+    """A message from the rank itself (the V's turn) is a copy on the rank: no transfer."""
+    return 0.0 if receive.peer == rank else _seconds(receive, costs)
+
+
 def simulate_virtual(programs: Sequence[VirtualProgram], costs: Sequence[Sequence[StageCosts]]) -> VirtualTimeline:
     """Replay the ranks' programmes; `costs[rank][chunk]` are the seconds of that chunk's instructions."""
     ranks = len(programs)
@@ -65,7 +70,7 @@ def simulate_virtual(programs: Sequence[VirtualProgram], costs: Sequence[Sequenc
                     receives = [c for c in item if c.kind not in _SENDS]
                     if any(c.message() not in sent for c in receives):
                         break  # a peer has not sent yet
-                    ends = [max(clock[r], sent[c.message()]) + _seconds(c, costs[r]) for c in receives]
+                    ends = [max(clock[r], sent[c.message()]) + _transfer_s(c, r, costs[r]) for c in receives]
                     clock[r] = max([clock[r], *ends])
                 elif item.kind is schedules.ReduceTiedGrads and len(tied) > 1 and r in tied:
                     reduce_posted.setdefault(r, clock[r])

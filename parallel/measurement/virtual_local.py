@@ -1,0 +1,103 @@
+"""A pipeline with virtual stages in one process: every rank's programme of parallel/planning/virtual_schedules.py run
+through the interpreter the engine runs (parallel/runtime/stage_interpreter.py), one interpreter per chunk, over
+in-process links between the virtual stages, for tests and benchmarks.
+
+The layout's stages are the virtual stages (ranks x chunks of them, in pipeline order), each built and planned as a
+stage of its own (parallel/measurement/in_process.py's LocalStage): a chunk boundary is a stage boundary, so no
+full-recompute segment crosses one. Each chunk keeps its micro-batch's tensors in the buffer of that micro-batch. A
+rank's instruction goes to the interpreter of its chunk, with the micro-batch as the buffer; the once-per-step
+instructions go to every chunk of the rank. As in parallel/measurement/local_stages.py, the optimizer step is the
+caller's, and each chunk keeps its own copy of a tied weight, with its own gradient.
+"""
+
+from collections import defaultdict, deque
+from collections.abc import Sequence
+from contextlib import ExitStack
+
+import torch
+
+from model.fused_loss import HeadLoss
+from parallel.measurement.in_process import LinkedNeighbours, LocalStage, LocalStageWork
+from parallel.planning import schedules
+from parallel.planning.layout import PipelineLayout
+from parallel.planning.shapes import TORCH_DTYPES
+from parallel.planning.virtual_schedules import ChunkCommand, VirtualProgram, virtual_schedule
+from parallel.runtime.stage_interpreter import StageInterpreter
+
+
+class VirtualLocalPipeline:
+    def __init__(self, layout: PipelineLayout, schedule: str, chunks: int, precision: str = "fp32"):
+        if len(layout.stages) % chunks:
+            raise ValueError(f"{len(layout.stages)} stages do not split into {chunks} chunks per rank")
+        self.layout, self.schedule, self.chunks = layout, schedule, chunks
+        self.ranks = len(layout.stages) // chunks
+        self.stages = [LocalStage(layout.recipes, s, p, precision) for s, p in zip(layout.stages, layout.plans)]
+        self.loss = HeadLoss.of(layout.recipes)
+        self.dtype = TORCH_DTYPES[precision]
+
+    def parameters(self):
+        return [p for stage in self.stages for p in stage.parameters()]
+
+    def step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], measure: bool = False) -> torch.Tensor:
+        """Forward and backward of every (tokens, labels) micro-batch; gradients accumulate. Returns the mean loss.
+        With `measure`, each chunk's meter records every micro-batch."""
+        count, virtual = len(micro_batches), len(self.stages)
+        config = self.layout.recipes[0].args[0]  # the token embedding's GPTConfig
+        hidden = (micro_batches[0][0].shape[0], config.seq_len, config.n_embd)
+        programs = virtual_schedule(self.schedule, count, self.ranks, self.chunks)
+        split = any(c.kind is schedules.BackwardWeight for c in programs[0].commands())
+        pipes: defaultdict[tuple[int, int], deque[torch.Tensor]] = defaultdict(deque)
+        interpreters = []
+        for index, stage in enumerate(self.stages):
+            work = LocalStageWork(
+                stage, index, virtual, self.loss, hidden, self.dtype, count, micro_batches.__getitem__
+            )
+            work.measure = measure
+            work.start_step()
+            interpreters.append(
+                StageInterpreter(
+                    work,
+                    LinkedNeighbours(pipes, index),
+                    index,
+                    virtual,
+                    count,
+                    "zb-h1" if split else "1f1b",  # the backward split into B and W, or whole
+                    early=False,
+                    posted_sends=False,  # in-process links queue every send
+                )
+            )
+        with ExitStack() as stack:
+            for interpreter in interpreters:
+                stack.enter_context(interpreter.training_step())
+            _run_until_done(programs, interpreters)
+        return torch.stack(interpreters[-1].work.losses).mean()
+
+
+def _run_until_done(programs: list[VirtualProgram], interpreters: list[StageInterpreter]) -> None:
+    """Run each rank's instructions as far as its messages allow, round after round, until every rank is done."""
+    queues = [deque(program.commands()) for program in programs]
+    while any(queues):
+        progressed = False
+        for program, queue in zip(programs, queues):
+            while queue:
+                command = queue[0]
+                if command.kind is schedules.RecvActivation and not _arrived(interpreters, command, -1):
+                    break
+                if command.kind is schedules.RecvGrad and not _arrived(interpreters, command, 1):
+                    break
+                _execute(program, interpreters, queue.popleft())
+                progressed = True
+        if not progressed:
+            raise RuntimeError("the virtual stages wait for each other: a schedule that cannot run")
+
+
+def _arrived(interpreters: list[StageInterpreter], receive: ChunkCommand, side: int) -> bool:
+    return interpreters[receive.stage].transport.ready(receive.stage + side)
+
+
+def _execute(program: VirtualProgram, interpreters: list[StageInterpreter], command: ChunkCommand) -> None:
+    if command.stage is None:  # once per step: on every chunk of the rank
+        for chunk in range(program.chunks):
+            interpreters[program.placement.virtual_stage(program.rank, chunk)].execute(command.kind())
+        return
+    interpreters[command.stage].execute(command.kind(command.micro_batch))

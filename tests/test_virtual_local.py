@@ -1,0 +1,86 @@
+"""Schedules with virtual stages run in one process (parallel/measurement/virtual_local.py): every rank's programme of
+interleaved 1F1B, ZB-V and V-Half through the one interpreter of a stage's programme, one per chunk, trains exactly as
+1F1B does (parallel/measurement/local_stages.py's LocalPipeline on the same blocks), bit for bit, under every fixed
+recompute mode, its chunks' plans applied chunk by chunk. No process group.
+
+Dropout is off here: each process draws its dropout masks from one random stream in the order its forwards run, and
+a rank of a virtual-stage schedule runs its chunks' forwards in another order than a 1F1B stage runs the same
+layers, so with dropout on the masks differ between the two schedules (the report of issue 34 says what it needs)."""
+
+import pytest
+import torch
+
+from model import GPTConfig
+from parallel.measurement.local_stages import LocalPipeline
+from parallel.measurement.virtual_local import VirtualLocalPipeline
+from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
+from parallel.planning.layout import build_layout
+from parallel.planning.shapes import RunShape, Target, Topology
+
+CFG = GPTConfig(n_layer=4, n_head=2, n_embd=32, seq_len=16, vocab_size=64, dropout=0.0)
+MICRO_BATCHES = 4
+MODES = {
+    "none": NoRecompute(),
+    "full": FullRecompute(interval="1"),
+    "full-stage": FullRecompute(interval="stage"),
+    "selective": SelectiveRecompute(modules=["core_attn", "mlp_act"]),
+    "per-micro-batch": FullRecompute(interval="1", micro_batches=1),
+}
+
+
+def layout(stages: int, recompute):
+    run = RunShape(Topology(stages), Target("cpu", "fp32"), micro_batches=MICRO_BATCHES, micro_batch_size=2)
+    return build_layout(CFG, recompute, run, "type:Block", 0)
+
+
+@pytest.fixture(scope="module")
+def batches():
+    g = torch.Generator().manual_seed(0)
+    return [
+        (torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g))
+        for _ in range(MICRO_BATCHES)
+    ]
+
+
+def gradients(pipe) -> dict[tuple, torch.Tensor]:
+    """Each parameter's gradient by (layer, name), a tied weight's copies summed (as ReduceTiedGrads sums them)."""
+    out: dict[tuple, torch.Tensor] = {}
+    for stage in pipe.stages:
+        recipes = [pipe.layout.recipes[flat] for flat in stage.stage.layers]
+        keys = []
+        for flat, recipe in zip(stage.stage.layers, recipes):
+            key = recipe.tie_key or flat
+            if key not in keys:
+                keys.append(key)
+        for key, module in zip(keys, stage.layers):
+            for name, parameter in module.named_parameters():
+                grad = parameter.grad.clone()
+                out[(key, name)] = out[(key, name)] + grad if (key, name) in out else grad
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_f_one_b(batches):
+    """1F1B on 2 stages, per mode: (loss, gradients)."""
+    out = {}
+    for mode, recompute in MODES.items():
+        pipe = LocalPipeline(layout(2, recompute))
+        out[mode] = (pipe.step(batches), gradients(pipe))
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("schedule", ("interleaved-1f1b", "zb-v", "v-half"))
+def test_two_chunks_per_rank_train_as_1f1b_bit_for_bit(schedule, mode, batches, one_f_one_b):
+    pipe = VirtualLocalPipeline(layout(4, MODES[mode]), schedule, chunks=2)
+    loss, expected = pipe.step(batches), one_f_one_b[mode]
+    assert torch.equal(loss, expected[0])
+    grads = gradients(pipe)
+    assert grads.keys() == expected[1].keys()
+    for key, grad in grads.items():
+        assert torch.equal(grad, expected[1][key]), key
+
+
+def test_a_layout_that_does_not_split_into_the_chunks_is_refused():
+    with pytest.raises(ValueError, match="do not split into 2 chunks"):
+        VirtualLocalPipeline(layout(3, NoRecompute()), "zb-v", chunks=2)
