@@ -13,9 +13,11 @@ import torch
 from model import GPTConfig
 from parallel.measurement.local_stages import LocalPipeline
 from parallel.measurement.virtual_local import VirtualLocalPipeline
+from parallel.measurement.virtual_replay import VirtualRankReplay
 from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.planning.layout import build_layout
 from parallel.planning.shapes import RunShape, Target, Topology
+from parallel.runtime.stage_interpreter import StageInterpreter
 
 CFG = GPTConfig(n_layer=4, n_head=2, n_embd=32, seq_len=16, vocab_size=64, dropout=0.0)
 MICRO_BATCHES = 4
@@ -84,3 +86,22 @@ def test_two_chunks_per_rank_train_as_1f1b_bit_for_bit(schedule, mode, batches, 
 def test_a_layout_that_does_not_split_into_the_chunks_is_refused():
     with pytest.raises(ValueError, match="do not split into 2 chunks"):
         VirtualLocalPipeline(layout(3, NoRecompute()), "zb-v", chunks=2)
+
+
+def test_a_rank_replay_runs_exactly_its_programme_through_its_chunks_interpreters(monkeypatch):
+    """The stage replay of one rank (parallel/measurement/virtual_replay.py, which bench/virtual_schedule_bench.py
+    measures): every instruction of the rank's programme, each on the interpreter of its own chunk."""
+    executed = []
+    run = StageInterpreter.execute
+    monkeypatch.setattr(
+        StageInterpreter, "execute", lambda self, c: (executed.append((self.stage_id, c)), run(self, c))[1]
+    )
+    replay = VirtualRankReplay(layout(4, NoRecompute()), "v-half", 2, 1, MICRO_BATCHES, 2)
+    replay.step()
+    expected = []
+    for command in replay.program.commands():
+        if command.stage is None:  # once per step, on each chunk: rank 1 of 2 holds virtual stages 1 and 2
+            expected += [(1, command.kind()), (2, command.kind())]
+        else:
+            expected.append((command.stage, command.kind(command.micro_batch)))
+    assert executed == expected

@@ -17,12 +17,12 @@ from contextlib import ExitStack
 import torch
 
 from model.fused_loss import HeadLoss
-from parallel.measurement.in_process import LinkedNeighbours, LocalStage, LocalStageWork
+from parallel.measurement.in_process import LinkedNeighbours, LocalStage, LocalStageWork, MicroBatchSource
 from parallel.planning import schedules
 from parallel.planning.layout import PipelineLayout
 from parallel.planning.shapes import TORCH_DTYPES
 from parallel.planning.virtual_schedules import ChunkCommand, VirtualProgram, virtual_schedule
-from parallel.runtime.stage_interpreter import StageInterpreter
+from parallel.runtime.stage_interpreter import StageInterpreter, Transport
 
 
 class VirtualLocalPipeline:
@@ -41,36 +41,49 @@ class VirtualLocalPipeline:
     def step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], measure: bool = False) -> torch.Tensor:
         """Forward and backward of every (tokens, labels) micro-batch; gradients accumulate. Returns the mean loss.
         With `measure`, each chunk's meter records every micro-batch."""
-        count, virtual = len(micro_batches), len(self.stages)
-        config = self.layout.recipes[0].args[0]  # the token embedding's GPTConfig
-        hidden = (micro_batches[0][0].shape[0], config.seq_len, config.n_embd)
+        count = len(micro_batches)
         programs = virtual_schedule(self.schedule, count, self.ranks, self.chunks)
-        split = any(c.kind is schedules.BackwardWeight for c in programs[0].commands())
         pipes: defaultdict[tuple[int, int], deque[torch.Tensor]] = defaultdict(deque)
-        interpreters = []
-        for index, stage in enumerate(self.stages):
-            work = LocalStageWork(
-                stage, index, virtual, self.loss, hidden, self.dtype, count, micro_batches.__getitem__
-            )
-            work.measure = measure
-            work.start_step()
-            interpreters.append(
-                StageInterpreter(
-                    work,
-                    LinkedNeighbours(pipes, index),
-                    index,
-                    virtual,
-                    count,
-                    "zb-h1" if split else "1f1b",  # the backward split into B and W, or whole
-                    early=False,
-                    posted_sends=False,  # in-process links queue every send
-                )
-            )
+        interpreters = [
+            chunk_interpreter(self, index, programs[0], LinkedNeighbours(pipes, index), micro_batches.__getitem__)
+            for index in range(len(self.stages))
+        ]
+        for interpreter in interpreters:
+            interpreter.work.measure = measure
         with ExitStack() as stack:
             for interpreter in interpreters:
                 stack.enter_context(interpreter.training_step())
             _run_until_done(programs, interpreters)
         return torch.stack(interpreters[-1].work.losses).mean()
+
+
+def chunk_interpreter(
+    pipe: "VirtualLocalPipeline",
+    index: int,
+    program: VirtualProgram,
+    transport: Transport,
+    data: MicroBatchSource,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> StageInterpreter:
+    """The interpreter of virtual stage `index` of `pipe` for a step of `program`'s micro-batches, each in a buffer of
+    its own, its sends and receives over `transport` (between virtual stages)."""
+    config = pipe.layout.recipes[0].args[0]  # the token embedding's GPTConfig
+    count, virtual = program.micro_batches, len(pipe.stages)
+    hidden = (data(0)[0].shape[0], config.seq_len, config.n_embd)
+    stage = pipe.stages[index]
+    work = LocalStageWork(stage, index, virtual, pipe.loss, hidden, pipe.dtype, count, data, optimizer)
+    work.start_step()
+    split = any(c.kind is schedules.BackwardWeight for c in program.commands())
+    return StageInterpreter(
+        work,
+        transport,
+        index,
+        virtual,
+        count,
+        "zb-h1" if split else "1f1b",  # the backward split into B and W, or whole
+        early=False,
+        posted_sends=False,  # in-process links queue every send
+    )
 
 
 def _run_until_done(programs: list[VirtualProgram], interpreters: list[StageInterpreter]) -> None:
@@ -85,7 +98,7 @@ def _run_until_done(programs: list[VirtualProgram], interpreters: list[StageInte
                     break
                 if command.kind is schedules.RecvGrad and not _arrived(interpreters, command, 1):
                     break
-                _execute(program, interpreters, queue.popleft())
+                execute(program, interpreters, queue.popleft())
                 progressed = True
         if not progressed:
             raise RuntimeError("the virtual stages wait for each other: a schedule that cannot run")
@@ -95,7 +108,9 @@ def _arrived(interpreters: list[StageInterpreter], receive: ChunkCommand, side: 
     return interpreters[receive.stage].transport.ready(receive.stage + side)
 
 
-def _execute(program: VirtualProgram, interpreters: list[StageInterpreter], command: ChunkCommand) -> None:
+def execute(program: VirtualProgram, interpreters: Sequence[StageInterpreter], command: ChunkCommand) -> None:
+    """A rank's instruction on its chunk's interpreter (`interpreters` by virtual stage), with the micro-batch as the
+    buffer; a once-per-step instruction on each of the rank's chunks."""
     if command.stage is None:  # once per step: on every chunk of the rank
         for chunk in range(program.chunks):
             interpreters[program.placement.virtual_stage(program.rank, chunk)].execute(command.kind())
