@@ -70,6 +70,7 @@ PLANNING = [
     {"parallel.planning.stage_planner"},
     {"parallel.planning.balanced_search", "parallel.planning.schedule_choice", "parallel.planning.budget_refusal"},
     {"parallel.planning.layout", "parallel.planning.plan_record"},
+    {"parallel.planning.virtual_choice"},  # the virtual-stage schedules priced on a layout's ranks, for the dry run
     {"parallel.planning.run_plan"},
     {"parallel.planning.plan_verdict"},  # the dry run's verdict: each change it weighs planned again
 ]

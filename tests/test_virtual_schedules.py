@@ -11,11 +11,14 @@ import pytest
 
 from model import BLOCK_CLASSES, GPTConfig, gpt_layers
 from parallel.planning import schedules
+from parallel.planning.config import AutoRecompute, NoRecompute
+from parallel.planning.layout import build_layout
 from parallel.planning.partition import partition_layers
 from parallel.planning.schedule_walk import in_flight_micro_batches
-from parallel.planning.shapes import Shape, Target
+from parallel.planning.shapes import RunShape, Shape, Target, Topology
 from parallel.planning.stage_plan import StagePlan
 from parallel.planning.step_sim import StageCosts, simulate_stages
+from parallel.planning.virtual_choice import virtual_lines, virtual_options
 from parallel.planning.virtual_memory import one_chunk_peaks, virtual_peaks
 from parallel.planning.virtual_schedules import SLOTS, VirtualProgram, virtual_schedule
 from parallel.planning.virtual_sim import simulate_virtual
@@ -199,3 +202,20 @@ def test_v_half_plans_at_most_0_6x_the_1f1b_activation_peak_and_zb_v_about_1f1bs
     zb_v = max(p.bytes for p in virtual_peaks(recipes, eight, none8, "zb-v", 2, 8, shape, target))
     assert v_half <= 0.6 * base
     assert zb_v <= 1.05 * base
+
+
+def test_the_dry_run_prices_every_virtual_schedule_on_the_layouts_ranks(tiny_gpt):
+    """Each schedule that takes the run's micro-batches, on 4 ranks x 2 chunks of the layout's model, priced with
+    the layout's time model: V-Half holds the least, ZB-V about 1F1B's; `auto` is said not to be priced."""
+    model = GPTConfig(n_layer=8, n_head=4, n_embd=64, seq_len=32, vocab_size=64, dropout=0.1)
+    run = RunShape(Topology(4), Target("cpu", "fp32"), micro_batches=8, micro_batch_size=2)
+    layout = build_layout(model, NoRecompute(), run, "type:Block", 0)
+    options = {o.schedule: o for o in virtual_options(model, NoRecompute(), layout, run, 0)}
+    assert set(options) == {"interleaved-1f1b", "zb-v", "v-half"}
+    assert all(o.step_time_s > 0 and len(o.activation_bytes) == len(o.state_bytes) == 4 for o in options.values())
+    assert max(options["v-half"].activation_bytes) < max(options["zb-v"].activation_bytes)
+    lines = virtual_lines(model, NoRecompute(), layout, run, 0)
+    assert [line.split()[0] for line in lines[2:]] == ["interleaved-1f1b", "zb-v", "v-half"]
+    assert "not priced under +recompute=auto" in virtual_lines(model, AutoRecompute(), layout, run, 0)[0]
+    odd = RunShape(Topology(4), Target("cpu", "fp32"), micro_batches=6, micro_batch_size=2)
+    assert "interleaved-1f1b" not in {o.schedule for o in virtual_options(model, NoRecompute(), layout, odd, 0)}
