@@ -105,3 +105,22 @@ def test_a_rank_replay_runs_exactly_its_programme_through_its_chunks_interpreter
         else:
             expected.append((command.stage, command.kind(command.micro_batch)))
     assert executed == expected
+
+
+@pytest.mark.parametrize("ranks, micro_batches", [(4, 8), (3, 2)])
+@pytest.mark.parametrize("schedule", ("interleaved-1f1b", "zb-v", "v-half"))
+def test_more_ranks_of_two_chunks_train_as_1f1b_stages_bit_for_bit(schedule, ranks, micro_batches, batches):
+    """2 x `ranks` virtual stages of one block each (4 ranks, 8 micro-batches: the shape V-Half's memory is planned
+    for; 3 ranks, 2 micro-batches: interleaved 1F1B runs both forwards of its last chunk before either backward)."""
+    model = GPTConfig(n_layer=2 * ranks, n_head=2, n_embd=32, seq_len=16, vocab_size=64, dropout=0.0)
+
+    def layout_of(stages: int):
+        run = RunShape(Topology(stages), Target("cpu", "fp32"), micro_batches=micro_batches, micro_batch_size=2)
+        return build_layout(model, NoRecompute(), run, "type:Block", 0)
+
+    data = (batches + batches[::-1])[:micro_batches]
+    reference = LocalPipeline(layout_of(ranks))
+    pipe = VirtualLocalPipeline(layout_of(2 * ranks), schedule, chunks=2)
+    assert torch.equal(pipe.step(data), reference.step(data))
+    expected = gradients(reference)
+    assert all(torch.equal(grad, expected[key]) for key, grad in gradients(pipe).items())

@@ -22,7 +22,7 @@ from parallel.planning import schedules
 from parallel.planning.layout import PipelineLayout
 from parallel.planning.shapes import TORCH_DTYPES
 from parallel.planning.virtual_schedules import ChunkCommand, VirtualProgram, virtual_schedule
-from parallel.runtime.stage_interpreter import StageInterpreter, Transport
+from parallel.runtime.stage_interpreter import Recv, StageInterpreter, Transport
 
 
 class VirtualLocalPipeline:
@@ -57,6 +57,40 @@ class VirtualLocalPipeline:
         return torch.stack(interpreters[-1].work.losses).mean()
 
 
+class ChunkWork(LocalStageWork):
+    """A chunk's work, with a gradient and a loss per micro-batch. A chunk's programme receives each output gradient
+    at the boundary where it is sent, which may come before the chunk's backward of an earlier micro-batch has run
+    (and a W deferred from it still reads that gradient), and the last chunk may run a forward between another
+    micro-batch's forward and backward: so each received gradient and each loss gets a tensor of its own, dropped
+    after the backward that reads it (DeepSpeed's one gradient buffer and one loss serve 1F1B, where a backward
+    follows its RecvGrad at once, and the last stage's its forward)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.grads: list[torch.Tensor | None] = [None] * len(self.outputs)
+        self.buffer_losses: list[torch.Tensor | None] = [None] * len(self.outputs)
+
+    def forward(self, buffer_id: int) -> None:
+        super().forward(buffer_id)
+        if self.last:  # the last chunk may run the next forward before this backward (interleaved 1F1B)
+            self.buffer_losses[buffer_id] = self.loss
+
+    def recv_grad(self, buffer_id: int, recv: Recv) -> None:
+        self.grads[buffer_id] = torch.empty_like(self.outputs[buffer_id])
+        recv(self.grads[buffer_id], self.index + 1)
+
+    def fresh_grad_buffer(self, buffer_id: int) -> torch.Tensor:
+        raise RuntimeError("a chunk's sends are not posted: recv_grad makes each gradient's tensor")
+
+    def backward(self, buffer_id: int) -> None:
+        if self.last:
+            self.buffer_losses[buffer_id].backward()
+            self.buffer_losses[buffer_id] = None
+            return
+        self.outputs[buffer_id].backward(self.grads[buffer_id])
+        self.outputs[buffer_id] = self.grads[buffer_id] = None
+
+
 def chunk_interpreter(
     pipe: "VirtualLocalPipeline",
     index: int,
@@ -71,7 +105,7 @@ def chunk_interpreter(
     count, virtual = program.micro_batches, len(pipe.stages)
     hidden = (data(0)[0].shape[0], config.seq_len, config.n_embd)
     stage = pipe.stages[index]
-    work = LocalStageWork(stage, index, virtual, pipe.loss, hidden, pipe.dtype, count, data, optimizer)
+    work = ChunkWork(stage, index, virtual, pipe.loss, hidden, pipe.dtype, count, data, optimizer)
     work.start_step()
     split = any(c.kind is schedules.BackwardWeight for c in program.commands())
     return StageInterpreter(
