@@ -178,7 +178,11 @@ class _Progress:
     count: dict[tuple[type[schedules.Command], int], int]
 
     def ready(self, op: Op, placement: Placement, split: bool, slot: int) -> bool:
-        return all(self.end_of.get(d, slot + 1) <= slot for d in _deps(op, placement, split))
+        for dep in _deps(op, placement, split):
+            end = self.end_of.get(dep)
+            if end is None or end > slot:
+                return False
+        return True
 
     def next_op(self, kind: type[schedules.Command], stage: int, micro_batches: int) -> Op | None:
         m = self.count.get((kind, stage), 0)
@@ -308,6 +312,8 @@ def _programs(schedule: str, placement: Placement, micro_batches: int, split: bo
 def _sends_before_receives(step: list[ChunkCommand]) -> VirtualStep:
     """The step's computation, then its sends, then its receives: the batch is posted as one, and a runner that
     receives one message at a time (the local pipeline) must have sent first."""
+    if len(step) < 2:
+        return tuple(step)
     sends = (schedules.SendActivation, schedules.SendGrad)
     receives = (schedules.RecvActivation, schedules.RecvGrad)
     return tuple(
