@@ -28,7 +28,7 @@ def dry_run(ctx: RunContext, layout: PipelineLayout) -> RunPlan:
     lines = layout.describe() + layout.empty_stage_warnings() + plan.lines()
     if layout.budgets is not None:
         lines += layout.describe_budgets(run.recompute)
-    lines += virtual_lines(run.model, run.recompute, layout, ctx.shape, run.seed)
+    lines += virtual_lines(run.model, run.recompute, layout, ctx.shape)
     if ctx.env.rank == 0:
         memory_bytes, memory_name = memory_target(ctx)
         profile, _ = run_profile(ctx)

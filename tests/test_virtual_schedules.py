@@ -210,12 +210,12 @@ def test_the_dry_run_prices_every_virtual_schedule_on_the_layouts_ranks(tiny_gpt
     model = GPTConfig(n_layer=8, n_head=4, n_embd=64, seq_len=32, vocab_size=64, dropout=0.1)
     run = RunShape(Topology(4), Target("cpu", "fp32"), micro_batches=8, micro_batch_size=2)
     layout = build_layout(model, NoRecompute(), run, "type:Block", 0)
-    options = {o.schedule: o for o in virtual_options(model, NoRecompute(), layout, run, 0)}
+    options = {o.schedule: o for o in virtual_options(model, NoRecompute(), layout, run)}
     assert set(options) == {"interleaved-1f1b", "zb-v", "v-half"}
     assert all(o.step_time_s > 0 and len(o.activation_bytes) == len(o.state_bytes) == 4 for o in options.values())
     assert max(options["v-half"].activation_bytes) < max(options["zb-v"].activation_bytes)
-    lines = virtual_lines(model, NoRecompute(), layout, run, 0)
+    lines = virtual_lines(model, NoRecompute(), layout, run)
     assert [line.split()[0] for line in lines[2:]] == ["interleaved-1f1b", "zb-v", "v-half"]
-    assert "not priced under +recompute=auto" in virtual_lines(model, AutoRecompute(), layout, run, 0)[0]
+    assert "not priced under +recompute=auto" in virtual_lines(model, AutoRecompute(), layout, run)[0]
     odd = RunShape(Topology(4), Target("cpu", "fp32"), micro_batches=6, micro_batch_size=2)
-    assert "interleaved-1f1b" not in {o.schedule for o in virtual_options(model, NoRecompute(), layout, odd, 0)}
+    assert "interleaved-1f1b" not in {o.schedule for o in virtual_options(model, NoRecompute(), layout, odd)}
