@@ -3,7 +3,8 @@
 No launcher, no process group, no DeepSpeed (planning never loads it): the model is only ever built on the meta
 device (to count parameters), split into stages by the same partition routine training uses, and planned by
 parallel/planning/run_plan.py. Prints the per-stage table (with a warning for each stage that holds no block) and
-the predicted step time, and writes plan.json to the run directory.
+the predicted step time, with the schedules with virtual stages priced beside the layout's
+(parallel/planning/virtual_choice.py), and writes plan.json to the run directory.
 """
 
 import os
@@ -18,6 +19,7 @@ from parallel.planning.plan_record import RunPlan
 from parallel.planning.plan_verdict import GPU_MEMORY_GIB, Replanner, verdict_lines
 from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import GIB
+from parallel.planning.virtual_choice import virtual_lines
 
 
 def dry_run(ctx: RunContext, layout: PipelineLayout) -> RunPlan:
@@ -26,6 +28,7 @@ def dry_run(ctx: RunContext, layout: PipelineLayout) -> RunPlan:
     lines = layout.describe() + layout.empty_stage_warnings() + plan.lines()
     if layout.budgets is not None:
         lines += layout.describe_budgets(run.recompute)
+    lines += virtual_lines(run.model, run.recompute, layout, ctx.shape)
     if ctx.env.rank == 0:
         memory_bytes, memory_name = memory_target(ctx)
         profile, _ = run_profile(ctx)

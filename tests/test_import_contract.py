@@ -52,9 +52,16 @@ PLANNING = [
         "parallel.planning.partition",
         "parallel.planning.schedule_walk",
         "parallel.planning.step_sim",
+        "parallel.planning.virtual_schedules",  # v chunks per rank: interleaved 1F1B, ZB-V, V-Half
     },
-    {"parallel.planning.memory_model", "parallel.planning.flops", "parallel.planning.model_states"},
-    {"parallel.planning.working_set"},  # the backward's working set, from memory_model's kept items
+    {
+        "parallel.planning.memory_model",
+        "parallel.planning.flops",
+        "parallel.planning.model_states",
+        "parallel.planning.virtual_walk",
+        "parallel.planning.virtual_sim",
+    },
+    {"parallel.planning.working_set", "parallel.planning.virtual_memory"},
     {"parallel.planning.stage_costs"},
     {"parallel.planning.auto_recompute"},
     {"parallel.planning.op_costs"},  # a device profile priced into a block's costs, by each architecture's op list
@@ -63,6 +70,7 @@ PLANNING = [
     {"parallel.planning.stage_planner"},
     {"parallel.planning.balanced_search", "parallel.planning.schedule_choice", "parallel.planning.budget_refusal"},
     {"parallel.planning.layout", "parallel.planning.plan_record"},
+    {"parallel.planning.virtual_choice"},  # the virtual-stage schedules priced on a layout's ranks, for the dry run
     {"parallel.planning.run_plan"},
     {"parallel.planning.plan_verdict"},  # the dry run's verdict: each change it weighs planned again
 ]

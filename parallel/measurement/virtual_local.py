@@ -1,0 +1,152 @@
+"""A pipeline with virtual stages in one process: every rank's programme of parallel/planning/virtual_schedules.py run
+through the interpreter the engine runs (parallel/runtime/stage_interpreter.py), one interpreter per chunk, over
+in-process links between the virtual stages, for tests and benchmarks.
+
+The layout's stages are the virtual stages (ranks x chunks of them, in pipeline order), each built and planned as a
+stage of its own (parallel/measurement/in_process.py's LocalStage): a chunk boundary is a stage boundary, so no
+full-recompute segment crosses one. Each chunk keeps its micro-batch's tensors in the buffer of that micro-batch. A
+rank's instruction goes to the interpreter of its chunk, with the micro-batch as the buffer; the once-per-step
+instructions go to every chunk of the rank. As in parallel/measurement/local_stages.py, the optimizer step is the
+caller's, and each chunk keeps its own copy of a tied weight, with its own gradient.
+"""
+
+from collections import defaultdict, deque
+from collections.abc import Sequence
+from contextlib import ExitStack
+
+import torch
+
+from model.fused_loss import HeadLoss
+from parallel.measurement.in_process import LinkedNeighbours, LocalStage, LocalStageWork, MicroBatchSource
+from parallel.planning import schedules
+from parallel.planning.layout import PipelineLayout
+from parallel.planning.shapes import TORCH_DTYPES
+from parallel.planning.virtual_schedules import ChunkCommand, VirtualProgram, virtual_schedule
+from parallel.runtime.stage_interpreter import Recv, StageInterpreter, Transport
+
+
+class VirtualLocalPipeline:
+    def __init__(self, layout: PipelineLayout, schedule: str, chunks: int, precision: str = "fp32"):
+        if len(layout.stages) % chunks:
+            raise ValueError(f"{len(layout.stages)} stages do not split into {chunks} chunks per rank")
+        self.layout, self.schedule, self.chunks = layout, schedule, chunks
+        self.ranks = len(layout.stages) // chunks
+        self.stages = [LocalStage(layout.recipes, s, p, precision) for s, p in zip(layout.stages, layout.plans)]
+        self.loss = HeadLoss.of(layout.recipes)
+        self.dtype = TORCH_DTYPES[precision]
+
+    def parameters(self):
+        return [p for stage in self.stages for p in stage.parameters()]
+
+    def step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], measure: bool = False) -> torch.Tensor:
+        """Forward and backward of every (tokens, labels) micro-batch; gradients accumulate. Returns the mean loss.
+        With `measure`, each chunk's meter records every micro-batch."""
+        count = len(micro_batches)
+        programs = virtual_schedule(self.schedule, count, self.ranks, self.chunks)
+        pipes: defaultdict[tuple[int, int], deque[torch.Tensor]] = defaultdict(deque)
+        interpreters = [
+            chunk_interpreter(self, index, programs[0], LinkedNeighbours(pipes, index), micro_batches.__getitem__)
+            for index in range(len(self.stages))
+        ]
+        for interpreter in interpreters:
+            interpreter.work.measure = measure
+        with ExitStack() as stack:
+            for interpreter in interpreters:
+                stack.enter_context(interpreter.training_step())
+            _run_until_done(programs, interpreters)
+        return torch.stack(interpreters[-1].work.losses).mean()
+
+
+class ChunkWork(LocalStageWork):
+    """A chunk's work, with a gradient and a loss per micro-batch. A chunk's programme receives each output gradient
+    at the boundary where it is sent, which may come before the chunk's backward of an earlier micro-batch has run
+    (and a W deferred from it still reads that gradient), and the last chunk may run a forward between another
+    micro-batch's forward and backward: so each received gradient and each loss gets a tensor of its own, dropped
+    after the backward that reads it (DeepSpeed's one gradient buffer and one loss serve 1F1B, where a backward
+    follows its RecvGrad at once, and the last stage's its forward)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.grads: list[torch.Tensor | None] = [None] * len(self.outputs)
+        self.buffer_losses: list[torch.Tensor | None] = [None] * len(self.outputs)
+
+    def forward(self, buffer_id: int) -> None:
+        super().forward(buffer_id)
+        if self.last:  # the last chunk may run the next forward before this backward (interleaved 1F1B)
+            self.buffer_losses[buffer_id] = self.loss
+
+    def recv_grad(self, buffer_id: int, recv: Recv) -> None:
+        self.grads[buffer_id] = torch.empty_like(self.outputs[buffer_id])
+        recv(self.grads[buffer_id], self.index + 1)
+
+    def fresh_grad_buffer(self, buffer_id: int) -> torch.Tensor:
+        raise RuntimeError("a chunk's sends are not posted: recv_grad makes each gradient's tensor")
+
+    def backward(self, buffer_id: int) -> None:
+        if self.last:
+            self.buffer_losses[buffer_id].backward()
+            self.buffer_losses[buffer_id] = None
+            return
+        self.outputs[buffer_id].backward(self.grads[buffer_id])
+        self.outputs[buffer_id] = self.grads[buffer_id] = None
+
+
+def chunk_interpreter(
+    pipe: "VirtualLocalPipeline",
+    index: int,
+    program: VirtualProgram,
+    transport: Transport,
+    data: MicroBatchSource,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> StageInterpreter:
+    """The interpreter of virtual stage `index` of `pipe` for a step of `program`'s micro-batches, each in a buffer of
+    its own, its sends and receives over `transport` (between virtual stages)."""
+    config = pipe.layout.recipes[0].args[0]  # the token embedding's GPTConfig
+    count, virtual = program.micro_batches, len(pipe.stages)
+    hidden = (data(0)[0].shape[0], config.seq_len, config.n_embd)
+    stage = pipe.stages[index]
+    work = ChunkWork(stage, index, virtual, pipe.loss, hidden, pipe.dtype, count, data, optimizer)
+    work.start_step()
+    split = any(c.kind is schedules.BackwardWeight for c in program.commands())
+    return StageInterpreter(
+        work,
+        transport,
+        index,
+        virtual,
+        count,
+        "zb-h1" if split else "1f1b",  # the backward split into B and W, or whole
+        early=False,
+        posted_sends=False,  # in-process links queue every send
+    )
+
+
+def _run_until_done(programs: list[VirtualProgram], interpreters: list[StageInterpreter]) -> None:
+    """Run each rank's instructions as far as its messages allow, round after round, until every rank is done."""
+    queues = [deque(program.commands()) for program in programs]
+    while any(queues):
+        progressed = False
+        for program, queue in zip(programs, queues):
+            while queue:
+                command = queue[0]
+                if command.kind is schedules.RecvActivation and not _arrived(interpreters, command, -1):
+                    break
+                if command.kind is schedules.RecvGrad and not _arrived(interpreters, command, 1):
+                    break
+                execute(program, interpreters, queue.popleft())
+                progressed = True
+        if not progressed:
+            raise RuntimeError("the virtual stages wait for each other: a schedule that cannot run")
+
+
+def _arrived(interpreters: list[StageInterpreter], receive: ChunkCommand, side: int) -> bool:
+    return interpreters[receive.stage].transport.ready(receive.stage + side)
+
+
+def execute(program: VirtualProgram, interpreters: Sequence[StageInterpreter], command: ChunkCommand) -> None:
+    """A rank's instruction on its chunk's interpreter (`interpreters` by virtual stage), with the micro-batch as the
+    buffer; a once-per-step instruction on each of the rank's chunks."""
+    if command.stage is None:  # once per step: on every chunk of the rank
+        for chunk in range(program.chunks):
+            interpreters[program.placement.virtual_stage(program.rank, chunk)].execute(command.kind())
+        return
+    interpreters[command.stage].execute(command.kind(command.micro_batch))

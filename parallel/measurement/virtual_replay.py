@@ -1,0 +1,69 @@
+"""One rank's training step under a schedule with virtual stages, in this process, to measure its peak tensor memory
+(parallel/measurement/tensor_peak.py) without launching ranks, as parallel/measurement/stage_replay.py does for one
+stage: the rank's chunks built and planned as the in-process virtual pipeline builds them
+(parallel/measurement/virtual_local.py), its programme run through one interpreter per chunk, its neighbours fake
+(`FakeNeighbours`: what they send is random tensors of the right shape), on random micro-batches, with no optimizer
+(the activations are what is measured: the peak above the step's baseline of parameters and gradients)."""
+
+import gc
+from contextlib import ExitStack
+
+import torch
+
+from parallel.measurement.in_process import FakeNeighbours
+from parallel.measurement.tensor_peak import TensorPeak, TensorPeakMeter
+from parallel.measurement.virtual_local import VirtualLocalPipeline, chunk_interpreter, execute
+from parallel.planning.layout import PipelineLayout
+from parallel.planning.virtual_schedules import virtual_schedule
+
+
+class VirtualRankReplay:
+    """Rank `rank` of `layout`'s virtual stages under `schedule` with `chunks` per rank, ready to run training steps
+    of `micro_batches` micro-batches of `micro_batch_size` sequences."""
+
+    def __init__(
+        self,
+        layout: PipelineLayout,
+        schedule: str,
+        chunks: int,
+        rank: int,
+        micro_batches: int,
+        micro_batch_size: int,
+        seed: int = 0,
+    ):
+        torch.manual_seed(seed)
+        pipe = VirtualLocalPipeline(layout, schedule, chunks)
+        self.program = virtual_schedule(schedule, micro_batches, pipe.ranks, chunks)[rank]
+        config = layout.recipes[0].args[0]  # the token embedding's GPTConfig
+        tokens = (micro_batch_size, config.seq_len)
+
+        def random_micro_batch(_: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.randint(0, config.vocab_size, tokens), torch.randint(0, config.vocab_size, tokens)
+
+        mine = {self.program.placement.virtual_stage(rank, chunk) for chunk in range(chunks)}
+        self.interpreters = [
+            chunk_interpreter(pipe, i, self.program, FakeNeighbours(), random_micro_batch) if i in mine else None
+            for i in range(len(pipe.stages))
+        ]
+        # The other ranks' chunks go with `pipe`: only this rank's stay alive, held by their interpreters.
+
+    def step(self) -> None:
+        """One training step: every instruction of the rank's programme."""
+        chunks = [i for i in self.interpreters if i is not None]
+        for interpreter in chunks:
+            interpreter.work.start_step()
+        with ExitStack() as stack:
+            for interpreter in chunks:
+                stack.enter_context(interpreter.training_step())
+            for command in self.program.commands():
+                execute(self.program, self.interpreters, command)
+
+    def measure_peak(self, steps: int = 2) -> TensorPeak:
+        """The peak of the last of `steps` steps (the earlier ones allocate the gradients)."""
+        for _ in range(steps - 1):
+            self.step()
+        gc.collect()  # the garbage of earlier objects would otherwise count as alive in the window
+        meter = TensorPeakMeter("cpu")
+        with meter.window() as result:
+            self.step()
+        return result[0]

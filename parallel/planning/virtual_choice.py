@@ -1,0 +1,134 @@
+"""The schedules with virtual stages priced for a run, as the dry run prints them beside today's: the model split into
+2 chunks per rank, each chunk planned under the run's fixed recompute mode by the stage planner and priced by
+`price_stage` (its seconds per instruction), every rank's programme replayed by parallel/planning/virtual_sim.py
+and walked for its activation bytes (parallel/planning/virtual_memory.py). The chunk boundaries are chosen per
+schedule: the even split of the blocks, then single-block moves while the simulated step gets shorter.
+
+The engine does not run these schedules yet: the dry run shows what they would give. `auto` is not planned per
+chunk here (its budget is a rank's, shared by the rank's chunks): the dry run says so.
+"""
+
+from dataclasses import dataclass, replace
+from functools import partial
+
+from model import GPTConfig
+from parallel.planning.auto_recompute import analytic_costs
+from parallel.planning.balanced_search import RESOLUTION
+from parallel.planning.config import AutoRecompute, RecomputeConfig
+from parallel.planning.layout import PipelineLayout
+from parallel.planning.partition import StageRange, stages_of_block_counts
+from parallel.planning.shapes import GIB, RunShape, Shape, Topology
+from parallel.planning.stage_planner import StagePlanner
+from parallel.planning.stage_price import StagePrice, StagePricing
+from parallel.planning.virtual_memory import one_chunk_peaks, virtual_peaks
+from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES, virtual_schedule
+from parallel.planning.virtual_sim import simulate_virtual
+
+CHUNKS = 2
+
+
+@dataclass(frozen=True)
+class VirtualOption:
+    """One schedule with virtual stages, priced."""
+
+    schedule: str
+    step_time_s: float
+    activation_bytes: tuple[int, ...]
+    """Each rank's activation peak (its chunks' kept bytes, deferred W's and received messages at once)."""
+    state_bytes: tuple[int, ...]
+    """Each rank's parameters, gradients and optimizer state: its chunks' together."""
+    blocks: tuple[int, ...]
+    """Blocks per virtual stage, in pipeline order."""
+
+
+def virtual_options(
+    model: GPTConfig, recompute: RecomputeConfig, layout: PipelineLayout, run: RunShape
+) -> list[VirtualOption]:
+    """Every schedule of VIRTUAL_SCHEDULES that takes the run's micro-batches, on `layout`'s ranks x 2 chunks,
+    priced with `layout`'s time model, each on its own chunk boundaries (`_chunk_counts`)."""
+    ranks = run.topology.pipeline_stages
+    virtual_run = replace(run, topology=Topology(CHUNKS * ranks, run.topology.data_parallel_size))
+    shape = Shape.of(model, run.micro_batch_size)
+    planner = StagePlanner(
+        StagePricing.of(layout.recipes, virtual_run, shape, layout.timing), recompute, analytic_costs(shape, run.target)
+    )
+    priced: dict[StageRange, StagePrice] = {}
+
+    def price(stage: StageRange) -> StagePrice:
+        if stage not in priced:
+            priced[stage] = planner.price(stage)
+        return priced[stage]
+
+    out = []
+    for schedule in VIRTUAL_SCHEDULES:
+        try:
+            programs = virtual_schedule(schedule, run.micro_batches, ranks, CHUNKS)
+        except ValueError:  # interleaved-1f1b's rounds: micro-batches not a multiple of the ranks
+            continue
+        placement = programs[0].placement
+        mine = [[placement.virtual_stage(rank, chunk) for chunk in range(CHUNKS)] for rank in range(ranks)]
+
+        step_s = partial(_step_s, programs, mine, price, layout.recipes)
+        counts = _chunk_counts(model.n_layer, CHUNKS * ranks, step_s)
+        stages = stages_of_block_counts(layout.recipes, counts)
+        prices = [price(stage) for stage in stages]
+        plans = [p.plan for p in prices]
+        peaks = virtual_peaks(layout.recipes, stages, plans, schedule, CHUNKS, run.micro_batches, shape, run.target)
+        states = tuple(sum(sum(prices[v].memory.states.values()) for v in stages) for stages in mine)
+        out.append(VirtualOption(schedule, step_s(counts), tuple(p.bytes for p in peaks), states, tuple(counts)))
+    return out
+
+
+def _step_s(programs, mine, price, recipes, counts: list[int]) -> float:
+    """The simulated step of `programs` with `counts` blocks per virtual stage (`mine[rank]`: its virtual stages)."""
+    prices = [price(stage) for stage in stages_of_block_counts(recipes, counts)]
+    return simulate_virtual(programs, [[prices[v].costs for v in stages] for stages in mine]).step_time_s
+
+
+def _chunk_counts(blocks: int, chunks: int, step_s) -> list[int]:
+    """Blocks per virtual stage: the even split, then single-block moves across a chunk boundary while the
+    simulated step of the schedule gets shorter (as `balanced` moves stage boundaries: a V's rank 0 holds both the
+    embedding's chunk and the LM head's, so even chunks load it most)."""
+    counts = [blocks // chunks + (c < blocks % chunks) for c in range(chunks)]
+    best, improved = step_s(counts), True
+    while improved:
+        improved = False
+        for boundary in range(chunks - 1):
+            for give in (1, -1):  # one block from chunk boundary + 1 to boundary, or back
+                trial = list(counts)
+                trial[boundary] += give
+                trial[boundary + 1] -= give
+                if min(trial) < 1:
+                    continue
+                step = step_s(trial)
+                if step < best * (1 - RESOLUTION):
+                    counts, best, improved = trial, step, True
+    return counts
+
+
+def virtual_lines(model: GPTConfig, recompute: RecomputeConfig, layout: PipelineLayout, run: RunShape) -> list[str]:
+    """The dry run's lines: each virtual-stage schedule's simulated step and largest rank, against 1F1B's
+    activation peak on the layout's own stages under the same mode."""
+    if isinstance(recompute, AutoRecompute):
+        return [
+            "virtual stages (2 chunks per rank): not priced under +recompute=auto (its budget is not split by chunk)"
+        ]
+    if layout.timing is None:
+        return []
+    if model.n_layer < CHUNKS * run.topology.pipeline_stages:
+        return ["virtual stages (2 chunks per rank): fewer blocks than chunks"]
+    shape = Shape.of(model, run.micro_batch_size)
+    peaks = one_chunk_peaks(layout.recipes, layout.stages, layout.plans, "1f1b", run.micro_batches, shape, run.target)
+    one_f_one_b = max(peak.bytes for peak in peaks)
+    lines = [
+        "virtual stages (2 chunks per rank; planned, not run by the engine yet):",
+        f"{'schedule':>16} {'step (s)':>9} {'activations GiB':>15} {'x 1f1b':>7} {'states GiB':>10}  blocks per chunk",
+    ]
+    for option in virtual_options(model, recompute, layout, run):
+        largest = max(option.activation_bytes)
+        lines.append(
+            f"{option.schedule:>16} {option.step_time_s:>9.4g} {largest / GIB:>15.3f} "
+            f"{largest / max(one_f_one_b, 1):>7.2f} {max(option.state_bytes) / GIB:>10.3f}  "
+            + "/".join(map(str, option.blocks))
+        )
+    return lines

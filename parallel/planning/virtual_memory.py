@@ -1,0 +1,70 @@
+"""The activation bytes each rank holds under a schedule with virtual stages: the layers split into ranks x chunks
+virtual stages, each priced by the per-layer memory model (parallel/planning/memory_model.py) and walked through the
+rank's programme (parallel/planning/virtual_walk.py). Pure: no process group."""
+
+from collections.abc import Sequence
+
+from model import LayerRecipe
+from parallel.planning import schedules
+from parallel.planning.memory_model import stage_activations, stage_weight_grad_bytes
+from parallel.planning.partition import StageRange
+from parallel.planning.schedule_walk import ActivationPeak, activation_peak
+from parallel.planning.shapes import Shape, Target
+from parallel.planning.stage_plan import StagePlan
+from parallel.planning.virtual_schedules import virtual_schedule
+from parallel.planning.virtual_walk import VirtualPeak, virtual_activation_peak
+
+
+def kept_bytes(recipes: Sequence[LayerRecipe], stage: StageRange, plan: StagePlan, shape: Shape, target: Target) -> int:
+    """What one micro-batch keeps on the (virtual) stage from its forward to its backward under `plan`."""
+    last = stage.stop == len(recipes)
+    return sum(a.bytes for a in stage_activations(recipes, stage.layers, plan, shape, target, last))
+
+
+def virtual_peaks(
+    recipes: Sequence[LayerRecipe],
+    stages: Sequence[StageRange],
+    plans: Sequence[StagePlan],
+    schedule: str,
+    chunks: int,
+    micro_batches: int,
+    shape: Shape,
+    target: Target,
+) -> list[VirtualPeak]:
+    """Each rank's activation peak under `schedule` (parallel/planning/virtual_schedules.py's) with `chunks` per
+    rank, `stages` being the virtual stages in pipeline order with one plan each. Besides what each chunk keeps per
+    micro-batch (and, under a split backward, what its W needs), a received activation or gradient counts from its
+    receive to the instruction that reads it."""
+    ranks, extra = divmod(len(stages), chunks)
+    if extra:
+        raise ValueError(f"{len(stages)} virtual stages do not split into {chunks} chunks per rank")
+    programs = virtual_schedule(schedule, micro_batches, ranks, chunks)
+    placement = programs[0].placement
+    split = any(c.kind is schedules.BackwardWeight for c in programs[0].commands())
+    message = shape.bsh * target.dtype_bytes  # one hidden-state tensor: an activation or its gradient
+    out = []
+    for program in programs:
+        virtual = [placement.virtual_stage(program.rank, c) for c in range(chunks)]
+        kept = [kept_bytes(recipes, stages[v], plans[v], shape, target) for v in virtual]
+        pending = [stage_weight_grad_bytes(recipes, stages[v].layers, shape, target) if split else 0 for v in virtual]
+        out.append(virtual_activation_peak(program, kept, pending, [message] * chunks))
+    return out
+
+
+def one_chunk_peaks(
+    recipes: Sequence[LayerRecipe],
+    stages: Sequence[StageRange],
+    plans: Sequence[StagePlan],
+    schedule: str,
+    micro_batches: int,
+    shape: Shape,
+    target: Target,
+) -> list[ActivationPeak]:
+    """Each stage's peak under today's one-chunk schedules (1f1b, zb-h1), as schedule_walk walks them."""
+    out = []
+    for s, (stage, plan) in enumerate(zip(stages, plans)):
+        kept = kept_bytes(recipes, stage, plan, shape, target)
+        pending = stage_weight_grad_bytes(recipes, stage.layers, shape, target) if schedule == "zb-h1" else 0
+        m = micro_batches
+        out.append(activation_peak(schedule, False, [kept] * m, pending, [0] * m, m, len(stages), s))
+    return out

@@ -1,0 +1,126 @@
+"""Schedules with virtual stages run in one process (parallel/measurement/virtual_local.py): every rank's programme of
+interleaved 1F1B, ZB-V and V-Half through the one interpreter of a stage's programme, one per chunk, trains exactly as
+1F1B does (parallel/measurement/local_stages.py's LocalPipeline on the same blocks), bit for bit, under every fixed
+recompute mode, its chunks' plans applied chunk by chunk. No process group.
+
+Dropout is off here: each process draws its dropout masks from one random stream in the order its forwards run, and
+a rank of a virtual-stage schedule runs its chunks' forwards in another order than a 1F1B stage runs the same
+layers, so with dropout on the masks differ between the two schedules (the report of issue 34 says what it needs)."""
+
+import pytest
+import torch
+
+from model import GPTConfig
+from parallel.measurement.local_stages import LocalPipeline
+from parallel.measurement.virtual_local import VirtualLocalPipeline
+from parallel.measurement.virtual_replay import VirtualRankReplay
+from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
+from parallel.planning.layout import build_layout
+from parallel.planning.shapes import RunShape, Target, Topology
+from parallel.runtime.stage_interpreter import StageInterpreter
+
+CFG = GPTConfig(n_layer=4, n_head=2, n_embd=32, seq_len=16, vocab_size=64, dropout=0.0)
+MICRO_BATCHES = 4
+MODES = {
+    "none": NoRecompute(),
+    "full": FullRecompute(interval="1"),
+    "full-stage": FullRecompute(interval="stage"),
+    "selective": SelectiveRecompute(modules=["core_attn", "mlp_act"]),
+    "per-micro-batch": FullRecompute(interval="1", micro_batches=1),
+}
+
+
+def layout(stages: int, recompute):
+    run = RunShape(Topology(stages), Target("cpu", "fp32"), micro_batches=MICRO_BATCHES, micro_batch_size=2)
+    return build_layout(CFG, recompute, run, "type:Block", 0)
+
+
+@pytest.fixture(scope="module")
+def batches():
+    g = torch.Generator().manual_seed(0)
+    return [
+        (torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g))
+        for _ in range(MICRO_BATCHES)
+    ]
+
+
+def gradients(pipe) -> dict[tuple, torch.Tensor]:
+    """Each parameter's gradient by (layer, name), a tied weight's copies summed (as ReduceTiedGrads sums them)."""
+    out: dict[tuple, torch.Tensor] = {}
+    for stage in pipe.stages:
+        recipes = [pipe.layout.recipes[flat] for flat in stage.stage.layers]
+        keys = []
+        for flat, recipe in zip(stage.stage.layers, recipes):
+            key = recipe.tie_key or flat
+            if key not in keys:
+                keys.append(key)
+        for key, module in zip(keys, stage.layers):
+            for name, parameter in module.named_parameters():
+                grad = parameter.grad.clone()
+                out[(key, name)] = out[(key, name)] + grad if (key, name) in out else grad
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_f_one_b(batches):
+    """1F1B on 2 stages, per mode: (loss, gradients)."""
+    out = {}
+    for mode, recompute in MODES.items():
+        pipe = LocalPipeline(layout(2, recompute))
+        out[mode] = (pipe.step(batches), gradients(pipe))
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("schedule", ("interleaved-1f1b", "zb-v", "v-half"))
+def test_two_chunks_per_rank_train_as_1f1b_bit_for_bit(schedule, mode, batches, one_f_one_b):
+    pipe = VirtualLocalPipeline(layout(4, MODES[mode]), schedule, chunks=2)
+    loss, expected = pipe.step(batches), one_f_one_b[mode]
+    assert torch.equal(loss, expected[0])
+    grads = gradients(pipe)
+    assert grads.keys() == expected[1].keys()
+    for key, grad in grads.items():
+        assert torch.equal(grad, expected[1][key]), key
+
+
+def test_a_layout_that_does_not_split_into_the_chunks_is_refused():
+    with pytest.raises(ValueError, match="do not split into 2 chunks"):
+        VirtualLocalPipeline(layout(3, NoRecompute()), "zb-v", chunks=2)
+
+
+def test_a_rank_replay_runs_exactly_its_programme_through_its_chunks_interpreters(monkeypatch):
+    """The stage replay of one rank (parallel/measurement/virtual_replay.py, which bench/virtual_schedule_bench.py
+    measures): every instruction of the rank's programme, each on the interpreter of its own chunk."""
+    executed = []
+    run = StageInterpreter.execute
+    monkeypatch.setattr(
+        StageInterpreter, "execute", lambda self, c: (executed.append((self.stage_id, c)), run(self, c))[1]
+    )
+    replay = VirtualRankReplay(layout(4, NoRecompute()), "v-half", 2, 1, MICRO_BATCHES, 2)
+    replay.step()
+    expected = []
+    for command in replay.program.commands():
+        if command.stage is None:  # once per step, on each chunk: rank 1 of 2 holds virtual stages 1 and 2
+            expected += [(1, command.kind()), (2, command.kind())]
+        else:
+            expected.append((command.stage, command.kind(command.micro_batch)))
+    assert executed == expected
+
+
+@pytest.mark.parametrize("ranks, micro_batches", [(4, 8), (3, 2)])
+@pytest.mark.parametrize("schedule", ("interleaved-1f1b", "zb-v", "v-half"))
+def test_more_ranks_of_two_chunks_train_as_1f1b_stages_bit_for_bit(schedule, ranks, micro_batches, batches):
+    """2 x `ranks` virtual stages of one block each (4 ranks, 8 micro-batches: the shape V-Half's memory is planned
+    for; 3 ranks, 2 micro-batches: interleaved 1F1B runs both forwards of its last chunk before either backward)."""
+    model = GPTConfig(n_layer=2 * ranks, n_head=2, n_embd=32, seq_len=16, vocab_size=64, dropout=0.0)
+
+    def layout_of(stages: int):
+        run = RunShape(Topology(stages), Target("cpu", "fp32"), micro_batches=micro_batches, micro_batch_size=2)
+        return build_layout(model, NoRecompute(), run, "type:Block", 0)
+
+    data = (batches + batches[::-1])[:micro_batches]
+    reference = LocalPipeline(layout_of(ranks))
+    pipe = VirtualLocalPipeline(layout_of(2 * ranks), schedule, chunks=2)
+    assert torch.equal(pipe.step(data), reference.step(data))
+    expected = gradients(reference)
+    assert all(torch.equal(grad, expected[key]) for key, grad in gradients(pipe).items())

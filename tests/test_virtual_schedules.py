@@ -1,0 +1,221 @@
+"""The schedules with virtual stages of parallel/planning/virtual_schedules.py (interleaved 1F1B, ZB-V, V-Half), on
+2-8 ranks with 1-16 micro-batches: each chunk's forward, backward (B and W) once and in order on the rank that holds
+it, every send met by its receive at the same boundary, no deadlock under the strictest rendezvous transport; the
+simulator's replay of them (parallel/planning/virtual_sim.py), and the bytes each rank holds
+(parallel/planning/virtual_walk.py, parallel/planning/virtual_memory.py). Pure: no process group."""
+
+import functools
+from collections import Counter
+
+import pytest
+
+from model import BLOCK_CLASSES, GPTConfig, gpt_layers
+from parallel.planning import schedules
+from parallel.planning.config import AutoRecompute, NoRecompute
+from parallel.planning.layout import build_layout
+from parallel.planning.partition import partition_layers
+from parallel.planning.schedule_walk import in_flight_micro_batches
+from parallel.planning.shapes import RunShape, Shape, Target, Topology
+from parallel.planning.stage_plan import StagePlan
+from parallel.planning.step_sim import StageCosts, simulate_stages
+from parallel.planning.virtual_choice import virtual_lines, virtual_options
+from parallel.planning.virtual_memory import one_chunk_peaks, virtual_peaks
+from parallel.planning.virtual_schedules import SLOTS, VirtualProgram, virtual_schedule
+from parallel.planning.virtual_sim import simulate_virtual
+from parallel.planning.virtual_walk import virtual_activation_peak
+
+KINDS = [("interleaved-1f1b", 2), ("interleaved-1f1b", 3), ("zb-v", 2), ("v-half", 2)]
+RANKS = range(2, 9)
+MICRO_BATCHES = range(1, 17)
+
+
+@functools.cache
+def programs(schedule: str, chunks: int, micro_batches: int, ranks: int) -> tuple[VirtualProgram, ...] | None:
+    """Every rank's programme, or None where the schedule refuses the shape (interleaved-1f1b: Megatron's rounds)."""
+    try:
+        return tuple(virtual_schedule(schedule, micro_batches, ranks, chunks))
+    except ValueError as refused:
+        assert schedule == "interleaved-1f1b" and micro_batches > ranks and micro_batches % ranks
+        assert "multiple of the pipeline ranks" in str(refused)
+        return None
+
+
+def shapes(schedule: str, chunks: int, ranks: int):
+    for m in MICRO_BATCHES:
+        if (progs := programs(schedule, chunks, m, ranks)) is not None:
+            yield m, progs
+
+
+@pytest.mark.parametrize("ranks", RANKS)
+@pytest.mark.parametrize("schedule, chunks", KINDS)
+def test_every_chunk_runs_each_micro_batch_once_in_order_on_the_rank_that_holds_it(schedule, chunks, ranks):
+    split = schedule != "interleaved-1f1b"
+    backward = schedules.BackwardInput if split else schedules.BackwardPass
+    for m, progs in shapes(schedule, chunks, ranks):
+        placement = progs[0].placement
+        last = placement.virtual_stages - 1
+        for program in progs:
+            commands = program.commands()
+            position = {(c.kind, c.stage, c.micro_batch): i for i, c in enumerate(commands)}
+            counts = Counter((c.kind, c.stage, c.micro_batch) for c in commands)
+            assert all(n == 1 for n in counts.values())
+            for chunk in range(chunks):
+                stage = placement.virtual_stage(program.rank, chunk)
+                assert placement.holder(stage) == (program.rank, chunk)
+                for micro_batch in range(m):
+                    b = position[(backward, stage, micro_batch)]
+                    assert position[(schedules.ForwardPass, stage, micro_batch)] < b
+                    if split:
+                        assert b < position[(schedules.BackwardWeight, stage, micro_batch)]
+                    loads = (schedules.LoadMicroBatch, stage, micro_batch) in position
+                    assert loads == (stage in (0, last))
+            assert [c.kind for c in commands[-3:]] == [
+                schedules.ReduceTiedGrads,
+                schedules.ReduceGrads,
+                schedules.OptimizerStep,
+            ]
+            assert all(c.chunk == placement.holder(c.stage)[1] for c in commands if c.stage is not None)
+
+
+PARTNER = {
+    schedules.SendActivation: schedules.RecvActivation,
+    schedules.RecvActivation: schedules.SendActivation,
+    schedules.SendGrad: schedules.RecvGrad,
+    schedules.RecvGrad: schedules.SendGrad,
+}
+
+
+def rendezvous_replay(progs: tuple[VirtualProgram, ...]) -> None:
+    """Each rank's batches (`p2p_batches`) under the strictest transport: a rank posts its next batch only once
+    every operation of its current one has met its counterpart, and an operation meets it only while the peer has
+    it posted. Raise on a deadlock, or where a posted operation faces, on the same pair and direction, another
+    message than its own (NCCL runs a pair's transfers in order on one stream)."""
+    batches = [program.p2p_batches() for program in progs]
+    pc, met = [0] * len(progs), [set() for _ in progs]
+
+    def posted(rank: int) -> set:
+        return set(batches[rank][pc[rank]]) - met[rank] if pc[rank] < len(batches[rank]) else set()
+
+    while any(pc[r] < len(batches[r]) for r in range(len(progs))):
+        progressed = False
+        for r in range(len(progs)):
+            for op in posted(r):
+                facing = {c for c in posted(op.peer) if c.kind is PARTNER[op.kind] and c.peer == r}
+                assert {c.message() for c in facing} <= {op.message()}, f"rank {r}'s {op} faces {facing}"
+                if facing:
+                    (other,) = facing
+                    met[r].add(op)
+                    met[op.peer].add(other)
+                    progressed = True
+            for t in range(len(progs)):
+                if pc[t] < len(batches[t]) and not posted(t):
+                    met[t].clear()
+                    pc[t] += 1
+                    progressed = True
+        if not progressed:
+            stuck = {r: sorted(map(str, posted(r))) for r in range(len(progs)) if pc[r] < len(batches[r])}
+            raise AssertionError(f"deadlock under rendezvous: ranks blocked at {stuck}")
+
+
+@pytest.mark.parametrize("ranks", RANKS)
+@pytest.mark.parametrize("schedule, chunks", KINDS)
+def test_every_send_meets_its_receive_at_the_same_boundary_and_nothing_deadlocks(schedule, chunks, ranks):
+    for _, progs in shapes(schedule, chunks, ranks):
+        for program in progs:
+            for index, step in enumerate(program.steps):
+                sends = [c for c in step if c.kind in (schedules.SendActivation, schedules.SendGrad)]
+                assert len({c.peer for c in sends}) == len(sends), "two messages one way on one pair in a batch"
+                for send in sends:
+                    received = [c for c in progs[send.peer].steps[index] if c.kind is PARTNER[send.kind]]
+                    assert [c.message() for c in received if c.peer == program.rank] == [send.message()]
+        rendezvous_replay(progs)
+
+
+def test_a_round_of_fewer_micro_batches_is_refused_for_interleaved_1f1b_only():
+    with pytest.raises(ValueError, match="multiple of the pipeline ranks"):
+        virtual_schedule("interleaved-1f1b", 6, 4, 2)
+    assert len(virtual_schedule("zb-v", 6, 4)) == 4
+    with pytest.raises(ValueError, match="interleaved-1f1b, zb-v, v-half"):
+        virtual_schedule("bfs", 4, 4)
+    with pytest.raises(ValueError, match="2 chunks"):
+        virtual_schedule("zb-v", 4, 4, 3)
+
+
+def costs(forward: float, send: float = 0.0) -> StageCosts:
+    """A backward of two forwards (B one, W one)."""
+    return StageCosts(forward, 2 * forward, 0.0, send, send, 0.0, 0.0, 0.0, weight_grad=forward)
+
+
+@pytest.mark.parametrize("schedule, chunks", KINDS)
+@pytest.mark.parametrize("ranks, micro_batches", [(2, 4), (4, 8), (3, 3)])
+def test_at_unit_costs_the_simulated_step_is_the_programmes_slots(schedule, chunks, ranks, micro_batches):
+    """The simulator replays a programme at the costs it was laid out for in exactly its slots; a transfer that
+    costs something only lengthens it."""
+    progs = programs(schedule, chunks, micro_batches, ranks)
+    unit = [[costs(1.0)] * chunks] * ranks
+    assert simulate_virtual(progs, unit).step_time_s == len(progs[0].steps)
+    slow = [[costs(1.0, send=0.25)] * chunks] * ranks
+    assert simulate_virtual(progs, slow).step_time_s > len(progs[0].steps)
+    busy = simulate_virtual(progs, unit).busy_s
+    split = schedule != "interleaved-1f1b"
+    assert busy == (chunks * micro_batches * (3 if split else 1 + SLOTS[schedules.BackwardPass]),) * ranks
+
+
+@pytest.mark.parametrize("ranks, micro_batches", [(2, 4), (4, 8), (4, 2), (8, 16)])
+def test_one_chunk_per_rank_is_1f1b(ranks, micro_batches):
+    """interleaved-1f1b with v = 1 holds what DeepSpeed's 1F1B holds and takes its simulated step."""
+    progs = virtual_schedule("interleaved-1f1b", micro_batches, ranks, 1)
+    for rank, program in enumerate(progs):
+        peak = virtual_activation_peak(program, [1], [0], [0])
+        assert peak.in_flight == (in_flight_micro_batches(micro_batches, ranks, rank),)
+    one_f_one_b = simulate_stages([costs(1.0)] * ranks, micro_batches, "1f1b").step_time_s
+    assert simulate_virtual(progs, [[costs(1.0)]] * ranks).step_time_s == one_f_one_b
+
+
+def test_v_shapes_beat_zb_h1_and_interleaving_beats_1f1b_at_equal_work():
+    """4 ranks, 8 micro-batches, each rank's work the same: ZB-V's step is shorter than ZB-H1's, interleaved
+    1F1B's shorter than 1F1B's, V-Half's no longer than 1F1B's."""
+    one = {s: simulate_stages([costs(1.0)] * 4, 8, s).step_time_s for s in ("1f1b", "zb-h1")}
+    half = [[costs(0.5)] * 2] * 4
+    virtual = {s: simulate_virtual(virtual_schedule(s, 8, 4), half).step_time_s for s in ("interleaved-1f1b", "zb-v")}
+    virtual["v-half"] = simulate_virtual(virtual_schedule("v-half", 8, 4), half).step_time_s
+    assert virtual["zb-v"] < one["zb-h1"] < one["1f1b"]
+    assert virtual["interleaved-1f1b"] < one["1f1b"]
+    assert virtual["v-half"] <= one["1f1b"]
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt():
+    config = GPTConfig(n_layer=8, n_head=4, n_embd=64, seq_len=32, vocab_size=64, dropout=0.1)
+    return gpt_layers(config, seed=0), Shape.of(config, 2), Target("cpu", "fp32")
+
+
+def test_v_half_plans_at_most_0_6x_the_1f1b_activation_peak_and_zb_v_about_1f1bs(tiny_gpt):
+    """Planned bytes on 4 ranks (8 virtual stages of one block each), no recompute: V-Half's largest rank holds
+    at most 0.6x what 1F1B's largest holds; ZB-V holds 1F1B's peak (within the received messages it keeps)."""
+    recipes, shape, target = tiny_gpt
+    assert sum(r.module_class in BLOCK_CLASSES for r in recipes) == 8
+    four, eight = partition_layers(recipes, 4, "type:Block"), partition_layers(recipes, 8, "type:Block")
+    none4, none8 = [StagePlan()] * 4, [StagePlan()] * 8
+    base = max(p.bytes for p in one_chunk_peaks(recipes, four, none4, "1f1b", 8, shape, target))
+    v_half = max(p.bytes for p in virtual_peaks(recipes, eight, none8, "v-half", 2, 8, shape, target))
+    zb_v = max(p.bytes for p in virtual_peaks(recipes, eight, none8, "zb-v", 2, 8, shape, target))
+    assert v_half <= 0.6 * base
+    assert zb_v <= 1.05 * base
+
+
+def test_the_dry_run_prices_every_virtual_schedule_on_the_layouts_ranks(tiny_gpt):
+    """Each schedule that takes the run's micro-batches, on 4 ranks x 2 chunks of the layout's model, priced with
+    the layout's time model: V-Half holds the least, ZB-V about 1F1B's; `auto` is said not to be priced."""
+    model = GPTConfig(n_layer=8, n_head=4, n_embd=64, seq_len=32, vocab_size=64, dropout=0.1)
+    run = RunShape(Topology(4), Target("cpu", "fp32"), micro_batches=8, micro_batch_size=2)
+    layout = build_layout(model, NoRecompute(), run, "type:Block", 0)
+    options = {o.schedule: o for o in virtual_options(model, NoRecompute(), layout, run)}
+    assert set(options) == {"interleaved-1f1b", "zb-v", "v-half"}
+    assert all(o.step_time_s > 0 and len(o.activation_bytes) == len(o.state_bytes) == 4 for o in options.values())
+    assert max(options["v-half"].activation_bytes) < max(options["zb-v"].activation_bytes)
+    lines = virtual_lines(model, NoRecompute(), layout, run)
+    assert [line.split()[0] for line in lines[2:]] == ["interleaved-1f1b", "zb-v", "v-half"]
+    assert "not priced under +recompute=auto" in virtual_lines(model, AutoRecompute(), layout, run)[0]
+    odd = RunShape(Topology(4), Target("cpu", "fp32"), micro_batches=6, micro_batch_size=2)
+    assert "interleaved-1f1b" not in {o.schedule for o in virtual_options(model, NoRecompute(), layout, odd)}
