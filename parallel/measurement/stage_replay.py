@@ -27,9 +27,10 @@ from parallel.runtime.stage_interpreter import StageInterpreter
 
 
 class StageReplay:
-    """Stage `index` of `layout`, ready to run training steps of `run`'s micro-batches."""
+    """Stage `index` of `layout`, ready to run training steps of `run`'s micro-batches; its blocks compiled under
+    `compile` (train.compile)."""
 
-    def __init__(self, layout: PipelineLayout, index: int, run: RunShape, seed: int = 0):
+    def __init__(self, layout: PipelineLayout, index: int, run: RunShape, seed: int = 0, compile: bool = False):
         if run.target.precision != "fp32":
             raise ValueError(f"a stage replay keeps fp32 optimizer states only, not {run.target.precision}")
         stages = run.topology.pipeline_stages
@@ -38,7 +39,7 @@ class StageReplay:
         self.split = layout.schedule == "zb-h1"
         self.plan = plan
         torch.manual_seed(seed)
-        stage = LocalStage(layout.recipes, layout.stages[index], plan)
+        stage = LocalStage(layout.recipes, layout.stages[index], plan, compile=compile)
         self.program = train_schedule(
             layout.schedule, self.early, run.micro_batches, stages, index, plan.deferred_weights
         )
