@@ -73,6 +73,12 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
         )
         for line in layout.describe() + layout.empty_stage_warnings():
             print("stagecheck: " + line, flush=True)
+        if run.train.compile:
+            print(
+                "stagecheck: train.compile: each block compiled (inductor); the plan counts eager autograd's "
+                "activation bytes, and a compiled block keeps what the partitioner chooses (docs/compile.md)",
+                flush=True,
+            )
         if run.model.packed_dropout and run.model.dropout == 0:
             print("stagecheck: model.packed_dropout=true is a no-op: model.dropout is 0, so no masks are kept")
 

@@ -17,7 +17,7 @@ _FRAME_COMPILE = "_compile.compile_inner"
 @dataclass(frozen=True)
 class CompileCount:
     graphs: int
-    """Graphs dynamo compiled (each block's forward and backward are one graph)."""
+    """Graphs dynamo captured: one per block variant and grad mode (AOTAutograd compiles its backward with it)."""
     graph_breaks: int
     """Times dynamo split a frame (none can happen under fullgraph=True: it would raise instead)."""
     compile_s: float

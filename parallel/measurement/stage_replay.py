@@ -27,10 +27,9 @@ from parallel.runtime.stage_interpreter import StageInterpreter
 
 
 class StageReplay:
-    """Stage `index` of `layout`, ready to run training steps of `run`'s micro-batches; its blocks compiled under
-    `compile` (train.compile)."""
+    """Stage `index` of `layout`, ready to run training steps of `run`'s micro-batches."""
 
-    def __init__(self, layout: PipelineLayout, index: int, run: RunShape, seed: int = 0, compile: bool = False):
+    def __init__(self, layout: PipelineLayout, index: int, run: RunShape, seed: int = 0):
         if run.target.precision != "fp32":
             raise ValueError(f"a stage replay keeps fp32 optimizer states only, not {run.target.precision}")
         stages = run.topology.pipeline_stages
@@ -39,7 +38,7 @@ class StageReplay:
         self.split = layout.schedule == "zb-h1"
         self.plan = plan
         torch.manual_seed(seed)
-        stage = LocalStage(layout.recipes, layout.stages[index], plan, compile=compile)
+        stage = LocalStage(layout.recipes, layout.stages[index], plan)
         self.program = train_schedule(
             layout.schedule, self.early, run.micro_batches, stages, index, plan.deferred_weights
         )
