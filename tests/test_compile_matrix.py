@@ -23,6 +23,8 @@ ACCEPTED = [
     FullRecompute(interval="1", micro_batches=1),
     SelectiveRecompute(modules=["core_attn"]),
     SelectiveRecompute(modules=["mlp"]),
+    SelectiveRecompute(modules=["mlp_act"]),
+    SelectiveRecompute(modules=["core_attn", "mlp_act"]),
     SelectiveRecompute(modules=["core_attn", "mlp"], micro_batches=1),
 ]
 CONFIGS = {

@@ -2,8 +2,9 @@
 `torch.compile(block, fullgraph=True)` per block, after activation checkpointing was applied to it).
 
 A block is compiled after its stage plan was installed (parallel/runtime/recompute.py's `apply_plan`), so a selective
-checkpoint inside it (`core_attn`, `mlp`) is traced into the block's graph as torch's checkpoint operator, and
-AOTAutograd's partitioner recomputes that region in the block's compiled backward. A full segment checkpoints whole
+checkpoint inside it (`core_attn`, `mlp`, and `mlp_act` as a checkpoint of the activation with the Linear reading it)
+is traced into the block's graph as torch's checkpoint operator, and AOTAutograd's partitioner recomputes what the
+compiled backward reads of that region. A full segment checkpoints whole
 blocks from outside: its recompute calls the compiled blocks again, with the RNG state restored, so the dropout masks
 of inductor's own generator are drawn again identically. `fullgraph=True` makes a graph break an error at the first
 step rather than a silent fall back to eager; `dynamic=False`: the micro-batch shape never changes within a run.
@@ -13,10 +14,6 @@ What cannot be compiled is refused at start-up (`compile_refusal`), never droppe
 
 from model import BLOCK_CLASSES
 from parallel.planning.config import AutoRecompute, SelectiveRecompute
-
-# Output-discarding recompute (parallel/runtime/recompute.py's _discard_output) swaps a saved tensor for a remade one
-# through saved-tensor hooks that compare storage pointers: dynamo cannot trace either.
-UNCOMPILABLE_MODULES = ("mlp_act", "layernorm")
 
 
 def compile_refusal(schedule: str, recompute) -> str | None:
@@ -32,21 +29,22 @@ def compile_refusal(schedule: str, recompute) -> str | None:
         return (
             "train.compile=true cannot run +recompute=auto: auto plans each block from what eager autograd keeps, "
             "and a compiled block keeps what the partitioner chooses; use +recompute=none, full or selective "
-            "(modules core_attn, mlp), or train.compile=false"
+            "(modules core_attn, mlp_act, mlp), or train.compile=false"
         )
     if getattr(recompute, "early", False):
         return (
             "train.compile=true cannot run recompute.early=true: an early recompute is a Python autograd Function "
             "holding its segment, which dynamo cannot trace; set recompute.early=false or train.compile=false"
         )
-    if isinstance(recompute, SelectiveRecompute):
-        discarding = [m for m in recompute.modules if m in UNCOMPILABLE_MODULES]
-        if discarding:
-            return (
-                f"train.compile=true cannot run recompute.modules={list(recompute.modules)}: "
-                f"{' and '.join(discarding)} discard an output through saved-tensor hooks that dynamo cannot trace; "
-                f"compiled selective recompute allows core_attn and mlp, or set train.compile=false"
-            )
+    if isinstance(recompute, SelectiveRecompute) and "layernorm" in recompute.modules:
+        # `mlp_act` compiles as a checkpoint of the activation and its one consumer Linear, whose output backward never
+        # reads (parallel/runtime/recompute.py's _discard_output); a norm's consumer is a whole attention or MLP.
+        return (
+            f"train.compile=true cannot run recompute.modules={list(recompute.modules)}: layernorm discards the norm "
+            f"output that a whole attention or MLP reads, which a compiled block could only remake by recomputing "
+            f"their matmuls too; compiled selective recompute allows core_attn, mlp_act and mlp, or set "
+            f"train.compile=false"
+        )
     return None
 
 

@@ -177,6 +177,11 @@ def _discard_output(producer: nn.Module, consumer: nn.Module) -> None:
         if _plain:
             return consumer_forward(*args)
         inputs, out = last.pop("inputs"), last.pop("output")
+        if torch.compiler.is_compiling():
+            # In a compiled block (train.compile: `mlp_act` only) the hooks below cannot be traced. A checkpoint of
+            # producer and consumer together stores the producer's inputs, and the partitioner recomputes only what
+            # the compiled backward reads: the producer's output, not the consumer's.
+            return checkpoint(lambda *i: consumer_forward(producer_forward(*i)), *inputs, use_reentrant=False)
         storage = out.untyped_storage().data_ptr()
         region: list[DiscardedOutput] = []  # one per consumer call, however many ops saved `out`
 
