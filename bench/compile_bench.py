@@ -29,6 +29,7 @@ MODES = {
     "none": NoRecompute(),
     "full(1)": FullRecompute(interval="1"),
     "selective core_attn": SelectiveRecompute(modules=["core_attn"]),
+    "selective mlp_act": SelectiveRecompute(modules=["mlp_act"]),
     "selective core_attn+mlp": SelectiveRecompute(modules=["core_attn", "mlp"]),
 }
 
