@@ -48,10 +48,9 @@ def compile_refusal(schedule: str, recompute) -> str | None:
     return None
 
 
-def compile_blocks(funcs: list) -> int:
+def compile_blocks(funcs: list) -> None:
     """Compile each block among a stage's layer functions in place (nn.Module.compile keeps the module and its
-    parameter names, so checkpoints are those of an eager run); returns how many were compiled."""
-    blocks = [f for f in funcs if isinstance(f, BLOCK_CLASSES)]
-    for block in blocks:
-        block.compile(fullgraph=True, dynamic=False)
-    return len(blocks)
+    parameter names, so checkpoints are those of an eager run)."""
+    for block in funcs:
+        if isinstance(block, BLOCK_CLASSES):
+            block.compile(fullgraph=True, dynamic=False)
