@@ -5,7 +5,7 @@ INSTALLED := $(VENV)/.installed
 # CPU runs: DeepSpeed's CPU accelerator (gloo), W&B offline.
 CPU_ENV := DS_ACCELERATOR=cpu WANDB_MODE=offline
 
-.PHONY: venv demo test test-quick gpu-check lint format docs
+.PHONY: venv demo test test-quick test-compile gpu-check lint format docs
 # .venv with requirements.txt installed (again when requirements.txt changes).
 venv: $(INSTALLED)
 
@@ -28,12 +28,18 @@ demo: venv
 # Every test: real deepspeed launches on gloo, Hydra, W&B offline, the local Slurm cluster; then the 25 slowest, so
 # the next regression shows. Multi-process runs share one launch per kind and world size (tests/shared_runs.py).
 test: venv
-	$(CPU_ENV) $(PY) -m pytest -q tests --durations=25
+	$(CPU_ENV) $(PY) -m pytest -q tests -m "not compile" --durations=25
 
 # The inner loop: every test that starts no process group (no `multiproc` or `slurm` marker). A test that starts
 # one without its marker fails under STAGECHECK_QUICK_TIER (tests/runs.py, tests/conftest.py).
 test-quick: venv
-	$(CPU_ENV) STAGECHECK_QUICK_TIER=1 $(PY) -m pytest -q tests -m "not multiproc and not slurm" --durations=10
+	$(CPU_ENV) STAGECHECK_QUICK_TIER=1 $(PY) -m pytest -q tests -m "not multiproc and not slurm and not compile" \
+		--durations=10
+
+# The compiled exactness matrix (train.compile: every accepted recompute mode, both families), which make test leaves
+# out for its compile time (one representative compiled check stays in make test: tests/test_compile.py).
+test-compile: venv
+	$(CPU_ENV) $(PY) -m pytest -q tests -m compile --durations=10
 
 # On a machine with CUDA: the GPU tests (tests/test_gpu.py), gpt2 per recompute mode on one GPU and, with two or
 # more, 2-stage NCCL runs under a timeout; writes docs/gpu_figures.md (docs/gpu.md). At most 10 minutes on one GPU.

@@ -6,8 +6,10 @@ or more. It writes docs/gpu_figures.md from what it ran, and only on a machine w
   recompute, an fp16 overflow, a resume (also under another device visibility with two GPUs). NCCL refuses two
   ranks on one GPU: there, multi-stage checks run every stage in one process.
 - gpt2 and the Llama family (smollm2-135m: grouped-query attention, RMSNorm, rotary, SwiGLU; random weights) on one
-  GPU, one rank, bf16 with SDPA, per recompute mode: peak memory predicted and measured (the most allocated in a
-  step, the allocator's reserve beside it), tokens/s, MFU, the SDPA kernel that ran.
+  GPU, one rank, bf16 with SDPA, per recompute mode, eager and with train.compile (docs/compile.md): peak memory
+  predicted and measured (the most allocated in a step, the allocator's reserve beside it), tokens/s, MFU, the SDPA
+  kernel that ran, and what compiling cost (the six compiled runs are not yet timed on a GPU: they may stretch
+  the 10 minutes).
 - Two GPUs or more: 2-stage NCCL runs of gpt2 under 1f1b and under zb-h1 with early full recompute, activations and
   gradients of 18 MiB per message (NCCL's buffers hold far less), and of smollm2-135m under zb-h1 with early full
   recompute, each under a timeout: a hang is reported as one.
@@ -29,6 +31,8 @@ REPO = Path(__file__).resolve().parents[1]
 FIGURES = REPO / "docs" / "gpu_figures.md"
 DEEPSPEED = Path(sys.executable).with_name("deepspeed")
 MODES = ("none", "selective", "full")
+COMPILED = ", compiled"
+"""Suffix of a mode's row run with train.compile=true (the planner's predicted peak is eager autograd's then)."""
 COMMON = ["data=synthetic", "train.device=cuda", "train.precision=bf16", "logger=none", "train.steps=8"]
 COMMON += ["train.micro_batches=4", "train.measure_step=3", "train.trace_step=0"]
 MODELS = {
@@ -103,19 +107,24 @@ def train_run(root: Path, name: str, overrides: list[str], nproc: int = 1) -> di
 def mode_rows(runs: dict[str, dict]) -> list[str]:
     rows = [
         "| mode | predicted peak (MiB) | measured peak, max allocated per step (MiB) | measured / predicted | "
-        "reserved (MiB) | tokens/s | MFU | SDPA kernel |",
-        "|---|---|---|---|---|---|---|---|",
+        "reserved (MiB) | tokens/s | MFU | SDPA kernel | first step's compiling (s), graphs, later graphs |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, s in runs.items():
         if "failed" in s:
-            rows.append(f"| {mode} | {s['failed']} | | | | | | |")
+            rows.append(f"| {mode} | {s['failed']} | | | | | | | |")
             continue
         predicted, measured = s["predicted_peak_bytes_per_stage"][0], s["peak_memory_bytes_per_stage"][0]
         mfu = (s.get("mfu_per_rank") or [None])[0]
+        compiled = (s.get("compile_per_rank") or [None])[0]
+        compiling = "eager"
+        if compiled:
+            first = compiled["first_step"]
+            compiling = f"{first['compile_s']:.0f}, {first['graphs']}, {compiled['later']['graphs']}"
         rows.append(
             f"| {mode} | {predicted / MIB:,.0f} | {measured / MIB:,.0f} | {measured / predicted:.3f} | "
             f"{s['peak_reserved_bytes_per_stage'][0] / MIB:,.0f} | {s['tokens_per_s']:,.0f} | "
-            f"{'n/a' if mfu is None else f'{mfu:.3f}'} | {s['sdpa_backend']} |"
+            f"{'n/a' if mfu is None else f'{mfu:.3f}'} | {s['sdpa_backend']} | {compiling} |"
         )
     return rows
 
@@ -181,11 +190,18 @@ def main() -> int:
         tests = gpu_tests(root)
         modes = {
             model: {
-                mode: train_run(
+                mode + suffix: train_run(
                     root,
-                    f"{model}-{mode}",
-                    [*COMMON, *overrides, f"train.micro_batch_size={MICRO_BATCH}", f"+recompute={mode}"],
+                    f"{model}-{mode}{'-compiled' if suffix else ''}",
+                    [
+                        *COMMON,
+                        *overrides,
+                        f"train.micro_batch_size={MICRO_BATCH}",
+                        f"+recompute={mode}",
+                        f"train.compile={'true' if suffix else 'false'}",
+                    ],
                 )
+                for suffix in ("", COMPILED)
                 for mode in MODES
             }
             for model, overrides in MODELS.items()

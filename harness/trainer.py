@@ -20,6 +20,7 @@ from harness.run_dir import set_aside_earlier_attempt, starts_again
 from harness.run_summary import done_line, wandb_sync_command
 from harness.timeline import publish_trace
 from harness.wandb_logger import open_wandb
+from parallel.measurement.compile_counters import CompileWatch
 from parallel.measurement.sdpa_backend import check_planned_backend, sdpa_backend
 from parallel.measurement.trace import StepTracer
 from parallel.planning.layout import PipelineLayout
@@ -72,6 +73,12 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
         )
         for line in layout.describe() + layout.empty_stage_warnings():
             print("stagecheck: " + line, flush=True)
+        if run.train.compile:
+            print(
+                "stagecheck: train.compile: each block compiled (inductor); the plan counts eager autograd's "
+                "activation bytes, and a compiled block keeps what the partitioner chooses (docs/compile.md)",
+                flush=True,
+            )
         if run.model.packed_dropout and run.model.dropout == 0:
             print("stagecheck: model.packed_dropout=true is a no-op: model.dropout is 0, so no masks are kept")
 
@@ -94,6 +101,7 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
         target.device,
         initial_weights=hf_initial_weights(ctx),  # model.init_from, unless resuming
         lr_segment=ctx.resume.lr_segment if ctx.resume is not None else None,
+        compile=run.train.compile,
     )
     # Dropout draws from this stream; every recompute mode consumes it identically.
     torch.manual_seed(run.seed * 1009 + rank)
@@ -142,6 +150,7 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
     synchronize = torch.cuda.synchronize if target.device == "cuda" else lambda: None
     t = run.train
     tokens_per_step = ctx.shape.tokens_per_step(run.model.seq_len)
+    compiling = CompileWatch() if run.train.compile else None  # graphs, breaks and compile seconds of this process
     for step in range(control.start_step + 1, t.steps + 1):
         batches = None
         if source is not None:
@@ -163,6 +172,10 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
         accounting.after_step(step, step_time)
         verdict = control.check_step(step, loss)  # collective: preemption request, non-finite loss/grads
         evaluated = evaluator.evaluate_if_due(step)  # collective when due; after the step's timing and metering
+        if compiling and step == control.start_step + 1:  # what compiling cost: the first step and its evaluation
+            line = compiling.first_step_done()
+            if rank == 0:
+                print(f"stagecheck: {line} (stage 0; the training step took {step_time:.1f} s)", flush=True)
         if metrics:
             grad_norm = engine.get_global_grad_norm()
             metrics.log_step(
@@ -182,9 +195,10 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
         control.finish_step(step, verdict)  # checkpoint when due; exits on preemption or a non-finite step
 
     # Every rank takes part; only the first and last stages hold a copy of the tied weight.
-    gathered = [None] * topology.world_size  # (tied-weight digest, node name) of every rank
-    torch.distributed.all_gather_object(gathered, (engine.module.tied_weight_digest(), node_name()))
-    digests = [digest for digest, _ in gathered]
+    gathered = [None] * topology.world_size  # (tied-weight digest, node name, compile counts) of every rank
+    compiled = compiling.record() if compiling else None
+    torch.distributed.all_gather_object(gathered, (engine.module.tied_weight_digest(), node_name(), compiled))
+    digests = [digest for digest, _, _ in gathered]
     accounted = accounting.gather()  # collective too
     traced = tracer.gather()  # collective when a step was traced: every rank's trace to the loss rank
     if metrics:
@@ -210,7 +224,8 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
             "step_time_costs": plan.step_time.costs if plan.step_time else None,  # measured (a profile) or analytic
             "cost_source": plan.step_time.cost_source if plan.step_time else None,  # the profile's path and date
             "tied_weight_sha256_per_rank": digests,
-            "node_per_rank": [node for _, node in gathered],  # SLURM node name (SLURMD_NODENAME), else host name
+            "node_per_rank": [node for _, node, _ in gathered],  # SLURM node name (SLURMD_NODENAME), else host name
+            "compile_per_rank": [counts for _, _, counts in gathered] if run.train.compile else None,
             **accounted,
             **publish_trace(traced, run_dir, metrics.wandb),  # trace.json, timeline.png, bubbles
         }

@@ -32,12 +32,18 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_bits(packed: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """pack_bits' inverse: uint8 (ceil(numel / 8),) -> a bool tensor of `shape` (the shift-ors run backwards)."""
+    """pack_bits' inverse: uint8 (ceil(numel / 8),) -> a bool tensor of `shape`."""
+    return unpack_bytes(packed, shape).view(torch.bool)
+
+
+def unpack_bytes(packed: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """pack_bits' inverse as bytes: uint8 (ceil(numel / 8),) -> uint8 0 or 1 of `shape` (the shift-ors run
+    backwards)."""
     x = packed.to(torch.int64)
     x = (x | (x << 28)) & 0x0000000F0000000F
     x = (x | (x << 14)) & 0x0003000300030003
     x = (x | (x << 7)) & 0x0101010101010101
-    return x.view(torch.uint8)[: shape.numel()].view(torch.bool).view(shape)
+    return x.view(torch.uint8)[: shape.numel()].view(shape)
 
 
 class PackedDropoutFunction(torch.autograd.Function):
@@ -53,7 +59,9 @@ class PackedDropoutFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (packed,) = ctx.saved_tensors
-        noise = unpack_bits(packed, ctx.shape).to(grad.dtype).mul_(ctx.scale)  # torch's noise: 1 / (1 - p) or 0
+        # From bytes, not bools: inductor's CPU code for a bool -> float conversion does not compile (torch 2.13,
+        # train.compile), and 0 and 1 convert to the same values.
+        noise = unpack_bytes(packed, ctx.shape).to(grad.dtype).mul_(ctx.scale)  # torch's noise: 1 / (1 - p) or 0
         return grad * noise, None
 
 

@@ -12,6 +12,7 @@ from omegaconf.errors import OmegaConfBaseException
 from data import check_data_files, check_vocab, data_has_val
 from parallel.planning.config import AutoRecompute, NoRecompute
 from parallel.planning.shapes import RunShape, Target, Topology
+from parallel.runtime.compile_blocks import compile_refusal
 from parallel.runtime.dist_env import cuda_device_index
 from schema.run import RunConfig
 from schema.training import resolve_device
@@ -32,6 +33,9 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
             f"parallel.schedule='auto' needs +recompute=auto (the planner chooses the schedule within its budget); "
             f"with +recompute={run.recompute.mode} use parallel.schedule=1f1b or zb-h1"
         )
+    refusal = compile_refusal(run.parallel.schedule, run.recompute) if run.train.compile else None
+    if refusal:
+        raise ValueError(refusal)
     k = getattr(run.recompute, "micro_batches", None)
     if k is not None and k > run.train.micro_batches:
         raise ValueError(

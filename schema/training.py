@@ -43,6 +43,12 @@ class TrainConfig(OptimConfig):
     """fp32, bf16, fp16, or auto (bf16 on cuda, fp32 on cpu)."""
     device: str = "auto"
     """cpu, cuda, or auto (cuda when available)."""
+    compile: bool = False
+    """Compile each transformer block with torch.compile (inductor, fullgraph), as torchtitan does; the embeddings,
+    the final norm and the loss stay eager. Off by default on every device: on CPU compiling costs tens of seconds
+    and ran slower than eager here, and on CUDA, where it usually pays, the planner's activation bytes are still
+    eager autograd's (docs/compile.md). Runs with 1f1b and +recompute=none, full, or selective with core_attn,
+    mlp_act and mlp; other combinations are refused at start-up with the reason."""
     log_every: int = 1
     """Steps between progress lines (every step is written to metrics.jsonl and W&B)."""
     eval_every: int = 0

@@ -40,6 +40,10 @@ CASES = [
         "recompute.early=true is invalid with +recompute=none: nothing is recomputed under +recompute=none",
     ),
     (["+recompute=full", "parallel.schedule=auto"], "parallel.schedule='auto' needs +recompute=auto"),
+    (
+        ["train.compile=true", "+recompute=full", "parallel.schedule=zb-h1"],
+        "train.compile=true needs parallel.schedule=1f1b, not zb-h1: zb-h1's split backward defers",
+    ),
     (["parallel.schedule=auto"], "parallel.schedule='auto' needs +recompute=auto"),
     (
         ["+recompute=full", "recompute.micro_batches=0"],

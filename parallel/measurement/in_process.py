@@ -29,20 +29,31 @@ from parallel.measurement.activation_meter import ActivationMeter
 from parallel.planning.partition import StageRange
 from parallel.planning.shapes import TORCH_DTYPES
 from parallel.planning.stage_plan import StagePlan
+from parallel.runtime.compile_blocks import compile_blocks
 from parallel.runtime.recompute import apply_plan, run_stage
 from parallel.runtime.stage_interpreter import Recv, Send, Work
 
 
 class LocalStage(nn.Module):
     """A stage's layers, built and planned as parallel/runtime/pipeline.py's RecomputingPipelineModule builds them on
-    its rank (the tied embedding once per stage that uses it, as DeepSpeed does across ranks)."""
+    its rank (the tied embedding once per stage that uses it, as DeepSpeed does across ranks), its blocks compiled
+    under `compile` (train.compile)."""
 
-    def __init__(self, recipes: Sequence[LayerRecipe], stage: StageRange, plan: StagePlan, precision: str = "fp32"):
+    def __init__(
+        self,
+        recipes: Sequence[LayerRecipe],
+        stage: StageRange,
+        plan: StagePlan,
+        precision: str = "fp32",
+        compile: bool = False,
+    ):
         super().__init__()
         self.stage, self.plan = stage, plan
         self.layers, self.funcs = build_layers([recipes[flat] for flat in stage.layers])
         self.to(TORCH_DTYPES[precision])
         apply_plan(self.funcs, plan)
+        if compile:  # train.compile, after the plan as on a rank
+            compile_blocks(self.funcs)
         self.meter = ActivationMeter(self.parameters)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

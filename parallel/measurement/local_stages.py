@@ -24,9 +24,11 @@ from parallel.runtime.stage_interpreter import StageInterpreter
 
 
 class LocalPipeline:
-    def __init__(self, layout: PipelineLayout, precision: str = "fp32"):
+    def __init__(self, layout: PipelineLayout, precision: str = "fp32", compile: bool = False):
         self.layout = layout
-        self.stages = [LocalStage(layout.recipes, s, p, precision) for s, p in zip(layout.stages, layout.plans)]
+        self.stages = [
+            LocalStage(layout.recipes, s, p, precision, compile) for s, p in zip(layout.stages, layout.plans)
+        ]
         self.loss = HeadLoss.of(layout.recipes)
         self.head_weight = head_module(self.stages[-1].funcs[-1]).head_weight
         self.dtype = TORCH_DTYPES[precision]

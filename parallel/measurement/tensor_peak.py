@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 from torch._C._profiler import _EventType  # the profiler's event tree: allocations carry their pointer
+from torch._subclasses.fake_tensor import is_fake
 from torch.profiler import ProfilerActivity, profile, record_function
 
 FREE_MARK = "stagecheck.baseline_free:"
@@ -65,8 +66,8 @@ def live_storages(device: str = "cpu") -> dict[int, torch.UntypedStorage]:
     found: dict[int, torch.UntypedStorage] = {}
 
     def add(t: torch.Tensor) -> None:
-        if t.layout is not torch.strided or t.device.type != device:
-            return
+        if t.layout is not torch.strided or t.device.type != device or is_fake(t):
+            return  # a fake tensor: the compiler's stand-in for a shape (train.compile), holding no memory
         storage = t.untyped_storage()
         if storage.data_ptr():
             found[storage.data_ptr()] = storage

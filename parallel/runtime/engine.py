@@ -133,12 +133,16 @@ def build_engine(
     device: str,
     initial_weights: InitialWeights | None = None,
     lr_segment: CosineSegment | None = None,
+    compile: bool = False,
 ):
     """The engine over this stage's layers; `initial_weights`, when given, supplies the fp32 value of every
     parameter of the built stage (model.init_from) instead of the seeded GPT-2 initialisation; `lr_segment`: the
-    learning-rate decay of a resume that changed train.steps (parallel/runtime/lr_schedule.py)."""
+    learning-rate decay of a resume that changed train.steps (parallel/runtime/lr_schedule.py); `compile`: train.compile
+    (parallel/runtime/compile_blocks.py)."""
     with dropping_lines(DEEPSPEED_START_UP_LINES):
-        module = RecomputingPipelineModule(layout.recipes, layout.stages, layout.plans, parallel.partition_method)
+        module = RecomputingPipelineModule(
+            layout.recipes, layout.stages, layout.plans, parallel.partition_method, compile=compile
+        )
     weights = initial_weights(module) if initial_weights is not None else {}
     with torch.no_grad():
         for param, value in weights.items():

@@ -13,6 +13,7 @@ from model import LayerRecipe, head_module
 from model.fused_loss import HeadLoss
 from parallel.planning.partition import StageRange
 from parallel.planning.stage_plan import StagePlan
+from parallel.runtime.compile_blocks import compile_blocks
 from parallel.runtime.recompute import apply_plan, run_stage
 
 
@@ -83,6 +84,7 @@ class RecomputingPipelineModule(PipelineModule):
         stages: Sequence[StageRange],
         plans: Sequence[StagePlan],
         partition_method: str,
+        compile: bool = False,
         **kwargs,
     ):
         # Read by _partition_layers, which DeepSpeed's __init__ calls (plain data: safe before Module.__init__).
@@ -99,6 +101,8 @@ class RecomputingPipelineModule(PipelineModule):
         check_built_as_planned(self.built_layers(), [int(p) for p in self.parts], stages, recipes, self.stage_id)
         self.stage_plan = plans[self.stage_id]
         apply_plan(self.forward_funcs, self.stage_plan)
+        if compile:  # train.compile: after the plan, as torchtitan compiles after applying activation checkpointing
+            compile_blocks(self.forward_funcs)
         self._training_forwards = 0
         """Training forwards of the current step: the index of the micro-batch the next one runs."""
 

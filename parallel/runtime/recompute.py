@@ -37,6 +37,8 @@ def observe_stored(observer: Callable[[torch.Tensor], None]):
 
 
 def note_stored(*tensors) -> None:
+    if torch.compiler.is_compiling():
+        return  # inside a compiled block every kept tensor is the compiled graph's saved tensor, seen by the hooks
     for observer in _stored_observers:
         for t in tensors:
             if isinstance(t, torch.Tensor):
@@ -79,6 +81,10 @@ def _recompute_context_fn():
 
 
 def _checkpoint(fn: Callable, *args: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        # Traced into a compiled block (train.compile) as torch's checkpoint operator, which accepts no context_fn
+        # but dispatch modes: its recompute runs inside the compiled backward, where no bracket can time it.
+        return checkpoint(fn, *args, use_reentrant=False)
     if early_recompute.registering():  # recompute.early: RecomputeEarly reruns it ahead of backward
         return early_recompute.checkpoint(fn, *args, bracket=_recompute_bracket)
     return checkpoint(fn, *args, use_reentrant=False, context_fn=_recompute_context_fn)
@@ -171,6 +177,11 @@ def _discard_output(producer: nn.Module, consumer: nn.Module) -> None:
         if _plain:
             return consumer_forward(*args)
         inputs, out = last.pop("inputs"), last.pop("output")
+        if torch.compiler.is_compiling():
+            # In a compiled block (train.compile: `mlp_act` only) the hooks below cannot be traced. A checkpoint of
+            # producer and consumer together stores the producer's inputs, and the partitioner recomputes only what
+            # the compiled backward reads: the producer's output, not the consumer's.
+            return checkpoint(lambda *i: consumer_forward(producer_forward(*i)), *inputs, use_reentrant=False)
         storage = out.untyped_storage().data_ptr()
         region: list[DiscardedOutput] = []  # one per consumer call, however many ops saved `out`
 

@@ -1,0 +1,56 @@
+"""train.compile: each transformer block compiled on its own, as torchtitan's `apply_compile` does (one
+`torch.compile(block, fullgraph=True)` per block, after activation checkpointing was applied to it).
+
+A block is compiled after its stage plan was installed (parallel/runtime/recompute.py's `apply_plan`), so a selective
+checkpoint inside it (`core_attn`, `mlp`, and `mlp_act` as a checkpoint of the activation with the Linear reading it)
+is traced into the block's graph as torch's checkpoint operator, and AOTAutograd's partitioner recomputes what the
+compiled backward reads of that region. A full segment checkpoints whole
+blocks from outside: its recompute calls the compiled blocks again, with the RNG state restored, so the dropout masks
+of inductor's own generator are drawn again identically. `fullgraph=True` makes a graph break an error at the first
+step rather than a silent fall back to eager; `dynamic=False`: the micro-batch shape never changes within a run.
+
+What cannot be compiled is refused at start-up (`compile_refusal`), never dropped silently.
+"""
+
+from model import BLOCK_CLASSES
+from parallel.planning.config import AutoRecompute, SelectiveRecompute
+
+
+def compile_refusal(schedule: str, recompute) -> str | None:
+    """Why train.compile=true cannot run under `schedule` (parallel.schedule) and `recompute` (the recompute group's
+    config), as one line naming the option to change; None when it can."""
+    if schedule != "1f1b":
+        return (
+            f"train.compile=true needs parallel.schedule=1f1b, not {schedule}: zb-h1's split backward defers each "
+            f"Linear's weight gradient from Python inside backward, which a compiled backward graph cannot do "
+            f"(PyTorch refuses compiled zero-bubble stages too); use parallel.schedule=1f1b or train.compile=false"
+        )
+    if isinstance(recompute, AutoRecompute):
+        return (
+            "train.compile=true cannot run +recompute=auto: auto plans each block from what eager autograd keeps, "
+            "and a compiled block keeps what the partitioner chooses; use +recompute=none, full or selective "
+            "(modules core_attn, mlp_act, mlp), or train.compile=false"
+        )
+    if getattr(recompute, "early", False):
+        return (
+            "train.compile=true cannot run recompute.early=true: an early recompute is a Python autograd Function "
+            "holding its segment, which dynamo cannot trace; set recompute.early=false or train.compile=false"
+        )
+    if isinstance(recompute, SelectiveRecompute) and "layernorm" in recompute.modules:
+        # `mlp_act` compiles as a checkpoint of the activation and its one consumer Linear, whose output backward never
+        # reads (parallel/runtime/recompute.py's _discard_output); a norm's consumer is a whole attention or MLP.
+        return (
+            f"train.compile=true cannot run recompute.modules={list(recompute.modules)}: layernorm discards the norm "
+            f"output that a whole attention or MLP reads, which a compiled block could only remake by recomputing "
+            f"their matmuls too; compiled selective recompute allows core_attn, mlp_act and mlp, or set "
+            f"train.compile=false"
+        )
+    return None
+
+
+def compile_blocks(funcs: list) -> None:
+    """Compile each block among a stage's layer functions in place (nn.Module.compile keeps the module and its
+    parameter names, so checkpoints are those of an eager run)."""
+    for block in funcs:
+        if isinstance(block, BLOCK_CLASSES):
+            block.compile(fullgraph=True, dynamic=False)

@@ -1,0 +1,60 @@
+"""Compiled local pipelines (train.compile) for tests/test_compile.py and tests/test_compile_matrix.py: every stage of
+a layout in this process, each block compiled, two steps on fixed micro-batches."""
+
+from dataclasses import dataclass
+
+import torch
+
+from model import GPTConfig
+from parallel.measurement.compile_counters import CompileCount
+from parallel.measurement.local_stages import LocalPipeline
+from parallel.planning.layout import build_layout
+from parallel.planning.shapes import RunShape, Target, Topology
+
+MICRO_BATCHES, MICRO_BATCH_SIZE = 2, 2
+
+
+@dataclass
+class CompiledSteps:
+    losses: list[torch.Tensor]
+    """Each step's mean loss."""
+    grads: list[torch.Tensor]
+    """Every parameter's gradient after the second step (accumulated over both: no optimizer step between)."""
+    first: CompileCount
+    """What the first step compiled (from nothing: every run compiles its own graphs)."""
+    later: CompileCount
+    """What the second step compiled (other micro-batches, every stage): a recompile unless zero."""
+
+
+def compiled_steps(config: GPTConfig, recompute, stages: int = 2, compile: bool = True) -> CompiledSteps:
+    """Two steps of `config` under `recompute` on `stages` stages in this process. Dynamo forgets what earlier runs
+    compiled first: the blocks of every model share nn.Module's one call code, whose compiled graphs dynamo caches up
+    to a limit (torch._dynamo.config.recompile_limit) and past it would run eagerly without a word."""
+    torch._dynamo.reset()
+    run = RunShape(Topology(stages), Target("cpu", "fp32"), MICRO_BATCHES, MICRO_BATCH_SIZE)
+    block = "Block" if config.arch == "gpt2" else "LlamaBlock"
+    layout = build_layout(config, recompute, run, f"type:{block}", 0)
+    pipe = LocalPipeline(layout, compile=compile)
+    data = torch.Generator().manual_seed(1)
+
+    def micro_batches():
+        shape = (MICRO_BATCH_SIZE, config.seq_len)
+        return [(torch.randint(0, config.vocab_size, shape, generator=data),) * 2 for _ in range(MICRO_BATCHES)]
+
+    torch.manual_seed(5)  # the dropout stream: every mode draws the same masks from it
+    start = CompileCount.now()
+    losses = [pipe.step(micro_batches())]
+    after_first = CompileCount.now()
+    losses.append(pipe.step(micro_batches()))
+    return CompiledSteps(
+        losses,
+        [p.grad for p in pipe.parameters()],
+        after_first - start,
+        CompileCount.now() - after_first,
+    )
+
+
+def assert_bit_identical(run: CompiledSteps, reference: CompiledSteps) -> None:
+    assert [loss.item() for loss in run.losses] == [loss.item() for loss in reference.losses]
+    assert len(run.grads) == len(reference.grads)
+    assert all(torch.equal(a, b) for a, b in zip(run.grads, reference.grads))

@@ -1,0 +1,97 @@
+"""train.compile (parallel/runtime/compile_blocks.py): each block compiled after its stage plan; what cannot compile is
+refused at start-up in one line; one representative compiled check (the whole matrix: tests/test_compile_matrix.py,
+`make test-compile`)."""
+
+import gc
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+from model import GPTConfig
+from parallel.measurement.tensor_peak import live_storages
+from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute
+from parallel.runtime.compile_blocks import compile_refusal
+from tests.compiled_runs import assert_bit_identical, compiled_steps
+from tests.runs import TINY, summary
+from tests.shared_runs import case
+
+# One compiled run in the shared 2-rank launch (its exactness against compiled none is checked in process, below), at
+# the tiniest shape (compiling costs per graph, not per size); the evaluation at every step runs the compiled blocks in
+# eval mode from the first step on; the metered step (2) and the traced one (3, the default) recompile nothing either.
+COMPILED = [
+    *TINY,
+    "model.n_layer=2",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "model.seq_len=32",
+    "model.dropout=0.1",
+    "train.compile=true",
+    "train.steps=3",
+    "train.micro_batches=2",
+    "train.eval_every=1",
+    "train.eval_batches=1",
+    "logger=none",
+]
+CASES = {"compiled-selective": case(*COMPILED, "+recompute=selective", "recompute.modules=[core_attn,mlp_act]")}
+
+REFUSED = [
+    ("zb-h1", FullRecompute(interval="1"), "train.compile=true needs parallel.schedule=1f1b, not zb-h1"),
+    ("1f1b", AutoRecompute(), "train.compile=true cannot run +recompute=auto"),
+    ("1f1b", FullRecompute(interval="1", early=True), "train.compile=true cannot run recompute.early=true"),
+    (
+        "1f1b",
+        SelectiveRecompute(modules=["mlp_act", "layernorm"]),
+        "train.compile=true cannot run recompute.modules=['mlp_act', 'layernorm']: layernorm discards the norm output",
+    ),
+]
+
+
+@pytest.mark.parametrize("schedule, recompute, message", REFUSED)
+def test_a_combination_that_cannot_compile_is_refused_with_its_reason(schedule, recompute, message):
+    assert message in compile_refusal(schedule, recompute)
+
+
+@pytest.mark.parametrize(
+    "recompute",
+    [
+        NoRecompute(),
+        FullRecompute(interval="stage", micro_batches=1),
+        SelectiveRecompute(modules=["core_attn", "mlp"]),
+        SelectiveRecompute(modules=["core_attn", "mlp_act"]),
+    ],
+)
+def test_what_compiles_is_accepted(recompute):
+    assert compile_refusal("1f1b", recompute) is None
+
+
+def test_compiled_recompute_is_bit_identical_to_compiled_none_without_recompiles():
+    """Dropout on, two stages in this process: selective checkpoints traced inside the compiled blocks give the
+    compiled `none` run's losses and gradients, and the second step (other micro-batches, both stages) compiles
+    nothing. (Full segments around compiled blocks: tests/test_compile_matrix.py.)"""
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=16, vocab_size=64, dropout=0.1)
+    reference = compiled_steps(config, NoRecompute())
+    run = compiled_steps(config, SelectiveRecompute(modules=["core_attn", "mlp"]))
+    assert_bit_identical(run, reference)
+    assert run.first.graphs >= 1 and run.later.graphs == 0
+    assert run.first.graph_breaks == run.later.graph_breaks == 0
+    assert reference.first.graphs >= 1 and reference.later.graphs == 0
+    # The compiler's fake tensors stay alive in its caches, and the CPU peak meter's scan of live tensors skips them.
+    assert any(is_fake(obj) for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor))
+    live_storages()
+
+
+@pytest.mark.multiproc
+def test_a_compiled_two_stage_run_counts_no_graph_break_and_no_recompile(case_runs, shared_runs):
+    """Through the deepspeed launcher: both stages compile in the first step (and its evaluation) and never again, and
+    start-up says what compiling cost."""
+    run = summary(case_runs["compiled-selective"])
+    assert len(run["losses"]) == len(run["val_losses"]) == 3
+    per_rank = run["compile_per_rank"]
+    assert len(per_rank) == 2
+    for counts in per_rank:
+        assert counts["first_step"]["graphs"] >= 1 and counts["later"]["graphs"] == 0
+        assert counts["first_step"]["graph_breaks"] == counts["later"]["graph_breaks"] == 0
+    output = shared_runs.case_output()
+    assert "stagecheck: train.compile: each block compiled (inductor); the plan counts eager" in output
+    assert "stagecheck: train.compile: the first step compiled " in output

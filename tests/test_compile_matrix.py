@@ -1,0 +1,62 @@
+"""The compiled exactness matrix (`make test-compile`, left out of `make test` for its compile time): every recompute
+mode train.compile accepts, for both model families, packed dropout masks and either loss (fused or not), is
+bit-identical to the compiled `none` run with dropout on, with no graph break and nothing compiled after the first
+step."""
+
+import pytest
+
+from model import GPTConfig
+from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
+from tests.compiled_runs import assert_bit_identical, compiled_steps
+
+pytestmark = pytest.mark.compile
+
+GPT2 = dict(n_layer=4, n_head=2, n_embd=32, seq_len=16, vocab_size=64, dropout=0.1)
+LLAMA = dict(
+    arch="llama", activation="silu", bias=False, tie_embeddings=False, intermediate_size=64, n_layer=4, n_head=4,
+    n_kv_head=2, n_embd=32, seq_len=16, vocab_size=64, dropout=0.0,
+)  # fmt: skip
+ACCEPTED = [
+    FullRecompute(interval="1"),
+    FullRecompute(interval="2"),
+    FullRecompute(interval="stage"),
+    FullRecompute(interval="1", micro_batches=1),
+    SelectiveRecompute(modules=["core_attn"]),
+    SelectiveRecompute(modules=["mlp"]),
+    SelectiveRecompute(modules=["mlp_act"]),
+    SelectiveRecompute(modules=["core_attn", "mlp_act"]),
+    SelectiveRecompute(modules=["core_attn", "mlp"], micro_batches=1),
+]
+CONFIGS = {
+    "gpt2": GPTConfig(**GPT2),
+    "gpt2-packed-dropout-unfused-loss": GPTConfig(**GPT2, packed_dropout=True, loss_chunk_tokens=0),
+    "llama": GPTConfig(**LLAMA),
+}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def family(request):
+    config = CONFIGS[request.param]
+    return config, compiled_steps(config, NoRecompute())
+
+
+@pytest.mark.parametrize("recompute", ACCEPTED, ids=str)
+def test_every_accepted_mode_compiled_is_bit_identical_to_compiled_none(family, recompute):
+    config, reference = family
+    run = compiled_steps(config, recompute)
+    assert_bit_identical(run, reference)
+    assert run.first.graph_breaks == run.later.graph_breaks == 0
+    assert run.first.graphs >= 1  # compiled indeed
+    assert run.later.graphs == 0  # the second step's micro-batches and both stages reuse the first step's graphs
+
+
+def test_compiled_none_against_eager_none(family):
+    """Eager stays the reference: a compiled run is not bit-identical to it (inductor draws dropout from its own
+    generator and fuses ops into other roundings), but its losses agree to float32 rounding where dropout is off."""
+    config, reference = family
+    eager = compiled_steps(config, NoRecompute(), compile=False)
+    if config.dropout == 0:
+        for compiled_loss, eager_loss in zip(reference.losses, eager.losses):
+            assert compiled_loss.item() == pytest.approx(eager_loss.item(), rel=1e-5)
+    else:
+        assert reference.losses[0].item() != eager.losses[0].item()
