@@ -1,12 +1,12 @@
 """The layout a run trains with: partition and each stage's recompute plan, built at start-up with the costs
-train.device_profile names (harness/device_costs.py)."""
+train.device_profile names (harness/price_source.py)."""
 
 from harness.context import RunContext
-from harness.device_costs import run_costs, run_profile
-from parallel.planning.auto_recompute import CostTable
+from harness.price_source import run_prices, run_profile
+from parallel.planning.block_prices import BlockPrices
 from parallel.planning.config import NoRecompute
+from parallel.planning.instruction_seconds import DeviceRates, analytic_rates
 from parallel.planning.layout import PipelineLayout, build_layout
-from parallel.planning.step_costs import DeviceRates, analytic_rates
 
 
 def layout_of(ctx: RunContext) -> PipelineLayout:
@@ -19,7 +19,7 @@ def layout_of(ctx: RunContext) -> PipelineLayout:
     if ctx.env.rank == 0:
         print(f"stagecheck: {line}", flush=True)
     parallel = run.parallel
-    costs = run_costs(profile, ctx)
+    costs = run_prices(profile, ctx)
     return build_layout(
         run.model,
         run.recompute,
@@ -33,7 +33,7 @@ def layout_of(ctx: RunContext) -> PipelineLayout:
     )
 
 
-def held_parts(ctx: RunContext, costs: CostTable | None) -> list[int] | None:
+def held_parts(ctx: RunContext, costs: BlockPrices | None) -> list[int] | None:
     """Stage boundaries this launch keeps instead of choosing (None: partition_method chooses them).
 
     - A resume keeps its checkpoint's: DeepSpeed saves the optimizer per stage, and under `balanced` the boundaries

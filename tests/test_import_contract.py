@@ -44,7 +44,6 @@ PLANNING = [
         "parallel.planning.config",
         "parallel.planning.shapes",
         "parallel.planning.device_profile_file",
-        "parallel.planning.measured_seconds",
     },
     {"parallel.planning.schedules"},  # step 1's schedules, which schedule_walk.py and step_sim.py walk
     {
@@ -55,10 +54,11 @@ PLANNING = [
     },
     {"parallel.planning.memory_model", "parallel.planning.flops", "parallel.planning.model_states"},
     {"parallel.planning.working_set"},  # the backward's working set, from memory_model's kept items
-    {"parallel.planning.stage_costs"},
+    # what a stage holds, and the one record of what each block option keeps and costs
+    {"parallel.planning.stage_bytes", "parallel.planning.block_prices"},
     {"parallel.planning.auto_recompute"},
-    {"parallel.planning.op_costs"},  # a device profile priced into a block's costs, by each architecture's op list
-    {"parallel.planning.step_costs"},
+    {"parallel.planning.curve_seconds"},  # a device profile priced into a block's costs, by each architecture's op list
+    {"parallel.planning.instruction_seconds"},
     {"parallel.planning.stage_price"},  # the one function that prices a stage: memory, seconds, FLOPs
     {"parallel.planning.stage_planner"},
     {"parallel.planning.balanced_search", "parallel.planning.schedule_choice", "parallel.planning.budget_refusal"},

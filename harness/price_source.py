@@ -8,17 +8,17 @@ from pathlib import Path
 import torch
 
 from harness.context import RunContext
-from parallel.planning.auto_recompute import CostTable
+from parallel.planning.block_prices import BlockPrices
+from parallel.planning.curve_seconds import profile_prices
 from parallel.planning.device_profile_file import (
     DeviceProfile,
     DeviceSignature,
     ProfileRefused,
     cache_dir,
     read_profile,
-    signature_of,
 )
-from parallel.planning.op_costs import profiled_costs
 from parallel.planning.shapes import Shape
+from parallel.runtime.device_signature import signature_of
 from parallel.runtime.dist_env import cuda_device_index
 from parallel.runtime.threads import threads_per_rank, usable_cores
 
@@ -82,11 +82,11 @@ def run_profile(ctx: RunContext) -> tuple[DeviceProfile | None, str]:
     return profile, f"costs: {profile.source.describe()}"
 
 
-def run_costs(profile: DeviceProfile | None, ctx: RunContext) -> CostTable | None:
+def run_prices(profile: DeviceProfile | None, ctx: RunContext) -> BlockPrices | None:
     """The run's costs from its profile (None: the analytic ones)."""
     if profile is None:
         return None
-    return profiled_costs(profile, Shape.of(ctx.run.model, ctx.run.train.micro_batch_size), ctx.target)
+    return profile_prices(profile, Shape.of(ctx.run.model, ctx.run.train.micro_batch_size), ctx.target)
 
 
 def _same_device_anywhere(path: Path, ctx: RunContext) -> DeviceSignature:

@@ -2,8 +2,8 @@
 and normalisation passes with their elements, the attention core, the loss), each op priced on its measured
 curve (parallel/planning/device_profile_file.py). Another architecture is one more op list.
 
-The result is the seconds a measured CostTable (auto_recompute.measured_costs) and the step-time model
-(parallel/planning/step_costs.py) read: the forward of a block and of each part selective recompute redoes, a
+The result is the seconds a measured BlockPrices (auto_recompute.measured_prices) and the step-time model
+(parallel/planning/instruction_seconds.py) read: the forward of a block and of each part selective recompute redoes, a
 block's forward and backward with autograd, its weight-gradient share (ZB-H1's W), the embeddings, the head with
 its loss, the optimizer per parameter, and the links between ranks.
 """
@@ -11,9 +11,8 @@ its loss, the optimizer per parameter, and the links between ranks.
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from parallel.planning.auto_recompute import CostTable, measured_costs
+from parallel.planning.block_prices import SELECTIVE_PARTS, BlockPrices, MeasuredSeconds, measured_prices
 from parallel.planning.device_profile_file import DeviceProfile
-from parallel.planning.measured_seconds import SELECTIVE_PARTS, MeasuredSeconds
 from parallel.planning.shapes import Shape, Target
 
 
@@ -218,7 +217,7 @@ def profile_seconds(profile: DeviceProfile, shape: Shape, target: Target) -> Mea
         head_backward=_seconds(profile, (Op(arch.norm + "_backward", tokens * h), Op(loss + "_backward", head))),
         # The unfused head's backward holds one weight-gradient matmul, tied (gpt2) or the untied head's own (llama:
         # model/llama_layers.py's LMHead, the same matmul); the fused one makes it chunk by chunk (none to defer:
-        # step_costs.time_model).
+        # instruction_seconds.time_model).
         head_weight_grad=0.0 if shape.loss_chunk_tokens else profile.seconds("matmul", 2 * head),
         optimizer_per_param=profile.seconds("adamw", block_params) / block_params,
         transfer=transfer,
@@ -226,6 +225,6 @@ def profile_seconds(profile: DeviceProfile, shape: Shape, target: Target) -> Mea
     )
 
 
-def profiled_costs(profile: DeviceProfile, shape: Shape, target: Target) -> CostTable:
+def profile_prices(profile: DeviceProfile, shape: Shape, target: Target) -> BlockPrices:
     """The auto planner's and the step-time model's costs, in seconds, from a device profile."""
-    return measured_costs(shape, target, profile_seconds(profile, shape, target), profile.source)
+    return measured_prices(shape, target, profile_seconds(profile, shape, target), profile.source)
