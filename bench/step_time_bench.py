@@ -102,7 +102,7 @@ def variants(budget_gb: float, profile: Path) -> list[Variant]:
             (2,),
         )
     )
-    flop = ("train.device_profile=analytic", *auto, *SCHEDULES["1f1b"])
+    flop = ("train.prices=analytic", *auto, *SCHEDULES["1f1b"])
     out.append(Variant("auto flop", MICRO_BATCHES, auto_cfg, "parameters", flop, (2,)))
     return out
 

@@ -1,16 +1,32 @@
-"""Which costs price a run's plan (train.device_profile): this device's cached profile, a named one, or the analytic
-model. Every run and dry run on a device finds the same cached profile, by the signature its ranks will have."""
+"""Which prices a run's plan (train.prices, train.device_profile): the run's stage measured at its shape, a device
+profile's kernel curves (this device's cached profile, or a named one), or the analytic model. Every run and dry run
+on a device finds the same cached profile and measured prices, by the signature its ranks will have.
 
+Measured prices are one set for every rank: ranks that timed the stage each for themselves would get different
+seconds and could choose different plans (a deadlock once they run). Local rank 0 measures, before any process group
+exists, into the cache file for the run's shape and device; the other ranks wait for that file and read it, and rank
+0 reads it back too, so every rank plans from the same bytes of one file. Ranks on several nodes would each have a
+local rank 0 and a cache of their own: such a launch is priced by the curves, as is a shape this device cannot build.
+What fits (bytes) never depends on the prices, so start-up validation is the same whatever they are.
+"""
+
+import hashlib
 import json
 import os
+import time
+from dataclasses import asdict
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
 from harness.context import RunContext
-from parallel.planning.block_prices import BlockPrices
-from parallel.planning.curve_seconds import profile_prices
+from harness.files import atomic_write_json
+from parallel.measurement.stage_prices import measure_stage_prices, refusal
+from parallel.planning.block_prices import BlockPrices, MeasuredSeconds, measured_prices
+from parallel.planning.curve_seconds import link_seconds, profile_prices
 from parallel.planning.device_profile_file import (
+    CostSource,
     DeviceProfile,
     DeviceSignature,
     ProfileRefused,
@@ -82,11 +98,116 @@ def run_profile(ctx: RunContext) -> tuple[DeviceProfile | None, str]:
     return profile, f"costs: {profile.source.describe()}"
 
 
-def run_prices(profile: DeviceProfile | None, ctx: RunContext) -> BlockPrices | None:
-    """The run's costs from its profile (None: the analytic ones)."""
-    if profile is None:
-        return None
-    return profile_prices(profile, Shape.of(ctx.run.model, ctx.run.train.micro_batch_size), ctx.target)
+def run_prices(ctx: RunContext) -> tuple[BlockPrices | None, str]:
+    """The prices the run's plan is made with (None: the analytic ones) and the start-up line that says which, and
+    why (train.prices). A named profile that cannot price this run raises ProfileRefused (start-up's exit 2)."""
+    option = ctx.run.train.prices
+    if option == "analytic":
+        return None, "costs: analytic (train.prices=analytic)"
+    profile, line = run_profile(ctx)
+    shape = Shape.of(ctx.run.model, ctx.run.train.micro_batch_size)
+    curves = None if profile is None else profile_prices(profile, shape, ctx.target)
+    if option == "curves":
+        return curves, line
+    measured, why = measured_prices_of(ctx, profile)
+    if measured is not None:
+        return measured, why
+    return curves, f"{why}; {line}"
+
+
+PRICE_CACHE_ENV = "STAGECHECK_PRICE_DIR"
+"""Where measured prices are cached, one file per device signature and shape (default:
+~/.cache/stagecheck/stage_prices)."""
+WAIT_S = 1800.0
+"""How long a rank waits for local rank 0's measurement."""
+PRICES_FORMAT = 1
+
+
+def price_cache_dir() -> Path:
+    return Path(os.environ.get(PRICE_CACHE_ENV) or Path.home() / ".cache" / "stagecheck" / "stage_prices")
+
+
+def price_file(ctx: RunContext, signature: DeviceSignature) -> Path:
+    """The cache file of this run's shape on this device: its signature's name and a digest of everything the probe
+    builds (the model but its depth, the micro-batch size)."""
+    shape = {**asdict(ctx.run.model), "n_layer": None, "micro_batch_size": ctx.run.train.micro_batch_size}
+    digest = hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return price_cache_dir() / f"{Path(signature.file_name()).stem}-{digest}.json"
+
+
+def measured_prices_of(ctx: RunContext, profile: DeviceProfile | None) -> tuple[BlockPrices | None, str]:
+    """The run's stage measured at its shape (from the cache, or measured now by local rank 0 while the others wait),
+    or None and why it is not."""
+    env, run, target = ctx.env, ctx.run, ctx.target
+    if env.world_size > env.local_world_size and not run.dry_run:
+        return None, "costs: not measured: the ranks span several nodes, whose own measurements could differ"
+    signature = expected_signature(ctx)
+    if signature is None:
+        return None, f"costs: not measured: no {target.device} device here"
+    reason = refusal(run.model, ctx.shape, _available_memory_bytes() // ranks_on_node(ctx))
+    if reason is not None:
+        return None, f"costs: not measured: {reason}"
+    path = price_file(ctx, signature)
+    line = None
+    if not path.exists():
+        if env.local_rank == 0:
+            line = _measure_into(path, ctx, signature, profile)
+        else:
+            _wait_for(path)
+    try:
+        data = json.loads(path.read_text())
+        seconds = MeasuredSeconds(**data["seconds"])
+        created, replays, wall_s = str(data["created"]), int(data["replays"]), float(data["wall_s"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return None, f"costs: not measured: the measured prices {path} are damaged ({error!r}): delete the file"
+    if line is None:
+        line = f"costs: measured at this shape by {replays} stage replays in {wall_s:.1f} s (cached {path}, {created})"
+    shape = Shape.of(run.model, run.train.micro_batch_size)
+    return measured_prices(shape, target, seconds, CostSource("measured", str(path), created)), line
+
+
+def _measure_into(path: Path, ctx: RunContext, signature: DeviceSignature, profile: DeviceProfile | None) -> str:
+    """Local rank 0: measure on the rank's own intra-op threads, and write the file the other ranks wait for."""
+    shape = Shape.of(ctx.run.model, ctx.run.train.micro_batch_size)
+    transfer, link_rate = (None, None) if profile is None else link_seconds(profile, shape, ctx.target)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(signature.threads or threads)
+    try:
+        measured = measure_stage_prices(ctx.run.model, ctx.shape, transfer, link_rate)
+    finally:
+        torch.set_num_threads(threads)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(
+        path,
+        {
+            "format": PRICES_FORMAT,
+            "signature": vars(signature),
+            "created": datetime.now(UTC).isoformat(timespec="seconds"),
+            "replays": measured.replays,
+            "wall_s": measured.wall_s,
+            "load": list(os.getloadavg()),
+            "seconds": vars(measured.seconds),
+        },
+    )
+    return (
+        f"costs: measured at this shape: one block per recompute option (none, each selective part, full; 1F1B's "
+        f"and ZB-H1's backward), the embeddings and the head, {measured.replays} stage replays in "
+        f"{measured.wall_s:.1f} s; cached at {path}"
+    )
+
+
+def _wait_for(path: Path) -> None:
+    """Until local rank 0 has written the file (it measures before any process group exists, so no collective can
+    carry it)."""
+    deadline = time.monotonic() + WAIT_S
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"local rank 0 wrote no measured prices to {path} within {WAIT_S:.0f} s")
+        time.sleep(0.2)
+
+
+def _available_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def _same_device_anywhere(path: Path, ctx: RunContext) -> DeviceSignature:

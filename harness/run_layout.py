@@ -2,7 +2,7 @@
 train.device_profile names (harness/price_source.py)."""
 
 from harness.context import RunContext
-from harness.price_source import run_prices, run_profile
+from harness.price_source import run_prices
 from parallel.planning.block_prices import BlockPrices
 from parallel.planning.config import NoRecompute
 from parallel.planning.instruction_seconds import DeviceRates, analytic_rates
@@ -15,11 +15,10 @@ def layout_of(ctx: RunContext) -> PipelineLayout:
     every rank before DeepSpeed picks each rank's device) and a CPU one as a nominal core. Rank 0 says which costs
     priced the plan."""
     run = ctx.run
-    profile, line = run_profile(ctx)
+    costs, line = run_prices(ctx)
     if ctx.env.rank == 0:
         print(f"stagecheck: {line}", flush=True)
     parallel = run.parallel
-    costs = run_prices(profile, ctx)
     return build_layout(
         run.model,
         run.recompute,

@@ -182,6 +182,17 @@ def _seconds(profile: DeviceProfile, ops: Iterable[Op | AttentionOp]) -> float:
     return sum(op.seconds(profile) for op in ops)
 
 
+def link_seconds(profile: DeviceProfile, shape: Shape, target: Target) -> tuple[float | None, float | None]:
+    """One micro-batch's hidden states sent between neighbours, and the data-parallel all-reduce's rate (bytes/s),
+    from the profile's links; (None, None) where it measured none."""
+    if not profile.has_links:
+        return None, None
+    d = target.dtype_bytes
+    # a 2-rank all-reduce moves its bytes once each way: the ring's rate at a block's gradients
+    grad_bytes = ARCHITECTURES[shape.arch].block_params(shape) * d
+    return profile.seconds("p2p", shape.bsh * d), grad_bytes / profile.seconds("allreduce", grad_bytes)
+
+
 def profile_seconds(profile: DeviceProfile, shape: Shape, target: Target) -> MeasuredSeconds:
     """One micro-batch's seconds of each part the planner prices (see the module docstring), for shape.arch's
     blocks (one of ARCHITECTURES)."""
@@ -190,7 +201,7 @@ def profile_seconds(profile: DeviceProfile, shape: Shape, target: Target) -> Mea
     missing = set(SELECTIVE_PARTS) - set(block.parts)
     if missing:
         raise ValueError(f"the {shape.arch} op list prices no selective part {sorted(missing)}")
-    tokens, h, d = shape.b * shape.s, shape.h, target.dtype_bytes
+    tokens, h = shape.b * shape.s, shape.h
     drop, drop_back = _dropout(tokens * h, shape.dropout)
     # token gather, and gpt2's position add and dropout; backward: the dropout, the tokens' scatter, the positions'
     # sum
@@ -198,12 +209,7 @@ def profile_seconds(profile: DeviceProfile, shape: Shape, target: Target) -> Mea
     loss = "loss_chunked" if shape.loss_chunk_tokens else "loss_unfused"
     head = tokens * h * shape.vocab
     block_params = arch.block_params(shape)
-    transfer = link_rate = None
-    if profile.has_links:
-        transfer = profile.seconds("p2p", tokens * h * d)
-        # a 2-rank all-reduce moves its bytes once each way: the ring's rate at a block's gradients
-        grad_bytes = block_params * d
-        link_rate = grad_bytes / profile.seconds("allreduce", grad_bytes)
+    transfer, link_rate = link_seconds(profile, shape, target)
     forward = _seconds(profile, block.forward)
     return MeasuredSeconds(
         **{part: _seconds(profile, block.parts[part]) for part in SELECTIVE_PARTS},
