@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 from harness.context import RunContext
-from harness.files import atomic_write_json
+from harness.files import write_json_once
 from parallel.measurement.stage_prices import measure_stage_prices, refusal
 from parallel.planning.block_prices import BlockPrices, MeasuredSeconds, measured_prices
-from parallel.planning.curve_seconds import link_seconds, profile_prices
+from parallel.planning.curve_seconds import corrected, curve_corrections, link_seconds, profile_prices, profile_seconds
 from parallel.planning.device_profile_file import (
     CostSource,
     DeviceProfile,
@@ -112,6 +112,10 @@ def run_prices(ctx: RunContext) -> tuple[BlockPrices | None, str]:
     measured, why = measured_prices_of(ctx, profile)
     if measured is not None:
         return measured, why
+    if profile is not None:
+        fixed, how = corrected_curves(ctx, profile, shape)
+        if fixed is not None:
+            return fixed, f"{why}; {how}"
     return curves, f"{why}; {line}"
 
 
@@ -166,6 +170,31 @@ def measured_prices_of(ctx: RunContext, profile: DeviceProfile | None) -> tuple[
     return measured_prices(shape, target, seconds, CostSource("measured", str(path), created)), line
 
 
+def corrected_curves(ctx: RunContext, profile: DeviceProfile, shape: Shape) -> tuple[BlockPrices | None, str]:
+    """The profile's curves corrected by what the stages measured on this device taught (curve_seconds'
+    curve_corrections: every cached shape of the profile's signature and the run's architecture), or None. A launch
+    of several ranks is not corrected: its ranks would read the cache at different moments, and a file written
+    between them (another run's measurement) would give them different prices."""
+    if ctx.topology.world_size > 1 and not ctx.run.dry_run:
+        return None, ""
+    pairs = []
+    for path in sorted(price_cache_dir().glob(f"{Path(profile.signature.file_name()).stem}-*.json")):
+        try:
+            data = json.loads(path.read_text())
+            measured_shape, seconds = Shape(**data["shape"]), MeasuredSeconds(**data["seconds"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a damaged file teaches nothing (planning its own shape says so)
+        if measured_shape.arch == shape.arch:
+            pairs.append((seconds, profile_seconds(profile, measured_shape, ctx.target)))
+    if not pairs:
+        return None, ""
+    seconds = corrected(profile_seconds(profile, shape, ctx.target), curve_corrections(pairs))
+    source = CostSource("corrected_curves", profile.source.path, profile.source.created)
+    return measured_prices(shape, ctx.target, seconds, source), (
+        f"costs: the curves of {profile.source.describe()}, corrected by {len(pairs)} shape(s) measured on this device"
+    )
+
+
 def _measure_into(path: Path, ctx: RunContext, signature: DeviceSignature, profile: DeviceProfile | None) -> str:
     """Local rank 0: measure on the rank's own intra-op threads, and write the file the other ranks wait for."""
     shape = Shape.of(ctx.run.model, ctx.run.train.micro_batch_size)
@@ -177,18 +206,18 @@ def _measure_into(path: Path, ctx: RunContext, signature: DeviceSignature, profi
     finally:
         torch.set_num_threads(threads)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(
-        path,
-        {
-            "format": PRICES_FORMAT,
-            "signature": vars(signature),
-            "created": datetime.now(UTC).isoformat(timespec="seconds"),
-            "replays": measured.replays,
-            "wall_s": measured.wall_s,
-            "load": list(os.getloadavg()),
-            "seconds": vars(measured.seconds),
-        },
-    )
+    record = {
+        "format": PRICES_FORMAT,
+        "signature": vars(signature),
+        "shape": vars(shape),
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "replays": measured.replays,
+        "wall_s": measured.wall_s,
+        "load": list(os.getloadavg()),
+        "seconds": vars(measured.seconds),
+    }
+    if not write_json_once(path, record):
+        return f"costs: measured at this shape by another run at the same moment: its prices {path}"
     return (
         f"costs: measured at this shape: one block per recompute option (none, each selective part, full; 1F1B's "
         f"and ZB-H1's backward), the embeddings and the head, {measured.replays} stage replays in "

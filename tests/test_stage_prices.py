@@ -14,17 +14,20 @@ from hydra import compose, initialize_config_dir
 
 from harness.context import RunContext
 from harness.job import JobHooks
-from harness.price_source import PRICE_CACHE_ENV, price_file, run_prices
+from harness.price_source import PRICE_CACHE_ENV, expected_signature, price_file, run_prices
 from harness.run_layout import layout_of
 from parallel.measurement.stage_prices import refusal
 from parallel.planning.block_prices import SELECTIVE_PARTS
+from parallel.planning.curve_seconds import CORRECTED, profile_seconds
+from parallel.planning.device_profile_file import CACHE_ENV, cache_dir, read_profile
 from parallel.planning.run_plan import plan_run
-from parallel.planning.shapes import Target
+from parallel.planning.shapes import Shape, Target
 from parallel.runtime.device_signature import signature_of
 from parallel.runtime.dist_env import DistEnv
 from schema.checks import run_shape, to_run_config
 from schema.run import register_schemas
 from tests.runs import REPO
+from tests.test_device_profile import linear_profile
 
 SMALL = (
     "model=tiny",
@@ -124,3 +127,35 @@ def test_train_prices_names_its_allowed_values():
     allowed = r"train.prices='measure' is unknown: allowed values are measured, curves, analytic"
     with pytest.raises(ValueError, match=allowed):
         context(0, "train.prices=measure")
+
+
+def test_a_shape_this_device_cannot_build_is_priced_by_the_curves_corrected_by_the_shapes_it_measured(
+    tmp_path, monkeypatch
+):
+    """Every measured part twice what the curves price it at a small shape: at a shape too large to time here, the
+    curves' seconds are doubled, and the plan says which prices made it."""
+    monkeypatch.setenv(PRICE_CACHE_ENV, str(tmp_path / "prices"))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "profiles"))
+    small_ctx = context(0)
+    signature = expected_signature(small_ctx)
+    profile_path = cache_dir() / signature.file_name()
+    profile_path.parent.mkdir(parents=True)
+    profile_path.write_text(json.dumps(linear_profile(signature)))
+    profile = read_profile(profile_path, signature)
+    small = Shape.of(small_ctx.run.model, 1)
+    twice = replace(profile_seconds(profile, small, small_ctx.target), transfer=None, link_bytes_per_s=None)
+    twice = replace(twice, **{name: 2 * getattr(twice, name) for name in CORRECTED})
+    measured = price_file(small_ctx, signature)
+    measured.parent.mkdir(parents=True)
+    measured.write_text(json.dumps({"shape": vars(small), "seconds": vars(twice)}))
+
+    large_ctx = context(0, "model.n_embd=8192", "model.n_head=64", "model.seq_len=8192")
+    prices, line = run_prices(large_ctx)
+    assert line.startswith("costs: not measured: ")  # too large or too slow to time here
+    assert line.endswith("corrected by 1 shape(s) measured on this device")
+    assert prices.source.kind == "corrected_curves" and prices.source.path == str(profile_path)
+    large = Shape.of(large_ctx.run.model, 1)
+    curves = profile_seconds(profile, large, large_ctx.target)
+    assert prices.measured.block_forward == pytest.approx(2 * curves.block_forward)
+    assert prices.measured.head_backward == pytest.approx(2 * curves.head_backward)
+    assert prices.measured.transfer == curves.transfer  # the links are the profile's own

@@ -349,7 +349,13 @@ def test_auto_chooses_the_fastest_schedule_that_fits_and_refuses_an_early_recomp
 
 def test_the_dry_run_prices_every_schedule_and_early_setting(tmp_path):
     run_dir = tmp_path / "plan"
-    overrides = ("model=tiny", "data=synthetic", "train.device=cpu", "parallel.pipeline_stages=2")
+    overrides = (
+        "model=tiny",
+        "data=synthetic",
+        "train.prices=curves",
+        "train.device=cpu",
+        "parallel.pipeline_stages=2",
+    )
     result = python_run(
         run_dir, *overrides, "+recompute=full", "parallel.schedule=zb-h1", "recompute.early=true", "dry_run=true"
     )

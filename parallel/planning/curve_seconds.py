@@ -8,7 +8,8 @@ block's forward and backward with autograd, its weight-gradient share (ZB-H1's W
 its loss, the optimizer per parameter, and the links between ranks.
 """
 
-from collections.abc import Callable, Iterable
+import statistics
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from parallel.planning.block_prices import SELECTIVE_PARTS, BlockPrices, MeasuredSeconds, measured_prices
@@ -234,3 +235,26 @@ def profile_seconds(profile: DeviceProfile, shape: Shape, target: Target) -> Mea
 def profile_prices(profile: DeviceProfile, shape: Shape, target: Target) -> BlockPrices:
     """The auto planner's and the step-time model's costs, in seconds, from a device profile."""
     return measured_prices(shape, target, profile_seconds(profile, shape, target), profile.source)
+
+
+CORRECTED = tuple(name for name in MeasuredSeconds.__dataclass_fields__ if name not in ("transfer", "link_bytes_per_s"))
+"""The parts a correction scales: every timed one (the links are the profile's own, measured or not)."""
+
+
+def curve_corrections(pairs: Sequence[tuple[MeasuredSeconds, MeasuredSeconds]]) -> dict[str, float]:
+    """What the real stage taught about the curves: per part, the median of measured / curves seconds over the
+    (measured, curves) pairs of shapes this device measured (parts priced > 0 by both). The curves time each kernel
+    alone and warm; the ratio carries what they miss (clones, accumulation, autograd's bookkeeping) to shapes this
+    device cannot build."""
+    ratios: dict[str, list[float]] = {}
+    for measured, curves in pairs:
+        for name in CORRECTED:
+            got, priced = getattr(measured, name), getattr(curves, name)
+            if got > 0 and priced > 0:
+                ratios.setdefault(name, []).append(got / priced)
+    return {name: statistics.median(values) for name, values in ratios.items()}
+
+
+def corrected(seconds: MeasuredSeconds, factors: dict[str, float]) -> MeasuredSeconds:
+    """`seconds` with each part scaled by its factor (a part without one is left as priced)."""
+    return replace(seconds, **{name: getattr(seconds, name) * factor for name, factor in factors.items()})

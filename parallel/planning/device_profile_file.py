@@ -153,8 +153,9 @@ class CostSource:
     """Which costs priced a plan (plan.json, the dry run, summary.json)."""
 
     kind: str
-    """`measured` (the run's stage timed at its shape), `profile` (a device profile's curves) or `analytic` (FLOPs
-    and bytes at realistic rates)."""
+    """`measured` (the run's stage timed at its shape), `profile` (a device profile's curves), `corrected_curves` (a
+    profile's curves corrected by the shapes measured on this device) or `analytic` (FLOPs and bytes at realistic
+    rates)."""
     path: str | None = None
     created: str | None = None
     """The profile's UTC time of measurement (ISO 8601)."""
@@ -164,6 +165,8 @@ class CostSource:
             return f"measured at this shape: the stage replay's prices {self.path} (measured {self.created})"
         if self.kind == "profile":
             return f"device profile {self.path} (measured {self.created})"
+        if self.kind == "corrected_curves":
+            return f"device profile {self.path} (measured {self.created}) corrected by the shapes measured here"
         return "analytic (no device profile: FLOPs and bytes at realistic rates of the target)"
 
 

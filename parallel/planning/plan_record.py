@@ -312,6 +312,7 @@ class RunPlan:
         source = {
             "measured": f"measured at this shape by the stage replay ({path}, {created})",
             "profile": f"device profile {path}, measured {created}",
+            "corrected_curves": f"device profile {path}'s curves corrected by the shapes measured here",
         }.get(kind, f"analytic costs at realistic {st.device} rates, no device profile")
         lines = [
             f"predicted_step_time_s {st.predicted_step_time_s:.4g}: {self.flops.tokens_per_step:,} tokens per step, "
