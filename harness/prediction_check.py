@@ -47,7 +47,24 @@ def prediction_record(plan: RunPlan, measured_step_s: float, trace: StepTrace | 
             }
             for predicted_stage, traced in zip(estimate.stage_instruction_s, traced_instruction_seconds(trace))
         ]
+        record["by_kind"] = residuals(record["per_stage"])
     return record
+
+
+def residuals(per_stage: list[dict[str, dict]]) -> dict[str, dict[str, float]]:
+    """Per instruction kind, over the stages that traced it: the predicted and the measured seconds summed, and their
+    ratio (measured / predicted): what the prices of that kind missed on this run."""
+    sums: dict[str, list[float]] = {}
+    for stage in per_stage:
+        for name, entry in stage.items():
+            if entry["measured_s"] is not None and entry["predicted_s"]:
+                total = sums.setdefault(name, [0.0, 0.0])
+                total[0] += entry["predicted_s"]
+                total[1] += entry["measured_s"]
+    return {
+        name: {"predicted_s": predicted, "measured_s": measured, "ratio": measured / predicted}
+        for name, (predicted, measured) in sums.items()
+    }
 
 
 def prediction_warning(record: dict) -> str | None:

@@ -54,6 +54,11 @@ def test_each_instruction_is_compared_with_the_mean_of_its_traced_intervals():
     forward = record["per_stage"][0]["ForwardPass"]
     assert forward["ratio"] == pytest.approx(2.0) and forward["measured_s"] == pytest.approx(2 * predicted_forward)
     assert record["per_stage"][0]["BackwardPass"]["measured_s"] is None  # not traced: no ratio either
+    both = predicted_forward + plan.step_time.stage_instruction_s[1]["ForwardPass"]
+    assert record["by_kind"]["ForwardPass"] == pytest.approx(
+        {"predicted_s": both, "measured_s": 2 * predicted_forward + 0.5, "ratio": (2 * predicted_forward + 0.5) / both}
+    )
+    assert set(record["by_kind"]) == {"ForwardPass"}  # only what the step traced
     assert record["error"] == pytest.approx(0.5) and record["costs"] == "analytic"
     assert "+50% off the plan's prediction" in prediction_warning(record)
     assert "per_stage" not in prediction_record(plan, plan.predicted_step_time_s, None)
