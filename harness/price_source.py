@@ -148,7 +148,7 @@ def measured_prices_of(ctx: RunContext, profile: DeviceProfile | None) -> tuple[
     signature = expected_signature(ctx)
     if signature is None:
         return None, f"costs: not measured: no {target.device} device here"
-    reason = refusal(run.model, ctx.shape, _available_memory_bytes() // ranks_on_node(ctx))
+    reason = refusal(run.model, ctx.shape, _memory_bytes() // ranks_on_node(ctx))
     if reason is not None:
         return None, f"costs: not measured: {reason}"
     path = price_file(ctx, signature)
@@ -235,8 +235,10 @@ def _wait_for(path: Path) -> None:
         time.sleep(0.2)
 
 
-def _available_memory_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+def _memory_bytes() -> int:
+    """The machine's memory: every rank reads the same (the memory free at this moment would differ between ranks, and
+    a rank that refused to measure would plan from other prices)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _same_device_anywhere(path: Path, ctx: RunContext) -> DeviceSignature:

@@ -107,7 +107,7 @@ def test_a_stage_this_device_cannot_build_is_priced_by_the_curves():
     bf16 = replace(run, target=Target("cpu", "bf16"))
     assert "fp32 on CPU only" in refusal(model, bf16, 2**34)
     assert "fp32 on CPU only" in refusal(model, replace(run, target=Target("cuda", "fp32")), 2**34)
-    assert "available" in refusal(model, run, 2**14)  # one block's bytes against the memory left here
+    assert "of a rank's" in refusal(model, run, 2**14)  # one block's bytes against a rank's share of the memory
     assert "would take about" in refusal(replace(model, n_embd=8192, n_head=64, seq_len=8192), run, 2**60)
 
 

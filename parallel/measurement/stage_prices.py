@@ -35,7 +35,7 @@ MEASURE_LIMIT_S = 120.0
 """The most the probe may cost by the analytic estimate (a shape this device would take longer to time is priced by
 the curves): a guard, not a figure."""
 MEMORY_SHARE = 0.5
-"""The share of the machine's available memory the probe's largest stage may hold."""
+"""The share of a rank's memory the probe's largest stage may hold."""
 EMBEDDING, BLOCK, HEAD = 0, 1, 2
 """The probe's stages."""
 
@@ -63,7 +63,8 @@ def probe_layout(model: GPTConfig, run: RunShape, schedule: str) -> tuple[Pipeli
 
 def refusal(model: GPTConfig, run: RunShape, available_bytes: int) -> str | None:
     """Why this run's stage cannot be measured here (None: it can): its device and precision, the probe's bytes
-    against `available_bytes`, its estimated time against MEASURE_LIMIT_S."""
+    against `available_bytes` (a rank's share of the machine), its estimated time against MEASURE_LIMIT_S. Every rank
+    must reach the same answer from the same inputs."""
     target = run.target
     if target.device != "cpu" or target.precision != "fp32":
         return f"the stage replay runs fp32 on CPU only (this run: {target.precision} on {target.device})"
@@ -76,8 +77,8 @@ def refusal(model: GPTConfig, run: RunShape, available_bytes: int) -> str | None
     )
     if peak > MEMORY_SHARE * available_bytes:
         return (
-            f"one block at this shape holds {peak / 2**30:.1f} GiB, more than {MEMORY_SHARE:.0%} of this machine's "
-            f"available {available_bytes / 2**30:.1f} GiB"
+            f"one block at this shape holds {peak / 2**30:.1f} GiB, more than {MEMORY_SHARE:.0%} of a rank's "
+            f"{available_bytes / 2**30:.1f} GiB"
         )
     # a block's forward, backward and recompute for every replay's micro-batches, at the analytic CPU rate
     estimate = 4 * block_forward_flops(shape) * len(_probes()) * (TIMED_STEPS + 1) * PROBE_MICRO_BATCHES
