@@ -160,6 +160,8 @@ def measured_prices_of(ctx: RunContext, profile: DeviceProfile | None) -> tuple[
             _wait_for(path)
     try:
         data = json.loads(path.read_text())
+        if "failed" in data:
+            return None, f"costs: not measured: timing the stage failed ({data['failed']}): delete {path} to try again"
         seconds = MeasuredSeconds(**data["seconds"])
         created, replays, wall_s = str(data["created"]), int(data["replays"]), float(data["wall_s"])
     except (OSError, ValueError, KeyError, TypeError) as error:
@@ -196,32 +198,33 @@ def corrected_curves(ctx: RunContext, profile: DeviceProfile, shape: Shape) -> t
 
 
 def _measure_into(path: Path, ctx: RunContext, signature: DeviceSignature, profile: DeviceProfile | None) -> str:
-    """Local rank 0: measure on the rank's own intra-op threads, and write the file the other ranks wait for."""
+    """Local rank 0: measure on the rank's own intra-op threads, and write the file the other ranks wait for (a
+    failure too, which every rank then reads alike; the start-up line is then the file's)."""
     shape = Shape.of(ctx.run.model, ctx.run.train.micro_batch_size)
     transfer, link_rate = (None, None) if profile is None else link_seconds(profile, shape, ctx.target)
     threads = torch.get_num_threads()
     torch.set_num_threads(signature.threads or threads)
-    try:
-        measured = measure_stage_prices(ctx.run.model, ctx.shape, transfer, link_rate)
-    finally:
-        torch.set_num_threads(threads)
-    path.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "format": PRICES_FORMAT,
         "signature": vars(signature),
         "shape": vars(shape),
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
-        "replays": measured.replays,
-        "wall_s": measured.wall_s,
-        "load": list(os.getloadavg()),
-        "seconds": vars(measured.seconds),
     }
+    try:
+        measured = measure_stage_prices(ctx.run.model, ctx.shape, transfer, link_rate)
+        record.update(replays=measured.replays, wall_s=measured.wall_s, seconds=vars(measured.seconds))
+    except Exception as error:  # the waiting ranks must learn it too: the file says so, for every rank alike
+        record["failed"] = f"{type(error).__name__}: {error}"
+    finally:
+        torch.set_num_threads(threads)
+    record["load"] = list(os.getloadavg())
+    path.parent.mkdir(parents=True, exist_ok=True)
     if not write_json_once(path, record):
         return f"costs: measured at this shape by another run at the same moment: its prices {path}"
     return (
         f"costs: measured at this shape: one block per recompute option (none, each selective part, full; 1F1B's "
-        f"and ZB-H1's backward), the embeddings and the head, {measured.replays} stage replays in "
-        f"{measured.wall_s:.1f} s; cached at {path}"
+        f"and ZB-H1's backward), the embeddings and the head, {record.get('replays')} stage replays in "
+        f"{record.get('wall_s', 0):.1f} s; cached at {path}"
     )
 
 

@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 from hydra import compose, initialize_config_dir
 
+from harness import price_source
 from harness.context import RunContext
 from harness.job import JobHooks
 from harness.price_source import PRICE_CACHE_ENV, expected_signature, price_file, run_prices
@@ -159,3 +160,18 @@ def test_a_shape_this_device_cannot_build_is_priced_by_the_curves_corrected_by_t
     assert prices.measured.block_forward == pytest.approx(2 * curves.block_forward)
     assert prices.measured.head_backward == pytest.approx(2 * curves.head_backward)
     assert prices.measured.transfer == curves.transfer  # the links are the profile's own
+
+
+def test_a_measurement_that_failed_is_said_to_every_rank_alike(tmp_path, monkeypatch):
+    """Rank 0 writes the failure into the file the others wait for: every rank then plans from the curves."""
+    monkeypatch.setenv(PRICE_CACHE_ENV, str(tmp_path))
+
+    def fail(*args):
+        raise RuntimeError("no kernel for this shape")
+
+    monkeypatch.setattr(price_source, "measure_stage_prices", fail)
+    ranks = [context(rank, "model.n_embd=48") for rank in (0, 1)]
+    for ctx in ranks:  # rank 0 measures (and fails), rank 1 finds the file
+        prices, line = run_prices(ctx)
+        assert prices is None
+        assert line.startswith("costs: not measured: timing the stage failed (RuntimeError: no kernel for this shape)")
