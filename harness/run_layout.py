@@ -1,5 +1,8 @@
-"""The layout a run trains with: partition and each stage's recompute plan, built at start-up with the costs
-train.device_profile names (harness/price_source.py)."""
+"""The layout a run trains with: partition and each stage's recompute plan, built at start-up with the prices
+train.prices and train.device_profile name (harness/price_source.py), and checked to be every rank's once the process
+group exists."""
+
+import torch.distributed as dist
 
 from harness.context import RunContext
 from harness.price_source import run_prices
@@ -57,3 +60,18 @@ def held_parts(ctx: RunContext, costs: BlockPrices | None) -> list[int] | None:
 def run_rates(ctx: RunContext) -> DeviceRates:
     """What analytic costs charge at (see layout_of)."""
     return analytic_rates(ctx.target.device, ctx.target.precision, ctx.run.train.peak_tflops)
+
+
+def check_same_layout(layout: PipelineLayout) -> None:
+    """Once the process group exists: every rank planned the same layout, or the run ends here with one message. Ranks
+    plan before the group exists, each on its own, from prices that must be one set (harness/price_source.py); ranks
+    whose plans differed would otherwise wait for each other's mismatched sends forever."""
+    mine = repr((layout.parts, layout.plans, layout.schedule))
+    every: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    others = [rank for rank, theirs in enumerate(every) if theirs != every[0]]
+    if others:
+        raise RuntimeError(
+            f"ranks {others} planned another layout than rank 0 (their prices differed: the start-up line `costs: ...` "
+            f"says which each used); train.prices=curves or analytic plans every rank alike"
+        )

@@ -17,6 +17,7 @@ from harness.metrics import MetricsLog, median_after_warmup
 from harness.prediction_check import prediction_record, prediction_warning
 from harness.run_control import RunControl
 from harness.run_dir import set_aside_earlier_attempt, starts_again
+from harness.run_layout import check_same_layout
 from harness.run_summary import done_line, wandb_sync_command
 from harness.timeline import publish_trace
 from harness.wandb_logger import open_wandb
@@ -76,6 +77,7 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
             print("stagecheck: model.packed_dropout=true is a no-op: model.dropout is 0, so no masks are kept")
 
     init_process_group(ctx.env, target.device, run.train.collective_timeout_s)
+    check_same_layout(layout)  # planned by every rank on its own, before the group existed
     # The SDPA kernel this device runs, refused unless it keeps what the plan counted (before any engine exists).
     backend = None
     if run.model.attention == "sdpa":
