@@ -20,8 +20,8 @@ torch.distributed.pipelining peer and stagecheck's auto at the first peer's peak
 the machine; docs/pipeline_peers.md holds a run.
 
 `--frontier PNG` sweeps the budget too: after round 1, stagecheck's auto also runs at `--budgets` budgets evenly from
-the memory floor (the smallest peak measured in round 1) to no recompute's peak (the largest), one run per distinct
-plan; the end prints, per budget, each system's fastest configuration that fits (bench/peer_frontier.py) and draws the
+the memory floor (the smallest peak measured in round 1: full(stage)'s, outside --smoke) to no recompute's peak (the
+largest), one run per distinct plan; the end prints, per budget, each system's fastest configuration that fits (bench/peer_frontier.py) and draws the
 frontier, tokens/s against the largest stage's peak, one line per system, into PNG.
 """
 
@@ -210,7 +210,8 @@ def main(argv=None) -> int:
                     _progress(runs[-1], args, peers, of_peer, runs)
     print()
     reported = report(runs, [p.name for p in peers], of_peer, rounds)
-    if args.frontier:
+    if args.frontier:  # the floor and the top of every run, the sweep's own included
+        budgets = sweep_budgets(runs, args.budgets)
         print("\n".join(frontier_table(runs, budgets)))
         draw_frontier(runs, budgets, args.frontier)
         print(f"\nthe frontier: {args.frontier}")
