@@ -21,8 +21,9 @@ the machine; docs/pipeline_peers.md holds a run.
 
 `--frontier PNG` sweeps the budget too: after round 1, stagecheck's auto also runs at `--budgets` budgets evenly from
 the memory floor (the smallest peak measured in round 1: full(stage)'s, outside --smoke) to no recompute's peak (the
-largest), one run per distinct plan; the end prints, per budget, each system's fastest configuration that fits (bench/peer_frontier.py) and draws the
-frontier, tokens/s against the largest stage's peak, one line per system, into PNG.
+largest), one run per distinct plan; the end prints, per budget (spanning every run's peaks), each system's fastest
+configuration that fits (bench/peer_frontier.py) and draws the frontier, tokens/s against the largest stage's peak,
+one line per system, into PNG.
 """
 
 import argparse
