@@ -3,6 +3,7 @@ run's shape; local rank 0 measures into the cache file and every other rank plan
 device cannot build, or a damaged file, is said and priced by the curves. No process group: ranks are threads here."""
 
 import contextlib
+import functools
 import io
 import json
 import threading
@@ -46,8 +47,9 @@ SMALL = (
 )
 
 
+@functools.cache
 def context(local_rank: int, *overrides: str) -> RunContext:
-    """The RunContext start-up builds for one of two ranks on this node."""
+    """The RunContext start-up builds for one of two ranks on this node (composed once: it is frozen)."""
     register_schemas()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[*SMALL, *overrides])
