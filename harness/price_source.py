@@ -22,8 +22,9 @@ import torch
 
 from harness.context import RunContext
 from harness.files import write_json_once
+from harness.prediction_check import read_residuals, residuals_path
 from parallel.measurement.stage_prices import measure_stage_prices, refusal
-from parallel.planning.block_prices import BlockPrices, MeasuredSeconds, measured_prices
+from parallel.planning.block_prices import BlockPrices, MeasuredSeconds, measured_prices, with_residuals
 from parallel.planning.curve_seconds import corrected, curve_corrections, link_seconds, profile_prices, profile_seconds
 from parallel.planning.device_profile_file import (
     CostSource,
@@ -164,10 +165,14 @@ def measured_prices_of(ctx: RunContext, profile: DeviceProfile | None) -> tuple[
             return None, f"costs: not measured: timing the stage failed ({data['failed']}): delete {path} to try again"
         seconds = MeasuredSeconds(**data["seconds"])
         created, replays, wall_s = str(data["created"]), int(data["replays"]), float(data["wall_s"])
+        residuals, runs = read_residuals(path)
+        seconds = with_residuals(seconds, residuals)
     except (OSError, ValueError, KeyError, TypeError) as error:
-        return None, f"costs: not measured: the measured prices {path} are damaged ({error!r}): delete the file"
+        return None, f"costs: not measured: the measured prices {path} or their residuals are damaged ({error!r})"
     if line is None:
         line = f"costs: measured at this shape by {replays} stage replays in {wall_s:.1f} s (cached {path}, {created})"
+    if runs:
+        line += f", scaled by the residuals {runs} earlier run(s) measured ({residuals_path(path)})"
     shape = Shape.of(run.model, run.train.micro_batch_size)
     return measured_prices(shape, target, seconds, CostSource("measured", str(path), created)), line
 
@@ -181,9 +186,12 @@ def corrected_curves(ctx: RunContext, profile: DeviceProfile, shape: Shape) -> t
         return None, ""
     pairs = []
     for path in sorted(price_cache_dir().glob(f"{Path(profile.signature.file_name()).stem}-*.json")):
+        if path.name.endswith(".residuals.json"):
+            continue  # read with its prices
         try:
             data = json.loads(path.read_text())
-            measured_shape, seconds = Shape(**data["shape"]), MeasuredSeconds(**data["seconds"])
+            measured_shape = Shape(**data["shape"])
+            seconds = with_residuals(MeasuredSeconds(**data["seconds"]), read_residuals(path)[0])
         except (OSError, ValueError, KeyError, TypeError):
             continue  # a damaged file teaches nothing (planning its own shape says so)
         if measured_shape.arch == shape.arch:

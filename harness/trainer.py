@@ -14,7 +14,7 @@ from harness.files import atomic_write_text
 from harness.hf.init_from import hf_initial_weights
 from harness.hf.source import record_hf_source
 from harness.metrics import MetricsLog, median_after_warmup
-from harness.prediction_check import prediction_record, prediction_warning
+from harness.prediction_check import learn_residuals, prediction_record, prediction_warning
 from harness.run_control import RunControl
 from harness.run_dir import set_aside_earlier_attempt, starts_again
 from harness.run_layout import check_same_layout
@@ -218,6 +218,9 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
         }
         if plan.step_time:  # the prediction against the measured step, per instruction on a traced step
             summary["prediction"] = prediction_record(plan, summary["step_time_s"], traced)
+        if plan.step_time and traced:  # the next plan at this shape learns from this run's residuals
+            learnt = learn_residuals(summary["prediction"], plan.step_time.cost_source)
+            summary["prediction"]["residuals_file"] = str(learnt) if learnt else None
         metrics.write_summary(summary)
         sync_command = wandb_sync_command(metrics.wandb)
         metrics.close()

@@ -9,6 +9,7 @@ import json
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -16,6 +17,7 @@ from hydra import compose, initialize_config_dir
 from harness import price_source
 from harness.context import RunContext
 from harness.job import JobHooks
+from harness.prediction_check import residuals_path
 from harness.price_source import PRICE_CACHE_ENV, expected_signature, price_file, run_prices
 from harness.run_layout import layout_of
 from parallel.measurement.stage_prices import refusal
@@ -122,7 +124,9 @@ def test_a_misspelt_measured_price_is_said_and_the_curves_price_the_plan(tmp_pat
     path.write_text(json.dumps({"created": "now", "replays": 10, "wall_s": 1.0, "seconds": seconds}))
     prices, line = run_prices(ctx)
     assert prices is None  # no cached device profile in tests: the curves are the analytic model
-    assert line.startswith(f"costs: not measured: the measured prices {path} are damaged (TypeError(")
+    assert line.startswith(
+        f"costs: not measured: the measured prices {path} or their residuals are damaged (TypeError("
+    )
     assert "block_forwrd" in line and "; costs: analytic: no device profile of this device at " in line
 
 
@@ -177,3 +181,22 @@ def test_a_measurement_that_failed_is_said_to_every_rank_alike(tmp_path, monkeyp
         prices, line = run_prices(ctx)
         assert prices is None
         assert line.startswith("costs: not measured: timing the stage failed (RuntimeError: no kernel for this shape)")
+
+
+def test_the_next_plan_at_a_shape_is_scaled_by_the_residuals_earlier_runs_measured(two_ranks, tmp_path, monkeypatch):
+    (measured, _), _, _ = two_ranks
+    cached = Path(measured.source.path)
+    monkeypatch.setenv(PRICE_CACHE_ENV, str(tmp_path))
+    (tmp_path / cached.name).write_bytes(cached.read_bytes())
+    residuals = residuals_path(tmp_path / cached.name)
+    residuals.write_text(json.dumps({"runs": 2, "residuals": {"forward": 2.0, "weight_grad": 1e6}}))
+    prices, line = run_prices(context(0))
+    assert line.endswith(f", scaled by the residuals 2 earlier run(s) measured ({residuals})")
+    before, after = measured.measured, prices.measured
+    assert after.block_forward == pytest.approx(2 * before.block_forward)
+    assert after.head_forward == pytest.approx(2 * before.head_forward)
+    assert after.block_backward == before.block_backward
+    assert after.block_weight_grad == before.block_backward  # W is part of the backward: never more than it
+    residuals.write_text(json.dumps({"runs": 1, "residuals": {"forwad": 2.0}}))
+    prices, line = run_prices(context(0))
+    assert prices is None and "or their residuals are damaged" in line and "forwad" in line

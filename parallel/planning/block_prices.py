@@ -221,3 +221,28 @@ def _table(
         measured,
         source,
     )
+
+
+RESIDUAL_PARTS = {
+    "forward": ("block_forward", "embedding_forward", "head_forward"),
+    "backward": ("block_backward", "embedding_backward", "head_backward", "block_recompute", *SELECTIVE_PARTS),
+    "weight_grad": ("block_weight_grad", "head_weight_grad"),
+    "optimizer": ("optimizer_per_param",),
+}
+"""The parts each kind of instruction's residual scales (harness/prediction_check.py learns them from a traced run:
+ForwardPass, the backward (BackwardPass or ZB-H1's BackwardInput), BackwardWeight, OptimizerStep)."""
+
+
+def with_residuals(seconds: MeasuredSeconds, residuals: dict[str, float]) -> MeasuredSeconds:
+    """`seconds` with each kind's parts scaled by what earlier runs measured against their prediction (measured /
+    predicted); a weight gradient never exceeds the backward it is part of."""
+    unknown = set(residuals) - set(RESIDUAL_PARTS)
+    if unknown:
+        raise ValueError(f"no parts for residuals {sorted(unknown)}: one of {', '.join(RESIDUAL_PARTS)}")
+    scaled = {
+        part: getattr(seconds, part) * factor for kind, factor in residuals.items() for part in RESIDUAL_PARTS[kind]
+    }
+    values = {field.name: getattr(seconds, field.name) for field in fields(seconds)} | scaled
+    values["block_weight_grad"] = min(values["block_weight_grad"], values["block_backward"])
+    values["head_weight_grad"] = min(values["head_weight_grad"], values["head_backward"])
+    return MeasuredSeconds(**values)
