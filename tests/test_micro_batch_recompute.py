@@ -211,6 +211,7 @@ def test_the_dry_run_shows_the_per_micro_batch_plan(tmp_path):
         "model.dropout=0.1",
         "data=synthetic",
         "train.device=cpu",
+        "train.prices=curves",  # the exact choice below is the analytic prices' (no profile cached in tests)
         "train.micro_batches=3",
         "train.micro_batch_size=2",
         "parallel.pipeline_stages=2",
