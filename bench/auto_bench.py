@@ -24,8 +24,8 @@ from model import GPTConfig
 from parallel.measurement.device_profile import measure_to
 from parallel.measurement.local_stages import LocalPipeline
 from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute
+from parallel.planning.curve_seconds import profile_prices, profile_seconds
 from parallel.planning.layout import build_layout
-from parallel.planning.op_costs import profile_seconds, profiled_costs
 from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import GIB, MIB, RunShape, Shape, Target, Topology
 
@@ -97,7 +97,7 @@ def main() -> None:
     plans = [
         full,
         Plan("auto", cfg, auto_cfg, run),
-        Plan("auto(profiled)", cfg, auto_cfg, run, profiled_costs(profile, shape, target)),
+        Plan("auto(profiled)", cfg, auto_cfg, run, profile_prices(profile, shape, target)),
         selective,
         Plan("none", cfg, NoRecompute(), run),
     ]

@@ -7,7 +7,7 @@ multirun over the variants none, selective (attention core), full(1) and full(st
 at a budget between full's and none's predicted peaks (the planner's own figures, from a dry run). Step 2
 (train.measure_step) is measured by parallel/measurement/tensor_peak.py: the most bytes of live tensors at once, the
 baseline (parameters, optimizer state, buffers) included. The prediction is the run plan's
-`predicted_peak_bytes` (parallel/planning/stage_costs.py's StageMemory.peak_tensor_terms). Bytes are exact, so
+`predicted_peak_bytes` (parallel/planning/stage_bytes.py's StageMemory.peak_tensor_terms). Bytes are exact, so
 the machine's load does not change the figures. About 3 minutes on 2 busy cores.
 """
 

@@ -1,6 +1,7 @@
 """stagecheck against the pipelines a user would pick instead: plain DeepSpeed and torch.distributed.pipelining.
 
     DS_ACCELERATOR=cpu .venv/bin/python -m bench.pipeline_peers [--rounds 2] [--steps 6] [--json PATH] [--smoke]
+        [--frontier PNG [--budgets 6]]
 
 Every configuration is a real 2-rank launch on this CPU (gloo, one thread per rank) of the same GPT shape (8 blocks,
 n_embd 256, seq 512, dropout 0.1, math attention, fp32), the same initial weights (stagecheck's seeded init), the same
@@ -17,6 +18,12 @@ tensor bytes per rank (parallel/measurement/tensor_peak.py, parameters and optim
 and wall time and the load average. `--smoke` checks the plumbing only: a tiny shape, one round, one DeepSpeed peer, one
 torch.distributed.pipelining peer and stagecheck's auto at the first peer's peak. Not a test of figures: they depend on
 the machine; docs/pipeline_peers.md holds a run.
+
+`--frontier PNG` sweeps the budget too: after round 1, stagecheck's auto also runs at `--budgets` budgets evenly from
+the memory floor (the smallest peak measured in round 1: full(stage)'s, outside --smoke) to no recompute's peak (the
+largest), one run per distinct plan; the end prints, per budget (spanning every run's peaks), each system's fastest
+configuration that fits (bench/peer_frontier.py) and draws the frontier, tokens/s against the largest stage's peak,
+one line per system, into PNG.
 """
 
 import argparse
@@ -31,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from bench.peer_frontier import draw_frontier, frontier_table, sweep_budgets
 from bench.peer_launch import Peer, Run, run_peer, run_stagecheck
 from bench.peer_report import report
 from bench.real_runs import REPO, STAGES, TRACE_STEP, Variant, launch_env, model_config, train_args
@@ -126,6 +134,24 @@ def auto_variants(cfg, peers: list[Run], micro_batches: int, work: Path) -> tupl
     return variants, of_peer
 
 
+def sweep_variants(cfg, budgets: list[int], micro_batches: int, work: Path, taken: list[Variant]) -> list[Variant]:
+    """auto at each of `budgets` (bytes) whose plan no other budget of the sweep, nor a `taken` run, has already."""
+    plans = {planned(cfg, v.recompute.budget_gb, micro_batches, work) for v in taken}
+    out = []
+    for budget in map(budget_gb, budgets):
+        plan = planned(cfg, budget, micro_batches, work)
+        if plan is None or plan in plans:
+            continue
+        plans.add(plan)
+        recompute = AutoRecompute(budget_gb=budget, reserve_gb=0)
+        out.append(
+            Variant(
+                f"stagecheck auto @ {budget} GiB", micro_batches, recompute, "type:Block", auto_overrides(budget), ()
+            )
+        )
+    return out
+
+
 def rotated(items: list, k: int) -> list:
     return items[k % len(items) :] + items[: k % len(items)] if items else items
 
@@ -138,6 +164,8 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="plumbing only: tiny shape, 1 round, 3 steps, 3 launches")
     parser.add_argument("--json", type=Path, help="also write every run's figures here (after each run)")
     parser.add_argument("--from-json", type=Path, help="print the tables of an earlier run's --json file; run nothing")
+    parser.add_argument("--frontier", type=Path, help="sweep auto's budget too, and draw the frontier into this PNG")
+    parser.add_argument("--budgets", type=int, default=6, help="budgets of the --frontier sweep (floor to top)")
     args = parser.parse_args(argv)
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
@@ -175,11 +203,20 @@ def main(argv=None) -> int:
             if k == 0:
                 peer_runs = [r for r in runs if r.name in {p.name for p in peers}]
                 autos, of_peer = auto_variants(cfg, peer_runs, args.micro_batches, work)
+                if args.frontier:
+                    budgets = sweep_budgets(runs, args.budgets)
+                    autos += sweep_variants(cfg, budgets, args.micro_batches, work, autos)
                 for variant in autos:
                     runs.append(run_stagecheck(cfg, variant, steps, work / f"r1-{len(runs)}", 0))
                     _progress(runs[-1], args, peers, of_peer, runs)
     print()
-    return 0 if report(runs, [p.name for p in peers], of_peer, rounds) else 1
+    reported = report(runs, [p.name for p in peers], of_peer, rounds)
+    if args.frontier:  # the floor and the top of every run, the sweep's own included
+        budgets = sweep_budgets(runs, args.budgets)
+        print("\n".join(frontier_table(runs, budgets)))
+        draw_frontier(runs, budgets, args.frontier)
+        print(f"\nthe frontier: {args.frontier}")
+    return 0 if reported else 1
 
 
 def _progress(run: Run, args: argparse.Namespace, peers: list[Peer], of_peer: dict[str, str], runs: list[Run]) -> None:

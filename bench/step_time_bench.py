@@ -1,17 +1,21 @@
-"""The simulator priced by the device profile against real 2-rank runs, and the time objective against the FLOP one.
+"""The simulator's prediction against real 2-rank runs, and the time objective against the FLOP one.
 
-    DS_ACCELERATOR=cpu .venv/bin/python -m bench.step_time_bench [--profile PATH] [--rounds R] [--steps S] [--smoke]
+    DS_ACCELERATOR=cpu .venv/bin/python -m bench.step_time_bench [--profile PATH] [--prices measured|curves]
+        [--rounds R] [--steps S] [--smoke]
+
+`--prices` (default measured, train.prices' default): the runs' plans are priced by their own stage, replayed at each
+shape at start-up (parallel/measurement/stage_prices.py), with the profile's links; `curves`: by the profile's curves.
 
 Every variant is a real `deepspeed --num_gpus 2 train.py` run on CPU (gloo, one thread per rank), read back from
 its summary.json, metrics.jsonl and traced step. Variants are interleaved in rounds (every variant of every shape
 once per round; bench/real_runs.py).
 
 - Figure 1: the run's own predicted step (`predicted_step_time_s`: the plan start-up made, the same the dry run
-  prints, priced by the device profile and no trace of the run) against the measured median step, for none,
-  selective, full(1), full(stage) and auto, under 1F1B, ZB-H1 and 1F1B with early recompute, at two shapes. The
-  profile is measured once at the start (`python -m parallel.measurement.device_profile`'s measurement: 2
-  processes at once, one thread each, as the runs' ranks), or read from `--profile`; it never sees these shapes.
-- Figure 2: the time-objective auto (profile costs, `balanced`, `parallel.schedule=auto`, `recompute.early=null`)
+  prints, with no trace of the run) against the measured median step, for none, selective, full(1), full(stage) and
+  auto, under 1F1B, ZB-H1 and 1F1B with early recompute, at two shapes (priced as `--prices` says). The profile is
+  measured once at the start (`python -m parallel.measurement.device_profile`'s measurement: 2 processes at once, one
+  thread each, as the runs' ranks), or read from `--profile`; it never sees these shapes.
+- Figure 2: the time-objective auto (`--prices` costs, `balanced`, `parallel.schedule=auto`, `recompute.early=null`)
   against the FLOP-objective auto (analytic costs, `parameters`, 1F1B), at the same budget: tokens/s per round.
 
 Not a test: timings depend on the machine. docs/step_time_benchmark.md gives the figures.
@@ -71,8 +75,10 @@ def budget_between_full_and_selective(cfg: GPTConfig) -> float:
     return needs[0] + 0.75 * (needs[1] - needs[0])
 
 
-def variants(budget_gb: float, profile: Path) -> list[Variant]:
-    priced = (f"train.device_profile={profile}",)
+def variants(budget_gb: float, profile: Path, prices: str) -> list[Variant]:
+    """`prices`: train.prices of the time-objective runs (measured: the stage replay at each run's shape, with the
+    profile's links; curves: the profile's curves)."""
+    priced = (f"train.prices={prices}", f"train.device_profile={profile}")
     auto = ("+recompute=auto", f"recompute.budget_gb={budget_gb:.9f}", "recompute.reserve_gb=0")
     auto_cfg = AutoRecompute(budget_gb=budget_gb, reserve_gb=0.0)
     modes = {
@@ -102,7 +108,7 @@ def variants(budget_gb: float, profile: Path) -> list[Variant]:
             (2,),
         )
     )
-    flop = ("train.device_profile=analytic", *auto, *SCHEDULES["1f1b"])
+    flop = ("train.prices=analytic", *auto, *SCHEDULES["1f1b"])
     out.append(Variant("auto flop", MICRO_BATCHES, auto_cfg, "parameters", flop, (2,)))
     return out
 
@@ -144,7 +150,7 @@ def _pct(predicted: float | None, measured: float) -> str:
 
 
 def figure_1(results: dict[str, list[Result]], repriced: dict[tuple[str, str], float]) -> None:
-    print("## Figure 1: the dry run's prediction (device profile) against the measured median step\n")
+    print("## Figure 1: the dry run's prediction against the measured median step\n")
     print(
         "| shape | variant | layout blocks | measured median s | predicted s | error | repriced s | error "
         "| trace replay s | error | bubble per stage | wall s/launch | CPU s/launch |"
@@ -203,6 +209,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--profile", type=Path, help="a device profile of this machine (1 thread); default: measure")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument(
+        "--prices", choices=("measured", "curves"), default="measured", help="train.prices of the priced runs"
+    )
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--smoke", action="store_true", help="2 blocks, n_embd 64, seq 64, a quick profile, 3 steps")
     parser.add_argument("--keep", type=Path, help="keep the run directories under this directory")
@@ -227,7 +236,9 @@ def main() -> None:
         for shape, cfg in shapes.items():
             budget = budget_between_full_and_selective(cfg)
             todo[shape] = [
-                v for v in variants(budget / GIB, profile) if not args.only or v.name.startswith(tuple(args.only))
+                v
+                for v in variants(budget / GIB, profile, args.prices)
+                if not args.only or v.name.startswith(tuple(args.only))
             ]
             print(
                 f"shape {shape}: L={cfg.n_layer} h={cfg.n_embd} a={cfg.n_head} s={cfg.seq_len} b=1 "
@@ -257,7 +268,7 @@ def main() -> None:
         if args.reprice:
             for shape, cfg in shapes.items():
                 budget = budget_between_full_and_selective(cfg)
-                for variant in variants(budget / GIB, args.reprice):
+                for variant in variants(budget / GIB, args.reprice, "curves"):
                     if variant.name in {r.variant.name for r in results[shape]}:
                         predicted = dry_run_prediction(cfg, variant, root / "repriced" / shape)
                         if not isinstance(predicted, str):

@@ -10,8 +10,8 @@ the predicted step time, with the schedules with virtual stages priced beside th
 import os
 
 from harness.context import RunContext
-from harness.device_costs import ranks_on_node, run_profile
 from harness.files import atomic_write_json
+from harness.price_source import ranks_on_node, run_profile
 from harness.run_layout import run_rates
 from parallel.planning.config import AutoRecompute
 from parallel.planning.layout import PipelineLayout

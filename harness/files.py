@@ -32,3 +32,21 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def atomic_write_json(path: Path, data: Any) -> None:
     atomic_write_text(path, json.dumps(data, indent=2) + "\n")
+
+
+def write_json_once(path: Path, data: Any) -> bool:
+    """Write `path` complete unless it exists: False when another process wrote it first (its content stands, so
+    every reader of the path, at any moment, reads the same bytes)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as handle:
+        handle.write(json.dumps(data, indent=2) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    try:
+        os.link(tmp, path)  # fails where the target exists, unlike a rename
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink()
+    fsync_path(path.parent)
+    return True

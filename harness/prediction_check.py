@@ -1,10 +1,17 @@
 """The plan's step-time prediction against what the run measured, in summary.json's `prediction`: the whole step
 (the median after warm-up) and, on a traced step, each instruction kind per stage. A step more than
 `TOLERANCE` off its prediction is said at the end of the run: plans priced by such costs (auto, balanced, the
-schedule and early-recompute choice) may choose wrongly."""
+schedule and early-recompute choice) may choose wrongly.
 
+A run priced by measured prices learns from its traced step: the residual of each kind of instruction (measured /
+predicted, over the stages) is written beside the prices (`residuals_path`), and the next plan at that shape scales the
+prices by it (harness/price_source.py): the stage replay times a stage alone, the run's ranks share the machine."""
+
+import json
 import statistics
+from pathlib import Path
 
+from harness.files import atomic_write_json
 from parallel.measurement.trace import StepTrace
 from parallel.planning.plan_record import RunPlan
 
@@ -47,7 +54,24 @@ def prediction_record(plan: RunPlan, measured_step_s: float, trace: StepTrace | 
             }
             for predicted_stage, traced in zip(estimate.stage_instruction_s, traced_instruction_seconds(trace))
         ]
+        record["by_kind"] = residuals(record["per_stage"])
     return record
+
+
+def residuals(per_stage: list[dict[str, dict]]) -> dict[str, dict[str, float]]:
+    """Per instruction kind, over the stages that traced it: the predicted and the measured seconds summed, and their
+    ratio (measured / predicted): what the prices of that kind missed on this run."""
+    sums: dict[str, list[float]] = {}
+    for stage in per_stage:
+        for name, entry in stage.items():
+            if entry["measured_s"] is not None and entry["predicted_s"]:
+                total = sums.setdefault(name, [0.0, 0.0])
+                total[0] += entry["predicted_s"]
+                total[1] += entry["measured_s"]
+    return {
+        name: {"predicted_s": predicted, "measured_s": measured, "ratio": measured / predicted}
+        for name, (predicted, measured) in sums.items()
+    }
 
 
 def prediction_warning(record: dict) -> str | None:
@@ -60,3 +84,42 @@ def prediction_warning(record: dict) -> str | None:
         f"costs may choose wrongly; summary.json's `prediction` compares each instruction of a traced step "
         f"(train.trace_step)"
     )
+
+
+LEARNT_KINDS = {
+    "ForwardPass": "forward",
+    "BackwardPass": "backward",
+    "BackwardInput": "backward",
+    "BackwardWeight": "weight_grad",
+    "OptimizerStep": "optimizer",
+}
+"""The traced instructions whose residual the prices learn, and the kind of parts each scales
+(parallel/planning/block_prices.py's RESIDUAL_PARTS); sends, receives and reductions are waits as much as work."""
+
+
+def residuals_path(prices: Path) -> Path:
+    return prices.with_name(prices.stem + ".residuals.json")
+
+
+def read_residuals(prices: Path) -> tuple[dict[str, float], int]:
+    """The residuals learnt for these prices so far, and from how many runs ({} and 0: none)."""
+    path = residuals_path(prices)
+    if not path.exists():
+        return {}, 0
+    data = json.loads(path.read_text())
+    return {kind: float(factor) for kind, factor in data["residuals"].items()}, int(data["runs"])
+
+
+def learn_residuals(record: dict, cost_source: dict) -> Path | None:
+    """Fold this run's residuals into its measured prices' (a run priced otherwise, or untraced, teaches nothing):
+    each kind's factor is multiplied by this run's measured / predicted, so the next prediction meets this run's."""
+    if cost_source.get("kind") != "measured" or "by_kind" not in record:
+        return None
+    prices = Path(cost_source["path"])
+    residuals, runs = read_residuals(prices)
+    for name, kind in LEARNT_KINDS.items():
+        if name in record["by_kind"]:
+            residuals[kind] = residuals.get(kind, 1.0) * record["by_kind"][name]["ratio"]
+    path = residuals_path(prices)
+    atomic_write_json(path, {"runs": runs + 1, "residuals": residuals})
+    return path

@@ -1,12 +1,15 @@
-"""The layout a run trains with: partition and each stage's recompute plan, built at start-up with the costs
-train.device_profile names (harness/device_costs.py)."""
+"""The layout a run trains with: partition and each stage's recompute plan, built at start-up with the prices
+train.prices and train.device_profile name (harness/price_source.py), and checked to be every rank's once the process
+group exists."""
+
+import torch.distributed as dist
 
 from harness.context import RunContext
-from harness.device_costs import run_costs, run_profile
-from parallel.planning.auto_recompute import CostTable
+from harness.price_source import run_prices
+from parallel.planning.block_prices import BlockPrices
 from parallel.planning.config import NoRecompute
+from parallel.planning.instruction_seconds import DeviceRates, analytic_rates
 from parallel.planning.layout import PipelineLayout, build_layout
-from parallel.planning.step_costs import DeviceRates, analytic_rates
 
 
 def layout_of(ctx: RunContext) -> PipelineLayout:
@@ -15,11 +18,10 @@ def layout_of(ctx: RunContext) -> PipelineLayout:
     every rank before DeepSpeed picks each rank's device) and a CPU one as a nominal core. Rank 0 says which costs
     priced the plan."""
     run = ctx.run
-    profile, line = run_profile(ctx)
+    costs, line = run_prices(ctx)
     if ctx.env.rank == 0:
         print(f"stagecheck: {line}", flush=True)
     parallel = run.parallel
-    costs = run_costs(profile, ctx)
     return build_layout(
         run.model,
         run.recompute,
@@ -33,7 +35,7 @@ def layout_of(ctx: RunContext) -> PipelineLayout:
     )
 
 
-def held_parts(ctx: RunContext, costs: CostTable | None) -> list[int] | None:
+def held_parts(ctx: RunContext, costs: BlockPrices | None) -> list[int] | None:
     """Stage boundaries this launch keeps instead of choosing (None: partition_method chooses them).
 
     - A resume keeps its checkpoint's: DeepSpeed saves the optimizer per stage, and under `balanced` the boundaries
@@ -58,3 +60,18 @@ def held_parts(ctx: RunContext, costs: CostTable | None) -> list[int] | None:
 def run_rates(ctx: RunContext) -> DeviceRates:
     """What analytic costs charge at (see layout_of)."""
     return analytic_rates(ctx.target.device, ctx.target.precision, ctx.run.train.peak_tflops)
+
+
+def check_same_layout(layout: PipelineLayout) -> None:
+    """Once the process group exists: every rank planned the same layout, or the run ends here with one message. Ranks
+    plan before the group exists, each on its own, from prices that must be one set (harness/price_source.py); ranks
+    whose plans differed would otherwise wait for each other's mismatched sends forever."""
+    mine = repr((layout.parts, layout.plans, layout.schedule))
+    every: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    others = [rank for rank, theirs in enumerate(every) if theirs != every[0]]
+    if others:
+        raise RuntimeError(
+            f"ranks {others} planned another layout than rank 0 (their prices differed: the start-up line `costs: ...` "
+            f"says which each used); train.prices=curves or analytic plans every rank alike"
+        )

@@ -14,9 +14,10 @@ from harness.files import atomic_write_text
 from harness.hf.init_from import hf_initial_weights
 from harness.hf.source import record_hf_source
 from harness.metrics import MetricsLog, median_after_warmup
-from harness.prediction_check import prediction_record, prediction_warning
+from harness.prediction_check import learn_residuals, prediction_record, prediction_warning
 from harness.run_control import RunControl
 from harness.run_dir import set_aside_earlier_attempt, starts_again
+from harness.run_layout import check_same_layout
 from harness.run_summary import done_line, wandb_sync_command
 from harness.timeline import publish_trace
 from harness.wandb_logger import open_wandb
@@ -83,6 +84,7 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
             print("stagecheck: model.packed_dropout=true is a no-op: model.dropout is 0, so no masks are kept")
 
     init_process_group(ctx.env, target.device, run.train.collective_timeout_s)
+    check_same_layout(layout)  # planned by every rank on its own, before the group existed
     # The SDPA kernel this device runs, refused unless it keeps what the plan counted (before any engine exists).
     backend = None
     if run.model.attention == "sdpa":
@@ -231,6 +233,9 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
         }
         if plan.step_time:  # the prediction against the measured step, per instruction on a traced step
             summary["prediction"] = prediction_record(plan, summary["step_time_s"], traced)
+        if plan.step_time and traced:  # the next plan at this shape learns from this run's residuals
+            learnt = learn_residuals(summary["prediction"], plan.step_time.cost_source)
+            summary["prediction"]["residuals_file"] = str(learnt) if learnt else None
         metrics.write_summary(summary)
         sync_command = wandb_sync_command(metrics.wandb)
         metrics.close()

@@ -7,6 +7,8 @@ from parallel.planning.config import OptimConfig
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
+PRICES = ("measured", "curves", "analytic")
+"""train.prices: where the step time's prices come from (its docstring)."""
 NAN_POLICIES = ("stop", "skip")
 RESUME_OFF = ("false", "no", "off", "none", "")
 DEFAULT_TRACE_STEP = 3
@@ -74,6 +76,14 @@ class TrainConfig(OptimConfig):
     writes one): auto, this device's cached profile when there is one (a missing, stale, damaged or foreign one
     is said and the analytic costs are used); analytic, the FLOP/byte model at realistic rates; or a profile's
     path (refused at start-up when it cannot price this run)."""
+    prices: str = "measured"
+    """What prices the plan's step time (auto's choices, balanced's boundaries, the schedule, plan.json's prediction):
+    measured, the run's stage replayed in this process at its exact shape (one block per recompute option, the
+    embedding and the head timed instruction by instruction, on local rank 0 before any process group, cached per
+    shape and device under $STAGECHECK_PRICE_DIR, default ~/.cache/stagecheck/stage_prices; the other ranks read
+    that file), used whenever this device can build the stage (fp32 on CPU, all ranks on one node), else curves;
+    curves, train.device_profile's kernel curves (else analytic); analytic, FLOPs and bytes at realistic rates. Bytes
+    (what fits) never depend on it."""
     device_memory_gb: float | None = None
     """Memory of one rank's device in GiB, for the dry run's per-stage verdict (fits, or over by how much); null:
     recompute.budget_gb under +recompute=auto, else an 80 GB H100 on cuda, or this machine's memory shared by the
@@ -123,6 +133,8 @@ class TrainConfig(OptimConfig):
             )
         if self.device not in DEVICES:
             raise ValueError(f"train.device={self.device!r} is unknown: allowed values are {', '.join(DEVICES)}")
+        if self.prices not in PRICES:
+            raise ValueError(f"train.prices={self.prices!r} is unknown: allowed values are {', '.join(PRICES)}")
         self.resume = normalize_resume(self.resume)
         if self.run_name is not None and not RUN_NAME.fullmatch(self.run_name):
             raise ValueError(

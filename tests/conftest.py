@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness.price_source import PRICE_CACHE_ENV
 from parallel.planning.device_profile_file import CACHE_ENV
 from tests.runs import QUICK_TIER, refuse_in_quick_tier
 from tests.shared_runs import SharedRuns, shared_runs_of
@@ -27,10 +28,11 @@ def one_thread():
 
 @pytest.fixture(autouse=True, scope="session")
 def no_cached_device_profile(tmp_path_factory):
-    """Runs plan with the analytic costs unless a test names a profile: a device profile cached on this machine
-    (train.device_profile=auto) would change every plan. Launched runs inherit the variable."""
+    """Runs plan with the analytic costs unless a test names a profile: a device profile or measured prices cached on
+    this machine would change every plan. Launched runs inherit the variables."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("device_profiles")))
+        patch.setenv(PRICE_CACHE_ENV, str(tmp_path_factory.mktemp("stage_prices")))
         yield
 
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DEEPSPEED = Path(sys.executable).with_name("deepspeed")
-TINY = ["model=tiny", "data=synthetic", "train.device=cpu"]
+TINY = ["model=tiny", "data=synthetic", "train.device=cpu", "train.prices=curves"]
+"""train.prices=curves: tests that assert plans get deterministic prices (no cached profile in tests: analytic)."""
 QUICK_TIER = "STAGECHECK_QUICK_TIER"
 """Set by `make test-quick`: nothing may start a process group."""
 

@@ -8,17 +8,17 @@ import time
 import pytest
 
 from model import GPTConfig
-from parallel.planning.auto_recompute import CostTable, analytic_costs, choose_stage, least_stage_bytes
+from parallel.planning.auto_recompute import choose_stage, least_stage_bytes
+from parallel.planning.block_prices import BlockOption, BlockPrices, analytic_prices
 from parallel.planning.config import AutoRecompute, SelectiveRecompute
 from parallel.planning.layout import build_layout
 from parallel.planning.shapes import GIB, RunShape, Shape, Target, Topology
-from parallel.planning.stage_costs import BlockOption
 from parallel.planning.working_set import StageWorking
 from tests.runs import TINY as RUN_TINY
 from tests.runs import summary
 from tests.shared_runs import case
 
-TABLE = CostTable(
+TABLE = BlockPrices(
     options=(
         BlockOption("none", (), 100, 0.0, working_bytes=30),
         BlockOption("selective:core_attn", ("core_attn",), 40, 3.0, working_bytes=90),  # remakes what it saves
@@ -34,7 +34,7 @@ LAST_STAGE = StageWorking(block_offset=-20, fixed=150)  # the loss's backward, a
 FIRST_STAGE = StageWorking(block_offset=0, embedding=400)  # the embedding's backward once the blocks are freed
 
 
-def brute_force(n: int, table: CostTable, in_flight: int, budget: float, working: StageWorking):
+def brute_force(n: int, table: BlockPrices, in_flight: int, budget: float, working: StageWorking):
     """Every assignment of choices to n blocks, with full blocks grouped into any number of segments, the
     working set being the largest block's (a segment's: none's with what it remakes)."""
     best = None
@@ -175,7 +175,7 @@ def test_gpt3_175b_on_16_stages_plans_in_seconds():
 
 
 def test_analytic_costs_rank_choices_sensibly():
-    table = analytic_costs(Shape.of(TINY, 2), Target("cpu", "fp32"))
+    table = analytic_prices(Shape.of(TINY, 2), Target("cpu", "fp32"))
     by_name = {o.choice: o for o in table.options}
     assert by_name["none"].cost == 0
     assert by_name["selective:core_attn"].kept_bytes < by_name["none"].kept_bytes

@@ -17,6 +17,7 @@ from model.llama_layers import LlamaBlock
 from parallel.measurement import profile_kernels
 from parallel.measurement.device_profile import size_grid
 from parallel.measurement.tensor_peak import TensorPeakMeter
+from parallel.planning.curve_seconds import ARCHITECTURES, gpt_block_ops, llama_block_ops, profile_seconds
 from parallel.planning.device_profile_file import (
     CACHE_ENV,
     CURVES,
@@ -27,11 +28,10 @@ from parallel.planning.device_profile_file import (
     attention_curve,
     profile_json,
     read_profile,
-    signature_of,
 )
 from parallel.planning.flops import attention_core_forward_flops, block_forward_flops, mlp_forward_flops
-from parallel.planning.op_costs import ARCHITECTURES, gpt_block_ops, llama_block_ops, profile_seconds
 from parallel.planning.shapes import Shape, Target
+from parallel.runtime.device_signature import signature_of
 from tests.runs import REPO, TINY, cpu_env, python_run
 
 

@@ -39,7 +39,13 @@ def test_gpt3_175b_on_8_stages_plans_in_seconds_without_a_launcher(tmp_path):
     run_dir = tmp_path / "plan"
     start = _children_cpu_s()
     result = python_run(
-        run_dir, "model=gpt3-175b", "data=synthetic", "parallel.pipeline_stages=8", "dry_run=true", timeout=120
+        run_dir,
+        "model=gpt3-175b",
+        "data=synthetic",
+        "train.prices=curves",
+        "parallel.pipeline_stages=8",
+        "dry_run=true",
+        timeout=120,
     )
     elapsed = _children_cpu_s() - start  # CPU seconds: load stretches the wall time, not the dry run's work
     assert elapsed < 60, f"dry run took {elapsed:.1f} CPU s"
@@ -81,6 +87,7 @@ def test_gpt3_175b_on_16_stages_matches_the_paper_per_block(tmp_path):
         run_dir,
         "model=gpt3-175b",
         "data=synthetic",
+        "train.prices=curves",
         "parallel.pipeline_stages=16",
         "dry_run=true",
         "model.dropout=0.1",
@@ -100,7 +107,14 @@ def test_gpt3_175b_on_16_stages_matches_the_paper_per_block(tmp_path):
 
 
 def test_balanced_gives_gpt2_on_4_stages_a_block_on_every_stage_and_parameters_warns(tmp_path):
-    balanced = python_run(tmp_path / "b", "model=gpt2", "data=synthetic", "parallel.pipeline_stages=4", "dry_run=true")
+    balanced = python_run(
+        tmp_path / "b",
+        "model=gpt2",
+        "data=synthetic",
+        "train.prices=curves",
+        "parallel.pipeline_stages=4",
+        "dry_run=true",
+    )
     plan = json.loads((tmp_path / "b" / "plan.json").read_text())
     assert all(s["blocks"] >= 1 for s in plan["stages"]) and sum(s["blocks"] for s in plan["stages"]) == 12
     assert "holds no transformer block" not in balanced.stdout
@@ -108,6 +122,7 @@ def test_balanced_gives_gpt2_on_4_stages_a_block_on_every_stage_and_parameters_w
         tmp_path / "p",
         "model=gpt2",
         "data=synthetic",
+        "train.prices=curves",
         "parallel.pipeline_stages=4",
         "parallel.partition_method=parameters",
         "dry_run=true",
@@ -135,7 +150,16 @@ BAD = [
 @pytest.mark.parametrize("overrides, message", BAD, ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_bad_planner_inputs_fail_at_start_up(tmp_path, overrides, message):
     run_dir = tmp_path / "run"
-    result = python_run(run_dir, "model=tiny", "data=synthetic", "dry_run=true", *overrides, check=False, timeout=120)
+    result = python_run(
+        run_dir,
+        "model=tiny",
+        "data=synthetic",
+        "train.prices=curves",
+        "dry_run=true",
+        *overrides,
+        check=False,
+        timeout=120,
+    )
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
     assert "Traceback" not in result.stderr + result.stdout

@@ -44,7 +44,6 @@ PLANNING = [
         "parallel.planning.config",
         "parallel.planning.shapes",
         "parallel.planning.device_profile_file",
-        "parallel.planning.measured_seconds",
     },
     {"parallel.planning.schedules"},  # step 1's schedules, which schedule_walk.py and step_sim.py walk
     {
@@ -61,11 +60,13 @@ PLANNING = [
         "parallel.planning.virtual_walk",
         "parallel.planning.virtual_sim",
     },
+    # the backward's working set, from memory_model's kept items; each rank's peak under a virtual-stage schedule
     {"parallel.planning.working_set", "parallel.planning.virtual_memory"},
-    {"parallel.planning.stage_costs"},
+    # what a stage holds, and the one record of what each block option keeps and costs
+    {"parallel.planning.stage_bytes", "parallel.planning.block_prices"},
     {"parallel.planning.auto_recompute"},
-    {"parallel.planning.op_costs"},  # a device profile priced into a block's costs, by each architecture's op list
-    {"parallel.planning.step_costs"},
+    {"parallel.planning.curve_seconds"},  # a device profile priced into a block's costs, by each architecture's op list
+    {"parallel.planning.instruction_seconds"},
     {"parallel.planning.stage_price"},  # the one function that prices a stage: memory, seconds, FLOPs
     {"parallel.planning.stage_planner"},
     {"parallel.planning.balanced_search", "parallel.planning.schedule_choice", "parallel.planning.budget_refusal"},

@@ -16,7 +16,14 @@ from tests.shared_runs import case
 
 pytestmark = pytest.mark.multiproc
 
-LLAMA = ["model=tiny-llama", "data=synthetic", "train.device=cpu", "model.seq_len=32", "logger=none"]
+LLAMA = [
+    "model=tiny-llama",
+    "data=synthetic",
+    "train.prices=curves",
+    "train.device=cpu",
+    "model.seq_len=32",
+    "logger=none",
+]
 STEPS = [*LLAMA, "train.steps=3", "train.micro_batches=4", "train.micro_batch_size=2", "train.trace_step=0"]
 MODES = {
     "none": ["+recompute=none"],

@@ -10,7 +10,8 @@ import torch
 
 from model import GPT, Block, GPTConfig, lm_loss
 from parallel.measurement.activation_meter import ActivationMeter
-from parallel.planning.auto_recompute import analytic_costs, choose_stage, choose_stage_micro_batches
+from parallel.planning.auto_recompute import choose_stage, choose_stage_micro_batches
+from parallel.planning.block_prices import analytic_prices
 from parallel.planning.config import AutoRecompute, FullRecompute, SelectiveRecompute
 from parallel.planning.layout import build_layout
 from parallel.planning.plan_record import RunPlan
@@ -153,7 +154,7 @@ def test_the_h100_figure_of_a_per_micro_batch_plan_is_its_predicted_step():
 
 def test_auto_searches_k_and_never_pays_more_recompute_than_without():
     shape, target = Shape.of(TINY, 2), TWO_STAGES.target
-    table = analytic_costs(shape, target)
+    table = analytic_prices(shape, target)
     none_bytes = 2 * table.block_bytes
     found_fewer = False
     for room in range(2 * table.segment_input_bytes, 2 * none_bytes + 1, none_bytes // 40):
@@ -210,6 +211,7 @@ def test_the_dry_run_shows_the_per_micro_batch_plan(tmp_path):
         "model.dropout=0.1",
         "data=synthetic",
         "train.device=cpu",
+        "train.prices=curves",  # the exact choice below is the analytic prices' (no profile cached in tests)
         "train.micro_batches=3",
         "train.micro_batch_size=2",
         "parallel.pipeline_stages=2",

@@ -4,11 +4,11 @@ helps most and the bubble advice. In process: the planner is pure."""
 
 from model import GPTConfig
 from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute
+from parallel.planning.instruction_seconds import analytic_rates
 from parallel.planning.layout import build_layout
 from parallel.planning.plan_verdict import Replanner, verdict_lines
 from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import GIB, RunShape, Target, Topology
-from parallel.planning.step_costs import analytic_rates
 
 MODEL = GPTConfig(n_layer=8, n_head=4, n_embd=128, seq_len=128, vocab_size=256, dropout=0.1)
 CUDA = RunShape(Topology(2), Target("cuda", "bf16"), micro_batches=4, micro_batch_size=2)

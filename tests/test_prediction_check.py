@@ -3,7 +3,14 @@ end-of-run line when the measured step is more than 10% off the predicted one.""
 
 import pytest
 
-from harness.prediction_check import prediction_record, prediction_warning, traced_instruction_seconds
+from harness.prediction_check import (
+    learn_residuals,
+    prediction_record,
+    prediction_warning,
+    read_residuals,
+    residuals_path,
+    traced_instruction_seconds,
+)
 from model import GPTConfig
 from parallel.measurement.trace import Interval, RankTrace, StepTrace
 from parallel.planning.config import FullRecompute
@@ -54,6 +61,11 @@ def test_each_instruction_is_compared_with_the_mean_of_its_traced_intervals():
     forward = record["per_stage"][0]["ForwardPass"]
     assert forward["ratio"] == pytest.approx(2.0) and forward["measured_s"] == pytest.approx(2 * predicted_forward)
     assert record["per_stage"][0]["BackwardPass"]["measured_s"] is None  # not traced: no ratio either
+    both = predicted_forward + plan.step_time.stage_instruction_s[1]["ForwardPass"]
+    assert record["by_kind"]["ForwardPass"] == pytest.approx(
+        {"predicted_s": both, "measured_s": 2 * predicted_forward + 0.5, "ratio": (2 * predicted_forward + 0.5) / both}
+    )
+    assert set(record["by_kind"]) == {"ForwardPass"}  # only what the step traced
     assert record["error"] == pytest.approx(0.5) and record["costs"] == "analytic"
     assert "+50% off the plan's prediction" in prediction_warning(record)
     assert "per_stage" not in prediction_record(plan, plan.predicted_step_time_s, None)
@@ -64,3 +76,14 @@ def test_the_run_says_so_only_beyond_ten_percent(ratio, warned):
     plan = _plan()
     record = prediction_record(plan, plan.predicted_step_time_s * ratio, None)
     assert (prediction_warning(record) is not None) == warned
+
+
+def test_a_run_priced_by_measured_prices_folds_its_residuals_into_them(tmp_path):
+    """Each kind's factor is multiplied by the run's measured / predicted: the next prediction meets this run."""
+    prices = tmp_path / "cpu-x-fp32-abc.json"
+    record = {"by_kind": {"ForwardPass": {"ratio": 2.0}, "BackwardInput": {"ratio": 0.5}, "SendGrad": {"ratio": 9.0}}}
+    assert learn_residuals(record, {"kind": "analytic", "path": None}) is None  # nothing measured to correct
+    assert learn_residuals(record, {"kind": "measured", "path": str(prices)}) == residuals_path(prices)
+    assert read_residuals(prices) == ({"forward": 2.0, "backward": 0.5}, 1)  # a send's wait is not a price
+    learn_residuals({"by_kind": {"ForwardPass": {"ratio": 1.5}}}, {"kind": "measured", "path": str(prices)})
+    assert read_residuals(prices) == ({"forward": 3.0, "backward": 0.5}, 2)

@@ -191,7 +191,7 @@ def test_override_values_read_back_as_the_same_value():
     assert json.loads(json.dumps(override_value("/data/corpus.txt"))) == "/data/corpus.txt"
 
 
-MOVING = ("model=tiny", "parallel.pipeline_stages=3", "train.device_profile=analytic")
+MOVING = ("model=tiny", "parallel.pipeline_stages=3", "train.prices=analytic")
 """A balanced partition that moves with the recompute plan: [0, 4, 5, 8] under none, [0, 3, 4, 8] under full(stage)."""
 
 

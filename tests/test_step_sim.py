@@ -1,7 +1,8 @@
 """The step-time simulator replays DeepSpeed's own TrainSchedule (and parallel/planning/schedules.py's ZB-H1 and
 early recompute): checked against a timeline worked out by hand, for every instruction's presence and order on
-bigger shapes, and against a traced run's own costs; the per-stage costs it is fed (parallel/planning/step_costs.py),
-measured and analytic, with the backward split into B and W; and the lower bound no schedule beats."""
+bigger shapes, and against a traced run's own costs; the per-stage costs it is fed
+(parallel/planning/instruction_seconds.py), measured and analytic, with the backward split into B and W; and the
+lower bound no schedule beats."""
 
 import dataclasses
 import json
@@ -13,17 +14,16 @@ from harness.timeline import COLOURS, chrome_trace, render_timeline, schedule_na
 from model import GPTConfig
 from parallel.measurement.trace import Interval as TraceInterval
 from parallel.measurement.trace import RankTrace, StepTrace
-from parallel.planning.auto_recompute import measured_costs
+from parallel.planning.block_prices import MeasuredSeconds, measured_prices
 from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.planning.device_profile_file import CostSource
+from parallel.planning.instruction_seconds import PEAK_EFFICIENCY, analytic_rates
 from parallel.planning.layout import build_layout
-from parallel.planning.measured_seconds import MeasuredSeconds
 from parallel.planning.memory_model import stage_weight_grad_bytes
 from parallel.planning.run_plan import plan_run
 from parallel.planning.schedules import SCHEDULES
 from parallel.planning.shapes import RunShape, Shape, Target, Topology
 from parallel.planning.stage_price import StagePricing, price_stage
-from parallel.planning.step_costs import PEAK_EFFICIENCY, analytic_rates
 from parallel.planning.step_sim import (
     COMPUTE,
     PER_STEP,
@@ -204,12 +204,12 @@ def test_a_misspelt_missing_or_negative_measured_cost_is_an_error_not_an_analyti
     with pytest.raises(ValueError, match="transfer"):
         dataclasses.replace(PROFILE, transfer="0.1")
     with pytest.raises(ValueError, match="layernrom"):
-        measured_costs(Shape.of(TINY_CFG, 2), RUN.target, PROFILE, SOURCE).measured.selective(["layernrom"])
+        measured_prices(Shape.of(TINY_CFG, 2), RUN.target, PROFILE, SOURCE).measured.selective(["layernrom"])
     assert PROFILE.selective(["core_attn", "layernorm"]) == pytest.approx(0.0022)
 
 
 def test_measured_costs_price_each_stage_from_the_profile():
-    table = measured_costs(Shape.of(TINY_CFG, 2), RUN.target, PROFILE, SOURCE)
+    table = measured_prices(Shape.of(TINY_CFG, 2), RUN.target, PROFILE, SOURCE)
     layout = build_layout(TINY_CFG, FullRecompute(), RUN, "type:Block", 0, table)
     plan = plan_run(TINY_CFG, FullRecompute(), layout, RUN)
     assert plan.step_time.costs == "measured" and layout.timing.source == "measured"
@@ -288,7 +288,7 @@ def test_w_is_the_linear_layers_weight_gradients_analytic_and_the_profiles_weigh
     assert timing.block_weight_grad == pytest.approx(linear / timing.rates.flops_per_s)
     assert timing.head_weight_grad == pytest.approx(head / timing.rates.flops_per_s)
     assert build_layout(TINY_CFG, FullRecompute(), RUN, "type:Block", 0).timing.head_weight_grad == 0.0
-    table = measured_costs(shape, RUN.target, PROFILE, SOURCE)
+    table = measured_prices(shape, RUN.target, PROFILE, SOURCE)
     measured = build_layout(unfused, FullRecompute(), RUN, "type:Block", 0, table)
     assert measured.timing.block_weight_grad == 0.004 and measured.timing.head_weight_grad == 0.0015
     first, last = layout_costs(measured, unfused, RUN)
@@ -349,7 +349,13 @@ def test_auto_chooses_the_fastest_schedule_that_fits_and_refuses_an_early_recomp
 
 def test_the_dry_run_prices_every_schedule_and_early_setting(tmp_path):
     run_dir = tmp_path / "plan"
-    overrides = ("model=tiny", "data=synthetic", "train.device=cpu", "parallel.pipeline_stages=2")
+    overrides = (
+        "model=tiny",
+        "data=synthetic",
+        "train.prices=curves",
+        "train.device=cpu",
+        "parallel.pipeline_stages=2",
+    )
     result = python_run(
         run_dir, *overrides, "+recompute=full", "parallel.schedule=zb-h1", "recompute.early=true", "dry_run=true"
     )

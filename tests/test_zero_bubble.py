@@ -132,7 +132,7 @@ def early_recomputed_bytes(block: torch.nn.Module, cfg: GPTConfig, modules: list
 )
 def test_early_recompute_holds_what_the_memory_model_says(modules):
     """The bytes an early recompute keeps until its backward are the block's bytes under none minus under its
-    plan: what parallel/planning/stage_costs.py charges an early-recomputed micro-batch."""
+    plan: what parallel/planning/stage_bytes.py charges an early-recomputed micro-batch."""
     cfg = GPTConfig(n_layer=1, n_head=4, n_embd=64, seq_len=32, vocab_size=256, dropout=0.1)
     recomputed = early_recomputed_bytes(Block(cfg, seed=0, layer_index=FIRST_BLOCK_INDEX), cfg, modules)
     shape, target, layers = Shape.of(cfg, 2), Target("cpu", "fp32"), range(FIRST_BLOCK_INDEX, FIRST_BLOCK_INDEX + 1)

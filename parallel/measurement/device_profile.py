@@ -34,9 +34,9 @@ from parallel.planning.device_profile_file import (
     cache_dir,
     profile_json,
     read_profile,
-    signature_of,
 )
 from parallel.planning.shapes import TORCH_DTYPES
+from parallel.runtime.device_signature import signature_of
 
 FULL = {"rounds": 7, "points": 9, "max_flops": 4e9, "max_elements": 8e6, "max_seq": 1024, "max_tokens": 4096}
 QUICK = {"rounds": 2, "points": 2, "max_flops": 1e7, "max_elements": 6e4, "max_seq": 64, "max_tokens": 256}

@@ -14,6 +14,8 @@ full(1), full(stage)): each stage's peak within 0.02 MiB of the real run's ~12-2
 """
 
 import gc
+import time
+from contextlib import contextmanager
 
 import torch
 
@@ -74,6 +76,21 @@ class StageReplay:
         """One training step: every instruction of the stage's programme."""
         self.work.start_step()
         self.interpreter.run(self.program)
+
+    def timed_step(self) -> list[tuple[str, float]]:
+        """One training step with each instruction timed on the host's clock (the replay runs on CPU, where an
+        instruction's work is done when its call returns): (its class name, seconds), in programme order."""
+        spans = []
+
+        @contextmanager
+        def timed(command):
+            start = time.perf_counter()
+            yield
+            spans.append((type(command).__name__, time.perf_counter() - start))
+
+        self.work.start_step()
+        self.interpreter.run(self.program, timed)
+        return spans
 
     def measure_peak(self, steps: int = 2) -> TensorPeak:
         """The peak of the last of `steps` steps (the earlier ones allocate the gradients and optimizer states)."""

@@ -3,7 +3,7 @@
 Under 1F1B, stage i keeps the activations of more micro-batches in flight than stage i+1, so each stage
 gets its own plan. For a stage with n (identical) blocks the choices are, per block, `none` or one of the
 selective combinations, or membership of a full-recompute segment (segments never cross the stage
-boundary). The stage fits when its predicted peak (parallel/planning/stage_costs.py's, the one tensor_peak measures)
+boundary). The stage fits when its predicted peak (parallel/planning/stage_bytes.py's, the one tensor_peak measures)
 
     params + grads + optimizer + DeepSpeed's buffers + causal masks + in_flight x (other layers + kept block bytes)
       + the backward's working set  <=  budget - reserve
@@ -33,39 +33,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from parallel.planning.device_profile_file import ANALYTIC, CostSource
-from parallel.planning.flops import block_forward_flops, mlp_output_matmul_flops, selective_recompute_flops
-from parallel.planning.measured_seconds import MeasuredSeconds
-from parallel.planning.memory_model import attention_kernel, block_full_items, total
-from parallel.planning.shapes import Shape, Target
-from parallel.planning.stage_costs import BlockOption, block_options
+from parallel.planning.block_prices import BlockOption, BlockPrices
 from parallel.planning.stage_plan import StagePlan
 from parallel.planning.working_set import StageWorking
-
-# FLOPs a device does in the time it moves one byte: elementwise recompute (softmax, dropout, GELU,
-# LayerNorm) is bandwidth-bound, so the analytic cost charges its memory traffic at this rate.
-# H100-class GPUs: ~1000 TFLOP/s over ~3.3 TB/s; a CPU core: ~100 GFLOP/s over ~10 GB/s.
-MACHINE_BALANCE = {"cuda": 300.0, "cpu": 10.0}
-
-
-@dataclass(frozen=True)
-class CostTable:
-    """What one block costs and keeps under each choice, for one micro-batch."""
-
-    options: tuple[BlockOption, ...]
-    segment_input_bytes: int
-    """What a full-recompute segment keeps: its input."""
-    block_bytes: int
-    """What one block keeps with no recompute: also what recomputing it holds while its backward runs."""
-    full_block_cost: float
-    """Recomputing one block's forward inside a segment."""
-    segment_discount: float = 0.0
-    """Cost a segment saves once (torch's early stop skips the last matmul when nothing after it is saved)."""
-    measured: MeasuredSeconds | None = None
-    """Measured tables only: the seconds of a block's parts and the stage's other parts (costs are then in
-    seconds)."""
-    source: CostSource = ANALYTIC
-    """Which costs these are: a device profile (its path and date) or analytic."""
 
 
 @dataclass(frozen=True)
@@ -88,77 +58,6 @@ class StageChoice:
     """What the blocks keep per micro-batch that runs with no recompute (when `micro_batches` is set)."""
     plain_working_bytes: int = 0
     """`working_bytes` of such a micro-batch (none's)."""
-
-
-def _elementwise_bytes(shape: Shape, target: Target, modules: Sequence[str]) -> int:
-    """Memory traffic (read + write) of the non-matmul work each module recomputes."""
-    d, bsh = target.dtype_bytes, shape.bsh
-    traffic = 0
-    if "core_attn" in modules and attention_kernel(shape, target) in ("math", "sdpa-math"):
-        traffic += (2 + (3 if shape.dropout else 0)) * shape.scores * d  # scale-mask-softmax, dropout
-    if "mlp_act" in modules or "mlp" in modules:
-        # GELU reads and writes f channels; the SwiGLU product reads two and writes one
-        traffic += (3 if shape.arch == "llama" else 2) * shape.b * shape.s * shape.mlp_width * d
-    if "mlp" in modules and shape.dropout:
-        traffic += 3 * bsh * d
-    if "layernorm" in modules:
-        traffic += 4 * bsh * d  # two norms
-    return traffic
-
-
-def analytic_costs(shape: Shape, target: Target) -> CostTable:
-    kernel = attention_kernel(shape, target)
-    balance = MACHINE_BALANCE[target.device]
-
-    def cost(modules: Sequence[str]) -> float:
-        return selective_recompute_flops(shape, modules, kernel) + balance * _elementwise_bytes(shape, target, modules)
-
-    return _table(
-        shape,
-        target,
-        cost,
-        full_block_cost=block_forward_flops(shape)
-        + balance
-        * (
-            _elementwise_bytes(shape, target, ("core_attn", "mlp", "layernorm"))
-            + (3 * shape.bsh * target.dtype_bytes if shape.dropout else 0)
-        ),
-        segment_discount=0 if shape.dropout else mlp_output_matmul_flops(shape),
-    )
-
-
-def measured_costs(shape: Shape, target: Target, seconds: MeasuredSeconds, source: CostSource) -> CostTable:
-    """Costs in seconds of one block: a full recompute's forward and each selective part's; the step-time model
-    reads the rest of `seconds`."""
-    return _table(
-        shape,
-        target,
-        seconds.selective,
-        full_block_cost=seconds.block_recompute,
-        measured=seconds,
-        source=source,
-    )
-
-
-def _table(
-    shape: Shape,
-    target: Target,
-    cost,
-    full_block_cost: float,
-    segment_discount: float = 0.0,
-    measured: MeasuredSeconds | None = None,
-    source: CostSource = ANALYTIC,
-) -> CostTable:
-    options = block_options(shape, target, cost)
-    return CostTable(
-        tuple(options),
-        total(block_full_items(shape, target, True)),
-        options[0].kept_bytes,
-        float(full_block_cost),
-        float(segment_discount),
-        measured,
-        source,
-    )
 
 
 def _pareto(options: Sequence[BlockOption]) -> list[BlockOption]:
@@ -189,14 +88,14 @@ def _frontiers(n: int, options: tuple[BlockOption, ...]) -> list[list[tuple[int,
     return frontier
 
 
-def _classes(table: CostTable) -> list[tuple[float, tuple[BlockOption, ...]]]:
+def _classes(table: BlockPrices) -> list[tuple[float, tuple[BlockOption, ...]]]:
     """(w, the Pareto choices whose working set is at most w), for each working set a choice has: a plan's blocks
     hold the largest working set among their choices, so the optimum is the best of the classes' optima."""
     levels = sorted({option.working_bytes for option in table.options})
     return [(w, tuple(_pareto([o for o in table.options if o.working_bytes <= w]))) for w in levels]
 
 
-def _candidates(n: int, table: CostTable):
+def _candidates(n: int, table: BlockPrices):
     """Every plan worth considering: (the choices of the other blocks, their frontier, full blocks m, segments k,
     the blocks' largest working set, the segments' kept bytes, the full part's cost)."""
     none_working = table.options[0].working_bytes
@@ -214,7 +113,7 @@ def _candidates(n: int, table: CostTable):
                 yield options, frontiers[n - m], m, k, moment, k * table.segment_input_bytes, full_cost
 
 
-def least_stage_bytes(n: int, table: CostTable, in_flight: int, working: StageWorking) -> int:
+def least_stage_bytes(n: int, table: BlockPrices, in_flight: int, working: StageWorking) -> int:
     """The smallest footprint any plan reaches: what the in-flight micro-batches' blocks keep, and the backward's
     working set (working.bytes)."""
     return min(
@@ -224,7 +123,7 @@ def least_stage_bytes(n: int, table: CostTable, in_flight: int, working: StageWo
 
 
 def choose_stage(
-    n: int, table: CostTable, in_flight: int, byte_budget: float, working: StageWorking, floor: float = -math.inf
+    n: int, table: BlockPrices, in_flight: int, byte_budget: float, working: StageWorking, floor: float = -math.inf
 ) -> StageChoice | None:
     """The cheapest plan for n blocks whose in-flight micro-batches' kept bytes and working set (working.bytes) fit
     byte_budget, or None; `floor`: a working set the stage's blocks hold whatever the plan (the plain micro-batches'
@@ -246,7 +145,7 @@ def choose_stage(
     return _arranged(table, options, m, k, kept, counts, cost)
 
 
-def _arranged(table: CostTable, options, m: int, k: int, kept: int, counts, cost: float) -> StageChoice:
+def _arranged(table: BlockPrices, options, m: int, k: int, kept: int, counts, cost: float) -> StageChoice:
     """The choice's blocks in order, the one with the largest working set last: the stage's last block has the
     least freed around its backward (StageWorking), so there its working set is the stage's, as auto counted it."""
     size = math.ceil(m / k) if m else 0
@@ -269,7 +168,7 @@ def _arranged(table: CostTable, options, m: int, k: int, kept: int, counts, cost
 
 
 def choose_stage_micro_batches(
-    n: int, table: CostTable, in_flight: int, micro_batches: int, byte_budget: float, working: StageWorking
+    n: int, table: BlockPrices, in_flight: int, micro_batches: int, byte_budget: float, working: StageWorking
 ) -> StageChoice | None:
     """`choose_stage` with per-micro-batch recompute: for each k of the in-flight micro-batches, the
     cheapest plan for the k recomputed ones while the other in_flight - k keep what `none` keeps (and their
@@ -292,7 +191,7 @@ def choose_stage_micro_batches(
 
 
 def to_stage_plan(
-    choice: StageChoice, block_positions: Sequence[int], table: CostTable, in_flight: int | None = None
+    choice: StageChoice, block_positions: Sequence[int], table: BlockPrices, in_flight: int | None = None
 ) -> StagePlan:
     """The StagePlan (local layer indices) that carries out a StageChoice; `in_flight` (the stage's) is
     needed when the choice recomputes for only some micro-batches."""

@@ -3,18 +3,16 @@ signature of the device that measured them, and the checks that refuse a profile
 format, or one that is damaged.
 
 Written by `python -m parallel.measurement.device_profile`; priced into a block's costs by
-parallel/planning/op_costs.py. Pure: JSON and arithmetic (torch only for its version and the device's name).
+parallel/planning/curve_seconds.py. Pure: JSON and arithmetic; the signature of this machine's device is read by
+parallel/runtime/device_signature.py.
 """
 
 import bisect
 import json
 import math
 import os
-import platform
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 FORMAT = 2
 """Bumped whenever the curves change meaning or a curve is added: an older profile is stale and refused.
@@ -150,40 +148,25 @@ class DeviceSignature:
         return [f"{k} {getattr(other, k)!r} (this run: {v!r})" for k, v in vars(self).items() if getattr(other, k) != v]
 
 
-def device_name(device: str, index: int = 0) -> str:
-    """The GPU's name, or the CPU's model name (Linux's /proc/cpuinfo, else the platform's word for it)."""
-    if device == "cuda":
-        return torch.cuda.get_device_name(index)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def signature_of(device: str, precision: str, threads: int, index: int = 0) -> DeviceSignature:
-    """This machine's signature for a process of `threads` intra-op threads (a GPU's kernels do not depend on
-    them: 0 there) on `device` (GPU `index`)."""
-    return DeviceSignature(
-        device, device_name(device, index), threads if device == "cpu" else 0, torch.__version__, precision
-    )
-
-
 @dataclass(frozen=True)
 class CostSource:
     """Which costs priced a plan (plan.json, the dry run, summary.json)."""
 
     kind: str
-    """`profile` (a device profile's curves) or `analytic` (FLOPs and bytes at realistic rates)."""
+    """`measured` (the run's stage timed at its shape), `profile` (a device profile's curves), `corrected_curves` (a
+    profile's curves corrected by the shapes measured on this device) or `analytic` (FLOPs and bytes at realistic
+    rates)."""
     path: str | None = None
     created: str | None = None
     """The profile's UTC time of measurement (ISO 8601)."""
 
     def describe(self) -> str:
+        if self.kind == "measured":
+            return f"measured at this shape: the stage replay's prices {self.path} (measured {self.created})"
         if self.kind == "profile":
             return f"device profile {self.path} (measured {self.created})"
+        if self.kind == "corrected_curves":
+            return f"device profile {self.path} (measured {self.created}) corrected by the shapes measured here"
         return "analytic (no device profile: FLOPs and bytes at realistic rates of the target)"
 
 

@@ -9,17 +9,18 @@ the same layout, built by `build_layout` alone.
 from dataclasses import dataclass
 
 from model import BLOCK_CLASSES, GPTConfig, LayerRecipe, gpt_layers
-from parallel.planning.auto_recompute import CostTable, StageBudget, analytic_costs
+from parallel.planning.auto_recompute import StageBudget
 from parallel.planning.balanced_search import balanced_counts
+from parallel.planning.block_prices import BlockPrices, analytic_prices
 from parallel.planning.budget_refusal import BudgetTooSmall, alternatives, smallest_budget_gb
 from parallel.planning.config import AutoRecompute, RecomputeConfig
+from parallel.planning.instruction_seconds import DeviceRates, TimeModel, analytic_rates, time_model
 from parallel.planning.partition import StageRange, partition_layers, stages_of_block_counts, stages_of_parts
 from parallel.planning.schedule_choice import ScheduleOption, choose_schedule
 from parallel.planning.shapes import GIB, RunShape, Shape
 from parallel.planning.stage_plan import StagePlan
 from parallel.planning.stage_planner import StagePlanner
 from parallel.planning.stage_price import StagePricing
-from parallel.planning.step_costs import DeviceRates, TimeModel, analytic_rates, time_model
 
 DEEPSPEED_PARTITIONS = ("uniform", "parameters", "type:Block")
 """DeepSpeed's own partition methods, which `balanced` prices beside its own split."""
@@ -139,7 +140,7 @@ def build_layout(
     run: RunShape,
     partition_method: str,
     seed: int,
-    costs: CostTable | None = None,
+    costs: BlockPrices | None = None,
     rates: DeviceRates | None = None,
     schedule: str = "1f1b",
     price_alternatives: bool = True,
@@ -148,13 +149,13 @@ def build_layout(
     """The layout training and the dry run use. `recompute=auto` plans each stage against the budget (with
     `costs`, else the analytic ones) and raises BudgetTooSmall (a ValueError) when a stage cannot fit, with the
     settings that would help priced unless `price_alternatives` is false. `rates`: what the analytic step-time model
-    charges at (default: parallel/planning/step_costs.py's nominal rates for the target). `schedule`
+    charges at (default: parallel/planning/instruction_seconds.py's nominal rates for the target). `schedule`
     (parallel.schedule) and `recompute.early`: see schedule_choice.choose_schedule. `held_parts` (each stage's first
     layer, then one past the last) are boundaries kept rather than chosen: a resume's checkpoint's, a sweep's
     (harness/run_layout.py); `partition_method` is then not consulted."""
     recipes = gpt_layers(model, seed)
     shape = Shape.of(model, run.micro_batch_size)
-    table = costs or analytic_costs(shape, run.target)
+    table = costs or analytic_prices(shape, run.target)
     timing = time_model(shape, run, table, rates or analytic_rates(run.target.device, run.target.precision))
     planner = StagePlanner(StagePricing.of(recipes, run, shape, timing), recompute, table)
     num_stages = run.topology.pipeline_stages

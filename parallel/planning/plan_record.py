@@ -308,11 +308,12 @@ class RunPlan:
 
     def step_time_lines(self) -> list[str]:
         st = self.step_time
-        source = (
-            f"device profile {st.cost_source['path']}, measured {st.cost_source['created']}"
-            if st.costs == "measured"
-            else f"analytic costs at realistic {st.device} rates, no device profile"
-        )
+        kind, path, created = st.cost_source["kind"], st.cost_source["path"], st.cost_source["created"]
+        source = {
+            "measured": f"measured at this shape by the stage replay ({path}, {created})",
+            "profile": f"device profile {path}, measured {created}",
+            "corrected_curves": f"device profile {path}'s curves corrected by the shapes measured here",
+        }.get(kind, f"analytic costs at realistic {st.device} rates, no device profile")
         lines = [
             f"predicted_step_time_s {st.predicted_step_time_s:.4g}: {self.flops.tokens_per_step:,} tokens per step, "
             f"{self.tokens_per_s:,.0f} tokens/s ({source}) | same stages and schedule: "

@@ -8,16 +8,16 @@ from dataclasses import dataclass, replace
 from model import GPTConfig
 from parallel.planning.budget_refusal import alternatives
 from parallel.planning.config import AutoRecompute, FullRecompute, RecomputeConfig
+from parallel.planning.curve_seconds import profile_prices
 from parallel.planning.device_profile_file import DeviceProfile
+from parallel.planning.instruction_seconds import DeviceRates
 from parallel.planning.layout import build_layout
-from parallel.planning.op_costs import profiled_costs
 from parallel.planning.plan_record import RunPlan
 from parallel.planning.shapes import GIB, RunShape, Shape
-from parallel.planning.step_costs import DeviceRates
 
 GPU_MEMORY_GIB = 80.0
-"""The memory of the GPU a CUDA dry run is planned on (an 80 GB H100, parallel/planning/step_costs.py's DEFAULT_GPU)
-when train.device_memory_gb does not say."""
+"""The memory of the GPU a CUDA dry run is planned on (an 80 GB H100, parallel/planning/instruction_seconds.py's
+DEFAULT_GPU) when train.device_memory_gb does not say."""
 IDLE_ADVICE = 0.25
 """Share of the step every stage idles above which the dry run says what would fill the bubble."""
 
@@ -42,7 +42,7 @@ class Replanner:
         nothing (a budget no plan fits, a schedule it refuses)."""
         costs = None
         if self.profile is not None and self.profile.signature.precision == run.target.precision:  # else analytic
-            costs = profiled_costs(self.profile, Shape.of(self.model, run.micro_batch_size), run.target)
+            costs = profile_prices(self.profile, Shape.of(self.model, run.micro_batch_size), run.target)
         try:
             layout = build_layout(
                 self.model,

@@ -7,17 +7,18 @@ back.
 """
 
 from model import BLOCK_CLASSES, GPTConfig
-from parallel.planning.auto_recompute import StageBudget, analytic_costs
+from parallel.planning.auto_recompute import StageBudget
+from parallel.planning.block_prices import analytic_prices
 from parallel.planning.config import FullRecompute, NoRecompute, RecomputeConfig, SelectiveRecompute
 from parallel.planning.flops import (
     head_flops_per_token,
     model_flops_per_token,
     non_embedding_params,
     segment_recompute_flops,
-    selective_recompute_flops,
 )
+from parallel.planning.instruction_seconds import PEAK_EFFICIENCY, analytic_rates, time_model
 from parallel.planning.layout import PipelineLayout
-from parallel.planning.memory_model import attention_kernel, block_full_items, stage_input_bytes, total
+from parallel.planning.memory_model import attention_kernel, stage_input_bytes
 from parallel.planning.plan_record import (
     BudgetEstimate,
     ChoiceEstimate,
@@ -32,10 +33,8 @@ from parallel.planning.plan_record import (
 from parallel.planning.schedule_choice import setting_prices
 from parallel.planning.schedules import train_schedule
 from parallel.planning.shapes import RunShape, Shape, Target
-from parallel.planning.stage_costs import block_options
 from parallel.planning.stage_plan import plan_stage
 from parallel.planning.stage_price import StagePrice, StagePricing, price_stage, simulate_priced
-from parallel.planning.step_costs import PEAK_EFFICIENCY, analytic_rates, time_model
 from parallel.planning.step_sim import StageCosts, lower_bound_s
 
 COMPARED_MODES = {"none": NoRecompute(), "selective": SelectiveRecompute(), "full": FullRecompute()}
@@ -46,15 +45,11 @@ GPU_TARGETS = ("H100", "A100")
 
 def block_choices(shape: Shape, target: Target) -> dict[str, ChoiceEstimate]:
     """Every recompute choice for one block: bytes kept per micro-batch, saving against none, and the
-    forward FLOPs redone in backward. `full` is a one-block segment (its input only)."""
-    kernel = attention_kernel(shape, target)
-    options = block_options(shape, target, lambda modules: selective_recompute_flops(shape, modules, kernel))
-    none = options[0].kept_bytes
-    figures = {
-        "none": (none, 0),
-        "full": (total(block_full_items(shape, target, True)), segment_recompute_flops(shape, 1)),
-    }
-    figures.update({o.choice: (o.kept_bytes, int(o.cost)) for o in options[1:]})
+    forward FLOPs redone in backward (block_prices' options). `full` is a one-block segment (its input only)."""
+    prices = analytic_prices(shape, target)
+    none = prices.block_bytes
+    figures = {"none": (none, 0), "full": (prices.segment_input_bytes, segment_recompute_flops(shape, 1))}
+    figures.update({o.choice: (o.kept_bytes, o.recompute_flops) for o in prices.options[1:]})
     return {name: ChoiceEstimate(kept, none - kept, flops) for name, (kept, flops) in figures.items()}
 
 
@@ -153,7 +148,7 @@ def _step_time(layout: PipelineLayout, prices: list[StagePrice], model_flops: in
     }
     by_gpu = {}
     if run.target.device == "cuda":
-        table = analytic_costs(pricing.shape, run.target)
+        table = analytic_prices(pricing.shape, run.target)
         for gpu in GPU_TARGETS:
             rates = analytic_rates("cuda", run.target.precision, gpu=gpu)
             on_gpu = pricing.at(time_model(pricing.shape, run, table, rates))

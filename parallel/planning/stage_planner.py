@@ -4,17 +4,17 @@ the micro-batches it holds in flight), for real stage ranges and for the balance
 
 from model import BLOCK_CLASSES
 from parallel.planning.auto_recompute import (
-    CostTable,
     StageBudget,
     choose_stage,
     choose_stage_micro_batches,
     least_stage_bytes,
     to_stage_plan,
 )
+from parallel.planning.block_prices import BlockPrices
 from parallel.planning.config import AutoRecompute, NoRecompute, RecomputeConfig
 from parallel.planning.partition import StageRange
 from parallel.planning.shapes import GIB
-from parallel.planning.stage_costs import StageMemory
+from parallel.planning.stage_bytes import StageMemory
 from parallel.planning.stage_plan import StagePlan, plan_stage
 from parallel.planning.stage_price import StagePrice, StagePricing, price_stage
 from parallel.planning.working_set import stage_working
@@ -23,7 +23,7 @@ from parallel.planning.working_set import stage_working
 class StagePlanner:
     """Plans one stage under `recompute` (with `table`'s costs for auto) and prices it under that plan."""
 
-    def __init__(self, pricing: StagePricing, recompute: RecomputeConfig, table: CostTable):
+    def __init__(self, pricing: StagePricing, recompute: RecomputeConfig, table: BlockPrices):
         self.pricing = pricing
         self.recompute = recompute
         self.table = table

@@ -1,5 +1,5 @@
-"""One stage priced, in one place: what it holds (parallel/planning/stage_costs.py's StageMemory), the seconds of
-each of its instructions (step_sim.StageCosts, from parallel/planning/step_costs.py's time model) and its FLOPs
+"""One stage priced, in one place: what it holds (parallel/planning/stage_bytes.py's StageMemory), the seconds of
+each of its instructions (step_sim.StageCosts, from parallel/planning/instruction_seconds.py's time model) and its FLOPs
 (parallel/planning/flops.py), under one plan and schedule. The stage planner and the balanced search, the schedule
 choice, the run plan and the simulated steps all price a stage with `price_stage`, and simulate priced stages with
 `simulate_priced`.
@@ -11,12 +11,12 @@ from functools import cached_property
 
 from model import LayerRecipe, layer_param_counts
 from parallel.planning.flops import StageFlops, stage_flops
+from parallel.planning.instruction_seconds import TimeModel, per_micro_batch_costs, stage_range_costs
 from parallel.planning.memory_model import attention_kernel
 from parallel.planning.partition import StageRange
 from parallel.planning.shapes import RunShape, Shape
-from parallel.planning.stage_costs import StageMemory, stage_memory
+from parallel.planning.stage_bytes import StageMemory, stage_memory
 from parallel.planning.stage_plan import StagePlan
-from parallel.planning.step_costs import TimeModel, per_micro_batch_costs, stage_range_costs
 from parallel.planning.step_sim import StageCosts, Timeline, simulate_stages
 
 

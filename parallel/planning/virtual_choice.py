@@ -12,8 +12,8 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 from model import GPTConfig
-from parallel.planning.auto_recompute import analytic_costs
 from parallel.planning.balanced_search import RESOLUTION
+from parallel.planning.block_prices import analytic_prices
 from parallel.planning.config import AutoRecompute, RecomputeConfig
 from parallel.planning.layout import PipelineLayout
 from parallel.planning.partition import StageRange, stages_of_block_counts
@@ -50,7 +50,9 @@ def virtual_options(
     virtual_run = replace(run, topology=Topology(CHUNKS * ranks, run.topology.data_parallel_size))
     shape = Shape.of(model, run.micro_batch_size)
     planner = StagePlanner(
-        StagePricing.of(layout.recipes, virtual_run, shape, layout.timing), recompute, analytic_costs(shape, run.target)
+        StagePricing.of(layout.recipes, virtual_run, shape, layout.timing),
+        recompute,
+        analytic_prices(shape, run.target),
     )
     priced: dict[StageRange, StagePrice] = {}
 

@@ -19,7 +19,7 @@ sends must not outlive it). The memory model counts the gradients so held (paral
 
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -159,13 +159,19 @@ class StageInterpreter:
         with split_backward(self.schedule == "zb-h1"):
             yield
 
-    def run(self, program: schedules.StageProgram) -> None:
-        """Every instruction of a training step's programme."""
+    def run(
+        self,
+        program: schedules.StageProgram,
+        around: Callable[[schedules.Command], AbstractContextManager] | None = None,
+    ) -> None:
+        """Every instruction of a training step's programme; `around(command)` wraps each one when given (the stage
+        replay times them with it)."""
         with self.training_step():
             for step in program.steps:
                 self.step = step
                 for command in step:
-                    self.execute(command)
+                    with around(command) if around else nullcontext():
+                        self.execute(command)
 
     def execute(self, command: schedules.Command) -> None:
         _HANDLERS[type(command)](self, command)

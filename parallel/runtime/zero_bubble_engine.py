@@ -131,7 +131,7 @@ class EngineStageWork:
         """A new receive buffer for the output's gradient (DeepSpeed's `grad_layer`), never the previous one: without
         dropout a block's last Linear gets the stage output's gradient itself, so a W still deferred holds that
         buffer (model/weight_grad.py), and a receive into it would change that W's weight gradient. The previous
-        buffer is freed once no W holds it: still one buffer, as parallel/planning/stage_costs.py counts it."""
+        buffer is freed once no W holds it: still one buffer, as parallel/planning/stage_bytes.py counts it."""
         outputs = self.engine.pipe_buffers["outputs"][buffer_id]
         if not torch.is_tensor(outputs) or self.engine.dynamic_shape:
             raise RuntimeError("a stagecheck schedule's stage must output one tensor of a fixed shape")

@@ -2,18 +2,18 @@
 and normalisation passes with their elements, the attention core, the loss), each op priced on its measured
 curve (parallel/planning/device_profile_file.py). Another architecture is one more op list.
 
-The result is the seconds a measured CostTable (auto_recompute.measured_costs) and the step-time model
-(parallel/planning/step_costs.py) read: the forward of a block and of each part selective recompute redoes, a
+The result is the seconds a measured BlockPrices (auto_recompute.measured_prices) and the step-time model
+(parallel/planning/instruction_seconds.py) read: the forward of a block and of each part selective recompute redoes, a
 block's forward and backward with autograd, its weight-gradient share (ZB-H1's W), the embeddings, the head with
 its loss, the optimizer per parameter, and the links between ranks.
 """
 
-from collections.abc import Callable, Iterable
+import statistics
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from parallel.planning.auto_recompute import CostTable, measured_costs
+from parallel.planning.block_prices import SELECTIVE_PARTS, BlockPrices, MeasuredSeconds, measured_prices
 from parallel.planning.device_profile_file import DeviceProfile
-from parallel.planning.measured_seconds import SELECTIVE_PARTS, MeasuredSeconds
 from parallel.planning.shapes import Shape, Target
 
 
@@ -183,6 +183,17 @@ def _seconds(profile: DeviceProfile, ops: Iterable[Op | AttentionOp]) -> float:
     return sum(op.seconds(profile) for op in ops)
 
 
+def link_seconds(profile: DeviceProfile, shape: Shape, target: Target) -> tuple[float | None, float | None]:
+    """One micro-batch's hidden states sent between neighbours, and the data-parallel all-reduce's rate (bytes/s),
+    from the profile's links; (None, None) where it measured none."""
+    if not profile.has_links:
+        return None, None
+    d = target.dtype_bytes
+    # a 2-rank all-reduce moves its bytes once each way: the ring's rate at a block's gradients
+    grad_bytes = ARCHITECTURES[shape.arch].block_params(shape) * d
+    return profile.seconds("p2p", shape.bsh * d), grad_bytes / profile.seconds("allreduce", grad_bytes)
+
+
 def profile_seconds(profile: DeviceProfile, shape: Shape, target: Target) -> MeasuredSeconds:
     """One micro-batch's seconds of each part the planner prices (see the module docstring), for shape.arch's
     blocks (one of ARCHITECTURES)."""
@@ -191,7 +202,7 @@ def profile_seconds(profile: DeviceProfile, shape: Shape, target: Target) -> Mea
     missing = set(SELECTIVE_PARTS) - set(block.parts)
     if missing:
         raise ValueError(f"the {shape.arch} op list prices no selective part {sorted(missing)}")
-    tokens, h, d = shape.b * shape.s, shape.h, target.dtype_bytes
+    tokens, h = shape.b * shape.s, shape.h
     drop, drop_back = _dropout(tokens * h, shape.dropout)
     # token gather, and gpt2's position add and dropout; backward: the dropout, the tokens' scatter, the positions'
     # sum
@@ -199,12 +210,7 @@ def profile_seconds(profile: DeviceProfile, shape: Shape, target: Target) -> Mea
     loss = "loss_chunked" if shape.loss_chunk_tokens else "loss_unfused"
     head = tokens * h * shape.vocab
     block_params = arch.block_params(shape)
-    transfer = link_rate = None
-    if profile.has_links:
-        transfer = profile.seconds("p2p", tokens * h * d)
-        # a 2-rank all-reduce moves its bytes once each way: the ring's rate at a block's gradients
-        grad_bytes = block_params * d
-        link_rate = grad_bytes / profile.seconds("allreduce", grad_bytes)
+    transfer, link_rate = link_seconds(profile, shape, target)
     forward = _seconds(profile, block.forward)
     return MeasuredSeconds(
         **{part: _seconds(profile, block.parts[part]) for part in SELECTIVE_PARTS},
@@ -218,7 +224,7 @@ def profile_seconds(profile: DeviceProfile, shape: Shape, target: Target) -> Mea
         head_backward=_seconds(profile, (Op(arch.norm + "_backward", tokens * h), Op(loss + "_backward", head))),
         # The unfused head's backward holds one weight-gradient matmul, tied (gpt2) or the untied head's own (llama:
         # model/llama_layers.py's LMHead, the same matmul); the fused one makes it chunk by chunk (none to defer:
-        # step_costs.time_model).
+        # instruction_seconds.time_model).
         head_weight_grad=0.0 if shape.loss_chunk_tokens else profile.seconds("matmul", 2 * head),
         optimizer_per_param=profile.seconds("adamw", block_params) / block_params,
         transfer=transfer,
@@ -226,6 +232,29 @@ def profile_seconds(profile: DeviceProfile, shape: Shape, target: Target) -> Mea
     )
 
 
-def profiled_costs(profile: DeviceProfile, shape: Shape, target: Target) -> CostTable:
+def profile_prices(profile: DeviceProfile, shape: Shape, target: Target) -> BlockPrices:
     """The auto planner's and the step-time model's costs, in seconds, from a device profile."""
-    return measured_costs(shape, target, profile_seconds(profile, shape, target), profile.source)
+    return measured_prices(shape, target, profile_seconds(profile, shape, target), profile.source)
+
+
+CORRECTED = tuple(name for name in MeasuredSeconds.__dataclass_fields__ if name not in ("transfer", "link_bytes_per_s"))
+"""The parts a correction scales: every timed one (the links are the profile's own, measured or not)."""
+
+
+def curve_corrections(pairs: Sequence[tuple[MeasuredSeconds, MeasuredSeconds]]) -> dict[str, float]:
+    """What the real stage taught about the curves: per part, the median of measured / curves seconds over the
+    (measured, curves) pairs of shapes this device measured (parts priced > 0 by both). The curves time each kernel
+    alone and warm; the ratio carries what they miss (clones, accumulation, autograd's bookkeeping) to shapes this
+    device cannot build."""
+    ratios: dict[str, list[float]] = {}
+    for measured, curves in pairs:
+        for name in CORRECTED:
+            got, priced = getattr(measured, name), getattr(curves, name)
+            if got > 0 and priced > 0:
+                ratios.setdefault(name, []).append(got / priced)
+    return {name: statistics.median(values) for name, values in ratios.items()}
+
+
+def corrected(seconds: MeasuredSeconds, factors: dict[str, float]) -> MeasuredSeconds:
+    """`seconds` with each part scaled by its factor (a part without one is left as priced)."""
+    return replace(seconds, **{name: getattr(seconds, name) * factor for name, factor in factors.items()})

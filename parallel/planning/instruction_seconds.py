@@ -2,11 +2,11 @@
 (parallel/planning/step_sim.py).
 
 Two sources, one shape. `measured`: a device profile's curves priced into a block's parts
-(parallel/planning/op_costs.py), the embeddings, the head with its loss, the optimizer and the links.
+(parallel/planning/curve_seconds.py), the embeddings, the head with its loss, the optimizer and the links.
 `analytic` (no profile for the device): FLOPs at a realistic share of the device's peak plus the elementwise
 work's bytes at its memory bandwidth, transfers at a link bandwidth.
 
-The recompute a plan adds is read from the auto planner's CostTable (FLOP-equivalents for the analytic
+The recompute a plan adds is read from the auto planner's BlockPrices (FLOP-equivalents for the analytic
 table, seconds for a measured one), so the planner and the simulator price a choice the same way.
 """
 
@@ -14,14 +14,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from model import BLOCK_CLASSES, LayerRecipe
-from parallel.planning.auto_recompute import MACHINE_BALANCE, CostTable
+from parallel.planning.block_prices import MACHINE_BALANCE, SELECTIVE_PARTS, BlockPrices, MeasuredSeconds
 from parallel.planning.flops import (
     attention_core_forward_flops,
     block_forward_flops,
     head_forward_flops,
     lookup_peak_tflops,
 )
-from parallel.planning.measured_seconds import SELECTIVE_PARTS, MeasuredSeconds
 from parallel.planning.partition import StageRange
 from parallel.planning.shapes import FP32, RunShape, Shape
 from parallel.planning.stage_plan import StagePlan
@@ -70,12 +69,12 @@ def analytic_rates(
 
 @dataclass(frozen=True)
 class TimeModel:
-    """Seconds per micro-batch of the model's parts on one device, and the price of the CostTable's unit."""
+    """Seconds per micro-batch of the model's parts on one device, and the price of the BlockPrices's unit."""
 
     source: str
     """`measured` (a device profile) or `analytic`."""
     rates: DeviceRates
-    table: CostTable
+    table: BlockPrices
     seconds_per_cost: float
     """Seconds per unit of the table's recompute costs (1 for a measured table)."""
     block_forward: float
@@ -132,7 +131,7 @@ class TimeModel:
         )
 
 
-def analytic_seconds(shape: Shape, run: RunShape, table: CostTable, rates: DeviceRates) -> MeasuredSeconds:
+def analytic_seconds(shape: Shape, run: RunShape, table: BlockPrices, rates: DeviceRates) -> MeasuredSeconds:
     """What the analytic model charges each part: FLOPs at the matmul rate, elementwise work's bytes at the
     bandwidth; no link was measured."""
     d, bsh, tokens = run.target.dtype_bytes, shape.bsh, shape.b * shape.s
@@ -166,7 +165,7 @@ def analytic_seconds(shape: Shape, run: RunShape, table: CostTable, rates: Devic
     )
 
 
-def time_model(shape: Shape, run: RunShape, table: CostTable, rates: DeviceRates) -> TimeModel:
+def time_model(shape: Shape, run: RunShape, table: BlockPrices, rates: DeviceRates) -> TimeModel:
     """Measured where the table carries measured seconds, analytic elsewhere."""
     measured = table.measured is not None
     seconds = table.measured if measured else analytic_seconds(shape, run, table, rates)

@@ -1,61 +1,27 @@
-"""What one stage holds and what each block of it could choose: the step between the per-layer models
-(memory_model, flops, schedule) and the plans built on them (auto_recompute, layout, run_plan).
-
-Both the auto optimiser and the run plan read a stage's fixed bytes and its per-block options from here,
-so each is computed in one place.
+"""What one stage holds, in bytes: the step between the per-layer models (memory_model, schedule) and the plans
+built on them (auto_recompute, layout, run_plan). Both the auto optimiser and the run plan read a stage's fixed bytes
+from here, so they are computed in one place; what each block option keeps is parallel/planning/block_prices.py's.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from model import LayerRecipe
 from parallel.planning.memory_model import (
     LayerActivation,
-    block_kept_items,
     causal_mask_bytes,
     pipe_buffer_bytes,
-    selective_combinations,
     stage_activations,
     stage_input_bytes,
     stage_output_bytes,
     stage_weight_grad_bytes,
-    total,
 )
 from parallel.planning.model_states import largest_parameter, model_state_bytes, optimizer_step_bytes
 from parallel.planning.partition import StageRange
 from parallel.planning.schedule_walk import ActivationPeak, activation_peak, in_flight_micro_batches, pipe_buffers
 from parallel.planning.shapes import RunShape, Shape, Target
 from parallel.planning.stage_plan import StagePlan
-from parallel.planning.working_set import backward_working_sets, block_backward_bytes, early_recompute_copies
-
-
-@dataclass(frozen=True)
-class BlockOption:
-    """One per-block choice short of a full-recompute segment."""
-
-    choice: str
-    """`none` or `selective:<modules>`."""
-    modules: tuple[str, ...]
-    kept_bytes: int
-    """Bytes one block keeps per micro-batch."""
-    cost: float
-    """Recompute cost of one block per micro-batch (FLOPs, FLOP-equivalents or seconds: the caller's unit)."""
-    working_bytes: int = 0
-    """The most its backward holds beyond what it keeps (working_set.block_backward_bytes' largest moment)."""
-
-
-def block_options(shape: Shape, target: Target, cost: Callable[[tuple[str, ...]], float]) -> list[BlockOption]:
-    """`none`, then every selective combination, with the bytes each keeps, `cost(modules)` and its working set."""
-    return [
-        BlockOption(
-            "selective:" + "+".join(combo) if combo else "none",
-            combo,
-            total(block_kept_items(shape, target, combo)),
-            float(cost(combo)) if combo else 0.0,
-            max(block_backward_bytes(shape, target, combo).values()),
-        )
-        for combo in [(), *selective_combinations()]
-    ]
+from parallel.planning.working_set import backward_working_sets, early_recompute_copies
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,248 @@
+"""What one block option costs, built in one place and read by everyone: per option (`none`, each selective set)
+the bytes a block keeps, its backward's working set, the forward FLOPs its recompute redoes and that recompute's
+price; per table the full-recompute segment's figures and, where the device was measured, the seconds of each
+instruction of a block and of the stage's other parts (`MeasuredSeconds`).
+
+`BlockPrices` is what the auto optimiser (parallel/planning/auto_recompute.py), the step-time model
+(parallel/planning/instruction_seconds.py) and the run plan's per-choice table read. Its prices are in one of two
+units: seconds (`measured_prices`, from a device profile's curves: parallel/planning/curve_seconds.py) or
+FLOP-equivalents (`analytic_prices`: matmul FLOPs plus the elementwise work's bytes at the device's machine balance),
+which the step-time model turns into seconds at the device's rate.
+
+Every field of `MeasuredSeconds` is required: a part that was never priced is an error where the record is built,
+not a silent fall-back to the analytic model where it is read.
+"""
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, fields
+
+from parallel.planning.device_profile_file import ANALYTIC, CostSource
+from parallel.planning.flops import block_forward_flops, mlp_output_matmul_flops, selective_recompute_flops
+from parallel.planning.memory_model import (
+    attention_kernel,
+    block_full_items,
+    block_kept_items,
+    selective_combinations,
+    total,
+)
+from parallel.planning.shapes import Shape, Target
+from parallel.planning.working_set import block_backward_bytes
+
+SELECTIVE_PARTS = ("core_attn", "mlp", "mlp_act", "layernorm")
+"""The block parts selective recompute redoes (parallel/planning/config.py's recompute.modules)."""
+
+
+_LINKS = ("transfer", "link_bytes_per_s")
+
+
+@dataclass(frozen=True)
+class MeasuredSeconds:
+    """One micro-batch's seconds of each part the planner prices."""
+
+    block_recompute: float
+    """A block's forward without autograd: what full recompute redoes per block."""
+    core_attn: float
+    """The forward of the attention core (softmax(QK^T)V with its dropout): selective `core_attn`."""
+    mlp: float
+    """The forward of the whole MLP: selective `mlp`."""
+    mlp_act: float
+    """The MLP's activation (GELU, or the SwiGLU product): selective `mlp_act`."""
+    layernorm: float
+    """Both of a block's norms: selective `layernorm`."""
+    block_forward: float
+    """A block's forward with autograd recording."""
+    block_backward: float
+    """A block's backward, weight gradients included."""
+    block_weight_grad: float
+    """The part of `block_backward` that makes the Linear layers' weight gradients (ZB-H1's W)."""
+    embedding_forward: float
+    embedding_backward: float
+    head_forward: float
+    """Final norm, LM head and loss."""
+    head_backward: float
+    head_weight_grad: float
+    """The part of `head_backward` that is the LM head's weight-gradient matmul (0 under the fused loss)."""
+    optimizer_per_param: float
+    """The optimizer step per parameter."""
+    transfer: float | None
+    """One micro-batch's hidden states between neighbouring stages; None where the links were not measured."""
+    link_bytes_per_s: float | None
+    """The data-parallel all-reduce's rate; None where the links were not measured."""
+
+    def __post_init__(self):
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if value is None and field.name in _LINKS:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"MeasuredSeconds.{field.name} must be a measured value >= 0, not {value!r}")
+
+    def selective(self, modules: Iterable[str]) -> float:
+        """Seconds to recompute these selective parts of one block."""
+        unknown = set(modules) - set(SELECTIVE_PARTS)
+        if unknown:
+            raise ValueError(f"no measured seconds for selective parts {sorted(unknown)}: one of {SELECTIVE_PARTS}")
+        return sum(getattr(self, module) for module in modules)
+
+
+# FLOPs a device does in the time it moves one byte: elementwise recompute (softmax, dropout, GELU,
+# LayerNorm) is bandwidth-bound, so the analytic cost charges its memory traffic at this rate.
+# H100-class GPUs: ~1000 TFLOP/s over ~3.3 TB/s; a CPU core: ~100 GFLOP/s over ~10 GB/s.
+MACHINE_BALANCE = {"cuda": 300.0, "cpu": 10.0}
+
+
+@dataclass(frozen=True)
+class BlockOption:
+    """One per-block choice short of a full-recompute segment, for one micro-batch."""
+
+    choice: str
+    """`none` or `selective:<modules>`."""
+    modules: tuple[str, ...]
+    kept_bytes: int
+    """Bytes one block keeps per micro-batch."""
+    cost: float
+    """Price of the block's recompute, in its table's unit (BlockPrices.unit)."""
+    working_bytes: int = 0
+    """The most its backward holds beyond what it keeps (working_set.block_backward_bytes' largest moment)."""
+    recompute_flops: int = 0
+    """Forward FLOPs the recompute redoes (flops.selective_recompute_flops: elementwise work counts 0)."""
+
+
+def block_options(shape: Shape, target: Target, cost: Callable[[tuple[str, ...]], float]) -> list[BlockOption]:
+    """`none`, then every selective combination, with the bytes each keeps, `cost(modules)`, its working set and the
+    FLOPs it redoes."""
+    kernel = attention_kernel(shape, target)
+    return [
+        BlockOption(
+            "selective:" + "+".join(combo) if combo else "none",
+            combo,
+            total(block_kept_items(shape, target, combo)),
+            float(cost(combo)) if combo else 0.0,
+            max(block_backward_bytes(shape, target, combo).values()),
+            selective_recompute_flops(shape, combo, kernel),
+        )
+        for combo in [(), *selective_combinations()]
+    ]
+
+
+@dataclass(frozen=True)
+class BlockPrices:
+    """What one block costs and keeps under each choice, for one micro-batch."""
+
+    options: tuple[BlockOption, ...]
+    segment_input_bytes: int
+    """What a full-recompute segment keeps: its input."""
+    block_bytes: int
+    """What one block keeps with no recompute: also what recomputing it holds while its backward runs."""
+    full_block_cost: float
+    """Recomputing one block's forward inside a segment."""
+    segment_discount: float = 0.0
+    """Cost a segment saves once (torch's early stop skips the last matmul when nothing after it is saved)."""
+    measured: MeasuredSeconds | None = None
+    """Measured tables only: the seconds of a block's parts and the stage's other parts (costs are then in
+    seconds)."""
+    source: CostSource = ANALYTIC
+    """Which costs these are: a device profile (its path and date) or analytic."""
+
+    @property
+    def unit(self) -> str:
+        """What `cost`, `full_block_cost` and `segment_discount` count: `seconds` or `flop-equivalents`."""
+        return "seconds" if self.measured is not None else "flop-equivalents"
+
+
+def _elementwise_bytes(shape: Shape, target: Target, modules: Sequence[str]) -> int:
+    """Memory traffic (read + write) of the non-matmul work each module recomputes."""
+    d, bsh = target.dtype_bytes, shape.bsh
+    traffic = 0
+    if "core_attn" in modules and attention_kernel(shape, target) in ("math", "sdpa-math"):
+        traffic += (2 + (3 if shape.dropout else 0)) * shape.scores * d  # scale-mask-softmax, dropout
+    if "mlp_act" in modules or "mlp" in modules:
+        # GELU reads and writes f channels; the SwiGLU product reads two and writes one
+        traffic += (3 if shape.arch == "llama" else 2) * shape.b * shape.s * shape.mlp_width * d
+    if "mlp" in modules and shape.dropout:
+        traffic += 3 * bsh * d
+    if "layernorm" in modules:
+        traffic += 4 * bsh * d  # two norms
+    return traffic
+
+
+def analytic_prices(shape: Shape, target: Target) -> BlockPrices:
+    """Prices in FLOP-equivalents: the matmul FLOPs a recompute redoes plus its elementwise bytes at the device's
+    machine balance."""
+    kernel = attention_kernel(shape, target)
+    balance = MACHINE_BALANCE[target.device]
+
+    def cost(modules: Sequence[str]) -> float:
+        return selective_recompute_flops(shape, modules, kernel) + balance * _elementwise_bytes(shape, target, modules)
+
+    return _table(
+        shape,
+        target,
+        cost,
+        full_block_cost=block_forward_flops(shape)
+        + balance
+        * (
+            _elementwise_bytes(shape, target, ("core_attn", "mlp", "layernorm"))
+            + (3 * shape.bsh * target.dtype_bytes if shape.dropout else 0)
+        ),
+        segment_discount=0 if shape.dropout else mlp_output_matmul_flops(shape),
+    )
+
+
+def measured_prices(shape: Shape, target: Target, seconds: MeasuredSeconds, source: CostSource) -> BlockPrices:
+    """Costs in seconds of one block: a full recompute's forward and each selective part's; the step-time model
+    reads the rest of `seconds`."""
+    return _table(
+        shape,
+        target,
+        seconds.selective,
+        full_block_cost=seconds.block_recompute,
+        measured=seconds,
+        source=source,
+    )
+
+
+def _table(
+    shape: Shape,
+    target: Target,
+    cost,
+    full_block_cost: float,
+    segment_discount: float = 0.0,
+    measured: MeasuredSeconds | None = None,
+    source: CostSource = ANALYTIC,
+) -> BlockPrices:
+    options = block_options(shape, target, cost)
+    return BlockPrices(
+        tuple(options),
+        total(block_full_items(shape, target, True)),
+        options[0].kept_bytes,
+        float(full_block_cost),
+        float(segment_discount),
+        measured,
+        source,
+    )
+
+
+RESIDUAL_PARTS = {
+    "forward": ("block_forward", "embedding_forward", "head_forward"),
+    "backward": ("block_backward", "embedding_backward", "head_backward", "block_recompute", *SELECTIVE_PARTS),
+    "weight_grad": ("block_weight_grad", "head_weight_grad"),
+    "optimizer": ("optimizer_per_param",),
+}
+"""The parts each kind of instruction's residual scales (harness/prediction_check.py learns them from a traced run:
+ForwardPass, the backward (BackwardPass or ZB-H1's BackwardInput), BackwardWeight, OptimizerStep)."""
+
+
+def with_residuals(seconds: MeasuredSeconds, residuals: dict[str, float]) -> MeasuredSeconds:
+    """`seconds` with each kind's parts scaled by what earlier runs measured against their prediction (measured /
+    predicted); a weight gradient never exceeds the backward it is part of."""
+    unknown = set(residuals) - set(RESIDUAL_PARTS)
+    if unknown:
+        raise ValueError(f"no parts for residuals {sorted(unknown)}: one of {', '.join(RESIDUAL_PARTS)}")
+    scaled = {
+        part: getattr(seconds, part) * factor for kind, factor in residuals.items() for part in RESIDUAL_PARTS[kind]
+    }
+    values = {field.name: getattr(seconds, field.name) for field in fields(seconds)} | scaled
+    values["block_weight_grad"] = min(values["block_weight_grad"], values["block_backward"])
+    values["head_weight_grad"] = min(values["head_weight_grad"], values["head_backward"])
+    return MeasuredSeconds(**values)
