@@ -154,16 +154,25 @@ class FullRecompute(PlannedRecompute):
     """Blocks per segment: a positive integer, `stage` (one segment per stage: the stage input the
     pipeline already holds is the only thing stored) or `sqrt` (about sqrt(blocks in the stage)).
     Segments start at each stage's first block and never cross a stage boundary."""
+    nested: bool = False
+    """Checkpoint each block again inside its segment (a recompute tree): a segment still keeps only its input per
+    micro-batch, and its recompute in backward then keeps only its blocks' inputs, each block's interior being
+    remade just before that block's backward. The backward holds one micro-batch's block inputs plus one block's
+    working set instead of every block's activations, for one more forward of the segment. Exact, like every
+    mode. Needs segments of more than one block (`recompute.interval` 2 or more, `stage` or `sqrt`)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.interval = str(self.interval)
-        if self.interval in INTERVAL_WORDS:
-            return
-        if not self.interval.isdigit() or int(self.interval) <= 0:
+        if self.interval not in INTERVAL_WORDS and (not self.interval.isdigit() or int(self.interval) <= 0):
             raise ValueError(
                 f"recompute.interval={self.interval!r} is invalid: allowed values are a positive "
                 f"integer (blocks per segment), {' or '.join(INTERVAL_WORDS)}"
+            )
+        if self.nested and self.interval == "1":
+            raise ValueError(
+                "recompute.nested=true is invalid with recompute.interval=1: a one-block segment has nothing to nest; "
+                "use recompute.interval=2 or more, stage or sqrt, or recompute.nested=false"
             )
 
 

@@ -268,7 +268,7 @@ class LayerActivation:
     flat_index: int
     name: str
     choice: str
-    """`none`, `full` or `selective:<modules>` for blocks; `-` for other layers."""
+    """`none`, `full`, `nested` or `selective:<modules>` for blocks; `-` for other layers."""
     items: tuple[Item, ...]
 
     @property
@@ -293,7 +293,7 @@ def stage_activations(
         choice = "-"
         if cls in BLOCK_CLASSES:
             choice = plan.choice_of(local)
-            if choice == "full":
+            if choice in ("full", "nested"):
                 items = block_full_items(shape, target, local in segment_starts)
             else:
                 items = block_kept_items(shape, target, plan.selective.get(local, ()))

@@ -184,7 +184,12 @@ def block_backward_bytes(
 
 
 def backward_working_sets(
-    layers: Sequence[LayerActivation], plan: StagePlan, shape: Shape, target: Target, split_weights: bool = False
+    layers: Sequence[LayerActivation],
+    plan: StagePlan,
+    shape: Shape,
+    target: Target,
+    split_weights: bool = False,
+    remade_early: bool = False,
 ) -> dict[str, int]:
     """The most one micro-batch's backward through the stage holds beyond what the micro-batch keeps, by moment
     (the names above; each the largest over the stage's blocks). The backward runs the layers last first: when it
@@ -200,6 +205,9 @@ def backward_working_sets(
       chunks' worth, since the loop makes the next chunk's logits while the previous chunk's are still bound;
     - EMBEDDING (the first stage, after everything but the token ids is freed): the token embedding's dense (V, C)
       weight gradient.
+
+    `remade_early`: a nested segment's block inputs were remade by an early recompute, which the schedule's walk
+    counts (`nested_early_bytes`), so the backward adds only each block's interior.
     """
     d, bsh = target.dtype_bytes, shape.bsh
     sets: dict[str, int] = {}
@@ -218,7 +226,10 @@ def backward_working_sets(
             incoming = bsh * d if local < len(layers) - 1 else 0
             if local in segment_of:
                 start = segment_of[local][0]
-                remade = sum(kept_none - layers[i].bytes for i in range(start, local + 1) if layers[i].is_block)
+                if plan.nested:
+                    remade = nested_remade_bytes(local - start, kept_none, layers[start].bytes, remade_early)
+                else:
+                    remade = sum(kept_none - layers[i].bytes for i in range(start, local + 1) if layers[i].is_block)
                 keep(SEGMENT, max(none.values()) + remade + incoming - freed)
             else:
                 own = block_backward_bytes(shape, target, plan.selective.get(local, ()), split_weights)
@@ -234,6 +245,25 @@ def backward_working_sets(
     if layers and layers[0].name in EMBEDDING_NAMES:
         sets[EMBEDDING] = _embedding_bytes(shape, target) - (freed - layers[0].bytes)
     return sets
+
+
+def nested_remade_bytes(offset: int, kept_none: int, segment_input: int, remade_early: bool = False) -> int:
+    """What a nested segment's backward holds, beyond what the segment keeps, at its block `offset` (0: the segment's
+    first): the segment's recompute remade every block's input (the first's is the segment input, kept), the blocks
+    after this one have freed theirs with their backward, and this block's interior is remade as under `none`, its
+    input included. Its largest moment is at the segment's last block, which the backward reaches first. With
+    `remade_early` the early recompute made the inputs already: only this block's interior is new."""
+    inputs = 0 if remade_early else offset * segment_input
+    return kept_none - segment_input + inputs
+
+
+def nested_early_bytes(plan: StagePlan, layers: Sequence[LayerActivation]) -> int:
+    """What an early recompute of a nested stage holds from its RecomputeEarly to the backward: every segment's block
+    inputs but the first's (the segment input, kept anyway)."""
+    if not plan.nested:
+        return 0
+    is_block = [layer.is_block for layer in layers]
+    return sum((sum(is_block[a:b]) - 1) * layers[a].bytes for a, b in plan.segments)
 
 
 def _freed_bytes(layer: LayerActivation, shape: Shape, target: Target) -> int:

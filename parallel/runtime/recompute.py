@@ -90,6 +90,15 @@ def _run_range(funcs: Sequence[LayerFn], x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _run_nested(funcs: Sequence[LayerFn], x: torch.Tensor) -> torch.Tensor:
+    """A nested segment's body: each block checkpointed again. The segment's own checkpoint discards the blocks'
+    inputs in the forward (torch saves a nested checkpoint's inputs through the enclosing one's hooks), its recompute
+    keeps only them, and each block's interior is remade just before that block's backward."""
+    for fn in funcs:
+        x = checkpoint(fn, x, use_reentrant=False, context_fn=_recompute_context_fn)
+    return x
+
+
 # True while a stage runs a micro-batch its plan leaves out (StagePlan.micro_batches): the selective wrappers
 # installed at build time then call straight through, so that micro-batch keeps what `none` keeps.
 _plain = False
@@ -117,7 +126,7 @@ def run_stage(funcs: Sequence[LayerFn], plan: StagePlan, x: torch.Tensor, recomp
         if i in segment_stop:
             stop = segment_stop[i]
             note_stored(x)
-            x = _checkpoint(partial(_run_range, funcs[i:stop]), x)
+            x = _checkpoint(partial(_run_nested if plan.nested else _run_range, funcs[i:stop]), x)
             i = stop
         else:
             x = funcs[i](x)
