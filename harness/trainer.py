@@ -22,6 +22,7 @@ from harness.timeline import publish_trace
 from harness.wandb_logger import open_wandb
 from parallel.measurement.sdpa_backend import check_planned_backend, sdpa_backend
 from parallel.measurement.trace import StepTracer
+from parallel.planning.compression import lossy_note
 from parallel.planning.layout import PipelineLayout
 from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import Shape
@@ -70,7 +71,8 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
             f"{topology.data_parallel_size} data-parallel | recompute={run.recompute} | {target.device} "
             f"{target.precision} | run dir {run_dir}"
         )
-        for line in layout.describe() + layout.empty_stage_warnings():
+        lossy = lossy_note(layout.plans)
+        for line in layout.describe() + layout.empty_stage_warnings() + ([lossy] if lossy else []):
             print("stagecheck: " + line, flush=True)
         if run.model.packed_dropout and run.model.dropout == 0:
             print("stagecheck: model.packed_dropout=true is a no-op: model.dropout is 0, so no masks are kept")
@@ -192,6 +194,7 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
         summary = {
             "recompute": run.recompute.mode,
             "recompute_config": vars(run.recompute),
+            "lossy": lossy_note(layout.plans),
             "layout": layout.as_dict(),
             **topology.as_dict(),
             "micro_batches": t.micro_batches,

@@ -74,8 +74,10 @@ def test_none_is_chosen_when_it_fits():
 
 
 def test_budget_boundaries_just_fit_and_just_do_not():
-    least = least_stage_bytes(4, TABLE, 3, NOTHING_ELSE)
-    assert choose_stage(4, TABLE, 3, least, NOTHING_ELSE) is not None
+    least, unnested = least_stage_bytes(4, TABLE, 3, NOTHING_ELSE)
+    assert unnested > least  # the floor needs a nested segment
+    assert choose_stage(4, TABLE, 3, least, NOTHING_ELSE).nested
+    assert not choose_stage(4, TABLE, 3, unnested, NOTHING_ELSE).nested
     assert choose_stage(4, TABLE, 3, least - 1, NOTHING_ELSE) is None
     # One block moved to core_attn: the budget for exactly that (with core_attn's working set) fits, a byte less not.
     exact = 3 * (3 * 100 + 40) + 90

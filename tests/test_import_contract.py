@@ -53,6 +53,7 @@ PLANNING = [
         "parallel.planning.schedule_walk",
         "parallel.planning.step_sim",
     },
+    {"parallel.planning.compression"},  # compressed stashes: the bytes a stored segment input keeps, the lossy note
     {"parallel.planning.memory_model", "parallel.planning.flops", "parallel.planning.model_states"},
     {"parallel.planning.working_set"},  # the backward's working set, from memory_model's kept items
     {"parallel.planning.stage_costs"},

@@ -1,6 +1,7 @@
 """Nested checkpoints (`recompute.nested`): each block checkpointed again inside its segment. The planner's peak
 against the allocator's for a nested stage, under 1F1B and under zb-h1 with early recompute (the stage replay:
-parallel/measurement/stage_replay.py); and `auto`, which nests a stage only where nothing cheaper fits its budget.
+parallel/measurement/stage_replay.py); `auto`, which nests a stage only where nothing cheaper fits its budget; and
+its floor with and without nesting, in the refusal and in the budget lines of the start-up print and the dry run.
 (Bit-exactness: tests/test_recompute_exact.py, tests/test_zero_bubble.py; kept bytes per micro-batch:
 tests/test_activation_planner.py.)"""
 
@@ -8,6 +9,7 @@ import pytest
 
 from model import GPTConfig
 from parallel.measurement.stage_replay import StageReplay
+from parallel.planning.budget_refusal import BudgetTooSmall
 from parallel.planning.config import AutoRecompute, FullRecompute
 from parallel.planning.layout import build_layout
 from parallel.planning.run_plan import plan_run
@@ -60,3 +62,19 @@ def test_auto_nests_a_stage_only_where_nothing_cheaper_fits_and_counts_its_peak_
         peaks = [s.predicted_peak_bytes for s in plan_run(MODEL, auto, layout, RUN).stages]
         assert layout.plans[0].nested == nests and not layout.plans[1].nested
         assert peaks == [b.predicted_peak_bytes for b in layout.budgets] and max(peaks) <= budget
+
+
+def test_the_refusal_and_the_budget_lines_give_the_floor_with_and_without_nesting():
+    with pytest.raises(BudgetTooSmall) as refused:
+        build_layout(MODEL, AutoRecompute(budget_gb=1e-6, reserve_gb=0.0), RUN, "type:Block", 0)
+    message = str(refused.value)
+    assert "reached with nested checkpoints on stage 0 (auto nests a stage where nothing else fits" in message
+    unnested = float(message.split("without nesting the smallest budget is ")[1].split(")")[0])
+    assert unnested > refused.value.smallest_gb
+    auto = AutoRecompute(budget_gb=1.0, reserve_gb=0.0)
+    layout = build_layout(MODEL, auto, RUN, "type:Block", 0)
+    first, last = layout.budgets
+    assert first.least_bytes < first.least_bytes_unnested and last.least_bytes == last.least_bytes_unnested
+    floor = f"floor {first.least_bytes / GIB:.4f} ({first.least_bytes_unnested / GIB:.4f} without nesting) GiB"
+    assert layout.describe_budgets(auto)[1].endswith(floor)
+    assert layout.describe_budgets(auto)[2].endswith(f"floor {last.least_bytes / GIB:.4f} GiB")

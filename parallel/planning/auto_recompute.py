@@ -207,7 +207,7 @@ def _segment_moment(table: CostTable, size: int, nested: bool) -> float:
         return -math.inf
     none_working, block, segment_input = table.options[0].working_bytes, table.block_bytes, table.segment_input_bytes
     if nested:
-        return none_working + nested_remade_bytes(size - 1, block, segment_input)
+        return none_working + nested_remade_bytes(size - 1, block, segment_input, segment_input)
     return none_working + size * block - segment_input
 
 
@@ -239,13 +239,13 @@ def _candidates(n: int, table: CostTable):
                     yield options, frontiers[n - m], m, k, moment, k * table.segment_input_bytes, full_cost, nested
 
 
-def least_stage_bytes(n: int, table: CostTable, in_flight: int, working: StageWorking) -> int:
-    """The smallest footprint any plan reaches: what the in-flight micro-batches' blocks keep, and the backward's
-    working set (working.bytes)."""
-    return min(
-        working.bytes(full_kept + frontier[0][0], in_flight, moment)
-        for _, frontier, _, _, moment, full_kept, _, _ in _candidates(n, table)
-    )
+def least_stage_bytes(n: int, table: CostTable, in_flight: int, working: StageWorking) -> tuple[int, int]:
+    """The smallest footprint any plan reaches, and any plan without nested segments: what the in-flight
+    micro-batches' blocks keep, and the backward's working set (working.bytes)."""
+    least = {False: math.inf, True: math.inf}
+    for _, frontier, _, _, moment, full_kept, _, nested in _candidates(n, table):
+        least[nested] = min(least[nested], working.bytes(full_kept + frontier[0][0], in_flight, moment))
+    return int(min(least.values())), int(least[False])
 
 
 def choose_stage(
@@ -347,6 +347,8 @@ class StageBudget:
     choice: StageChoice | None
     least_bytes: int
     """The smallest peak any plan reaches on this stage."""
+    least_bytes_unnested: int
+    """The smallest peak a plan without nested segments reaches: above `least_bytes` where only nesting reaches it."""
 
     @property
     def predicted_peak_bytes(self) -> int | None:

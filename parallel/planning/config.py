@@ -99,6 +99,16 @@ class ParallelConfig:
             )
 
 
+COMPRESS_FORMATS = ("none", "bf16", "fp8")
+
+
+def check_compress_name(compress: str) -> None:
+    if compress not in COMPRESS_FORMATS:
+        raise ValueError(
+            f"recompute.compress={compress!r} is unknown: allowed values are {', '.join(COMPRESS_FORMATS)}"
+        )
+
+
 def check_micro_batches(value: int | None) -> None:
     """`recompute.micro_batches` on its own; schema/checks.py holds it to train.micro_batches."""
     if value is not None and value < 1:
@@ -160,6 +170,12 @@ class FullRecompute(PlannedRecompute):
     remade just before that block's backward. The backward holds one micro-batch's block inputs plus one block's
     working set instead of every block's activations, for one more forward of the segment. Exact, like every
     mode. Needs segments of more than one block (`recompute.interval` 2 or more, `stage` or `sqrt`)."""
+    compress: str = "none"
+    """Store what each segment keeps, its input (the stage's boundary input included), in fewer bits until its
+    recompute: `none` (as it is), `bf16` (from an fp32 run: half the bytes) or `fp8` (float8 e4m3 with one fp32 scale
+    per token: a quarter of fp32's bytes, plus 4 bytes a token). LOSSY, so never on by default: the recompute and the
+    backward run on the decompressed input, and the gradients are those of the decompressed input. plan.json,
+    summary.json and the start-up print say so."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -169,6 +185,7 @@ class FullRecompute(PlannedRecompute):
                 f"recompute.interval={self.interval!r} is invalid: allowed values are a positive "
                 f"integer (blocks per segment), {' or '.join(INTERVAL_WORDS)}"
             )
+        check_compress_name(self.compress)
         if self.nested and self.interval == "1":
             raise ValueError(
                 "recompute.nested=true is invalid with recompute.interval=1: a one-block segment has nothing to nest; "

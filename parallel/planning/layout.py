@@ -103,9 +103,12 @@ class PipelineLayout:
             plan = ", ".join(f"{n} x {c}" for c, n in counts.items()) or "no blocks"
             if b.choice.micro_batches is not None:
                 plan += f" for {b.choice.micro_batches} of them, none for the others"
+            floor = f"floor {b.least_bytes / GIB:.4f}"
+            if b.least_bytes < b.least_bytes_unnested:
+                floor += f" ({b.least_bytes_unnested / GIB:.4f} without nesting)"
             lines.append(
                 f"stage {b.stage}: {plan} | {b.in_flight} in flight | predicted peak "
-                f"{self.peak_bytes[b.stage] / GIB:.4f} of {usable:g} GiB"
+                f"{self.peak_bytes[b.stage] / GIB:.4f} of {usable:g} GiB | {floor} GiB"
             )
         return lines
 

@@ -8,6 +8,7 @@ back.
 
 from model import BLOCK_CLASSES, GPTConfig
 from parallel.planning.auto_recompute import StageBudget, analytic_costs
+from parallel.planning.compression import lossy_note
 from parallel.planning.config import FullRecompute, NoRecompute, RecomputeConfig, SelectiveRecompute
 from parallel.planning.flops import (
     head_flops_per_token,
@@ -106,6 +107,7 @@ def plan_run(model: GPTConfig, recompute: RecomputeConfig, layout: PipelineLayou
     return RunPlan(
         target=PlanTarget(target.device, target.precision, model.attention, kernel, model.dropout),
         recompute=vars(recompute),
+        lossy=lossy_note(layout.plans),
         pipeline_stages=len(stages),
         data_parallel_size=data_parallel,
         world_size=len(stages) * data_parallel,

@@ -191,7 +191,8 @@ def stage_memory(
 
     weights_pending = stage_weight_grad_bytes(recipes, stage.layers, shape, run.target)
     early_copies = early_recompute_copies(plan, shape, run.target)
-    early_remade = nested_early_bytes(plan, layers) if plan.nested else plain - kept + early_copies
+    block_input = shape.bsh * run.target.dtype_bytes
+    early_remade = nested_early_bytes(plan, layers, block_input) if plan.nested else plain - kept + early_copies
     # A stage between two others under posted sends (every stage's `early` is recompute.early's) holds each input
     # gradient it sent until the previous stage surely has it; the last stage's are its kept outputs' anyway.
     posted = (schedule != "1f1b" or plan.early) and 0 < stage.stage < num_stages - 1

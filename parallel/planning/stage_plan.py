@@ -20,6 +20,9 @@ class StagePlan:
     nested: bool = False
     """Each segment's recompute checkpoints its blocks again (`recompute.nested`): it keeps only their inputs, and
     each block's interior is remade just before that block's backward."""
+    compress: str = "none"
+    """How each segment stores its input until its recompute (`recompute.compress`: parallel/planning/compression.py);
+    `none`: as it is."""
     selective: dict[int, tuple[str, ...]] = field(default_factory=dict)
     """Local block index -> modules recomputed inside that block."""
     micro_batches: int | None = None
@@ -100,4 +103,4 @@ def plan_stage(is_block: Sequence[bool], recompute: RecomputeConfig, in_flight: 
         (block_positions[i], block_positions[min(i + length, len(block_positions)) - 1] + 1)
         for i in range(0, len(block_positions), length)
     )
-    return StagePlan(segments=segments, nested=recompute.nested, **per_micro_batch)
+    return StagePlan(segments=segments, nested=recompute.nested, compress=recompute.compress, **per_micro_batch)

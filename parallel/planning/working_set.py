@@ -226,10 +226,12 @@ def backward_working_sets(
             incoming = bsh * d if local < len(layers) - 1 else 0
             if local in segment_of:
                 start = segment_of[local][0]
+                # A compressed input is a copy: the recompute makes the input anew beside it (decompressed).
+                reused = layers[start].bytes if plan.compress == "none" else 0
                 if plan.nested:
-                    remade = nested_remade_bytes(local - start, kept_none, layers[start].bytes, remade_early)
+                    remade = nested_remade_bytes(local - start, kept_none, bsh * d, reused, remade_early)
                 else:
-                    remade = sum(kept_none - layers[i].bytes for i in range(start, local + 1) if layers[i].is_block)
+                    remade = (local - start + 1) * kept_none - reused
                 keep(SEGMENT, max(none.values()) + remade + incoming - freed)
             else:
                 own = block_backward_bytes(shape, target, plan.selective.get(local, ()), split_weights)
@@ -247,23 +249,23 @@ def backward_working_sets(
     return sets
 
 
-def nested_remade_bytes(offset: int, kept_none: int, segment_input: int, remade_early: bool = False) -> int:
+def nested_remade_bytes(offset: int, kept_none: int, block_input: int, reused: int, remade_early: bool = False) -> int:
     """What a nested segment's backward holds, beyond what the segment keeps, at its block `offset` (0: the segment's
-    first): the segment's recompute remade every block's input (the first's is the segment input, kept), the blocks
-    after this one have freed theirs with their backward, and this block's interior is remade as under `none`, its
-    input included. Its largest moment is at the segment's last block, which the backward reaches first. With
-    `remade_early` the early recompute made the inputs already: only this block's interior is new."""
-    inputs = 0 if remade_early else offset * segment_input
-    return kept_none - segment_input + inputs
+    first): the segment's recompute remade every block's input (the first's is the kept segment input itself,
+    `reused` bytes of it, unless that was stored compressed: then 0, and it is remade too), the blocks after this one
+    have freed theirs with their backward, and this block's interior is remade as under `none`, its input included.
+    Its largest moment is at the segment's last block, which the backward reaches first. With `remade_early` the early
+    recompute made the inputs already (`nested_early_bytes`): only this block's interior is new."""
+    if remade_early:
+        return kept_none - block_input
+    return kept_none - reused + offset * block_input
 
 
-def nested_early_bytes(plan: StagePlan, layers: Sequence[LayerActivation]) -> int:
+def nested_early_bytes(plan: StagePlan, layers: Sequence[LayerActivation], block_input: int) -> int:
     """What an early recompute of a nested stage holds from its RecomputeEarly to the backward: every segment's block
-    inputs but the first's (the segment input, kept anyway)."""
-    if not plan.nested:
-        return 0
+    inputs, less what the segment kept (its input, or its compressed copy, which the early recompute releases)."""
     is_block = [layer.is_block for layer in layers]
-    return sum((sum(is_block[a:b]) - 1) * layers[a].bytes for a, b in plan.segments)
+    return sum(sum(is_block[a:b]) * block_input - layers[a].bytes for a, b in plan.segments)
 
 
 def _freed_bytes(layer: LayerActivation, shape: Shape, target: Target) -> int:
