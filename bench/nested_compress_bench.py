@@ -4,7 +4,7 @@
 
 1. Nested: stage 0 of a 4-stage pipeline (8 micro-batches, so 4 in flight on stage 0) holding 8 blocks at the Llama
    family's proportions (MLP 3.5 x the width, grouped-query attention 4:2, untied head), scaled down to h = 128 and
-   512 tokens: its activation bytes (the measured peak of live tensors, parallel/measurement/stage_replay.py, minus
+   256 tokens: its activation bytes (the measured peak of live tensors, parallel/measurement/stage_replay.py, minus
    the parameters, gradients and optimizer state) under full(1), full(stage) and nested full(stage), with what the
    planner predicted.
 2. Compressed stashes, same stage under full(1): the bytes one micro-batch keeps (the saved-tensor meter, on every
@@ -32,7 +32,7 @@ from parallel.planning.shapes import GIB, MIB, RunShape, Target, Topology
 
 LLAMA_SCALED = GPTConfig(
     arch="llama", activation="silu", bias=False, dropout=0.0, tie_embeddings=False, attention="sdpa",
-    n_layer=32, n_head=4, n_kv_head=2, n_embd=128, intermediate_size=448, seq_len=512, vocab_size=256,
+    n_layer=32, n_head=4, n_kv_head=2, n_embd=128, intermediate_size=448, seq_len=256, vocab_size=256,
 )  # fmt: skip
 FOUR_STAGES = RunShape(Topology(4), Target("cpu", "fp32"), micro_batches=8, micro_batch_size=1)
 GPT2 = GPTConfig(n_layer=12, n_head=12, n_embd=768, seq_len=1024, vocab_size=50257)
