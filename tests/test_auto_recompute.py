@@ -44,11 +44,13 @@ def brute_force(n: int, table: CostTable, in_flight: int, budget: float, working
         m = assignment.count("full")
         rest = [o for name in assignment if name != "full" for o in table.options if o.choice == name]
         for k, nested in itertools.product([0] if m == 0 else range(1, m + 1), (False, True)):
-            kept = sum(o.kept_bytes for o in rest) + k * table.segment_input_bytes
             size = math.ceil(m / k) if m else 0
+            if nested and size < 2:  # nothing to nest
+                continue
+            kept = sum(o.kept_bytes for o in rest) + k * table.segment_input_bytes
             remade = size * table.block_bytes - table.segment_input_bytes if m else -math.inf
             cost = sum(o.cost for o in rest) + m * table.full_block_cost - k * table.segment_discount
-            if nested and m:
+            if nested:
                 remade = table.block_bytes + (size - 2) * table.segment_input_bytes
                 cost += (m - k) * table.full_block_cost - (m - k) * table.segment_discount
             moment = max([o.working_bytes for o in rest] + [table.options[0].working_bytes + remade])
