@@ -151,8 +151,11 @@ def test_nothing_fits_names_the_smallest_budget_and_each_setting_that_lowers_it_
         "parallel.pipeline_stages=4",
         "train.micro_batch_size=1",
         "parallel.zero_stage=1 with parallel.data_parallel_size=2",
+        "recompute.compress=fp8 (lossy)",
     ]
     assert all(gb < smallest for gb in helps.values())
+    lossy = AutoRecompute(budget_gb=helps["recompute.compress=fp8 (lossy)"], reserve_gb=0.0, compress="fp8")
+    assert any(b.choice.compress == "fp8" for b in _budgets(TINY, lossy, run))
     more_stages = RunShape(Topology(4), run.target, run.micro_batches, run.micro_batch_size)
     _budgets(TINY, AutoRecompute(budget_gb=helps["parallel.pipeline_stages=4"], reserve_gb=0.0), more_stages)
     with pytest.raises(ValueError):

@@ -1,7 +1,8 @@
 """Compressed stashes (`recompute.compress`): full recompute's segment inputs stored in bf16 or fp8 (e4m3, a scale per
 token) until their recompute. Lossy by design, so not bit-exact: the gradients are those of the decompressed input,
-close to the exact ones; the kept bytes and the peak are what the planner says; a run says it is lossy in its plan,
-its start-up print and its summary; and what cannot work is refused in one line."""
+close to the exact ones; the kept bytes and the peak are what the planner says; `auto` stores compressed only when
+allowed (`recompute.compress`), where that lets a stage fit, and counts the peak as the plan does; a run says it is
+lossy in its plan, its start-up print and its summary; and what cannot work is refused in one line."""
 
 import pytest
 import torch
@@ -9,12 +10,13 @@ import torch.nn.functional as F
 
 from model import GPT, Block, GPTConfig, lm_loss
 from parallel.measurement.stage_replay import StageReplay
-from parallel.planning.compression import check_compress
-from parallel.planning.config import FullRecompute, NoRecompute
+from parallel.planning.budget_refusal import BudgetTooSmall
+from parallel.planning.compression import check_compress, lossy_note
+from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute
 from parallel.planning.layout import build_layout
 from parallel.planning.plan_record import RunPlan
 from parallel.planning.run_plan import plan_run
-from parallel.planning.shapes import RunShape, Target, Topology
+from parallel.planning.shapes import GIB, RunShape, Target, Topology
 from parallel.planning.stage_plan import plan_stage
 from parallel.runtime.compressed_stash import CompressedStash
 from parallel.runtime.early_recompute import EarlyRecompute
@@ -107,6 +109,43 @@ def test_what_cannot_be_compressed_is_refused_in_one_line():
         check_compress("bf16", "bf16")
     with pytest.raises(ValueError, match=r"^recompute.compress='int4' is unknown: allowed values are none, bf16, fp8"):
         FullRecompute(compress="int4")
+
+
+AUTO_MODEL = GPTConfig(n_layer=8, n_head=4, n_embd=64, seq_len=64, vocab_size=128, dropout=0.0)
+AUTO_RUN = RunShape(Topology(2), Target("cpu", "fp32"), micro_batches=6, micro_batch_size=2)
+
+
+def test_auto_stores_compressed_only_when_allowed_and_where_that_lets_a_stage_fit():
+    with pytest.raises(BudgetTooSmall) as refused:
+        build_layout(AUTO_MODEL, AutoRecompute(budget_gb=1e-6, reserve_gb=0.0), AUTO_RUN, "type:Block", 0)
+    lossy_gb = float(str(refused.value).split("recompute.compress=fp8 (lossy) fits at ")[1].split(",")[0])
+    assert lossy_gb < refused.value.smallest_gb  # the refusal names lossy storage, priced
+    with pytest.raises(BudgetTooSmall):  # not allowed: that budget does not fit
+        build_layout(AUTO_MODEL, AutoRecompute(budget_gb=lossy_gb, reserve_gb=0.0), AUTO_RUN, "type:Block", 0)
+    auto = AutoRecompute(budget_gb=lossy_gb, reserve_gb=0.0, compress="fp8")
+    layout = build_layout(AUTO_MODEL, auto, AUTO_RUN, "type:Block", 0)
+    plan = plan_run(AUTO_MODEL, auto, layout, AUTO_RUN)
+    compressed = [s for s, p in enumerate(layout.plans) if p.compress == "fp8"]
+    assert compressed and f"stage{'s' if len(compressed) > 1 else ''} {', '.join(map(str, compressed))}:" in plan.lossy
+    assert any("segment inputs stored as fp8: lossy" in line for line in layout.describe_budgets(auto))
+    roomy = AutoRecompute(budget_gb=1.0, reserve_gb=0.0, compress="fp8")  # nothing to recompute: nothing stored
+    assert lossy_note(build_layout(AUTO_MODEL, roomy, AUTO_RUN, "type:Block", 0).plans) is None
+
+
+@pytest.mark.parametrize("compress", ["bf16", "fp8"])
+def test_auto_counts_a_compressed_stages_peak_as_the_plan_does(compress):
+    """Auto's own count of each stage's peak (by parts) against the peak of the plan it chose (every block walked),
+    at budgets from its floor up, with lossy storage allowed."""
+    roomy = AutoRecompute(budget_gb=1.0, reserve_gb=0.0, compress=compress)
+    floor = max(b.least_bytes for b in build_layout(AUTO_MODEL, roomy, AUTO_RUN, "type:Block", 0).budgets)
+    stored = 0
+    for factor in (1.0, 1.03, 1.1, 1.25):
+        auto = AutoRecompute(budget_gb=factor * floor / GIB, reserve_gb=0.0, compress=compress)
+        layout = build_layout(AUTO_MODEL, auto, AUTO_RUN, "type:Block", 0, price_alternatives=False)
+        peaks = [s.predicted_peak_bytes for s in plan_run(AUTO_MODEL, auto, layout, AUTO_RUN).stages]
+        assert peaks == [b.predicted_peak_bytes for b in layout.budgets], factor
+        stored += sum(p.compress == compress for p in layout.plans)
+    assert stored  # some of those plans store compressed
 
 
 @pytest.mark.multiproc

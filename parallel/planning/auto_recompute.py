@@ -67,6 +67,10 @@ class CostTable:
     seconds)."""
     source: CostSource = ANALYTIC
     """Which costs these are: a device profile (its path and date) or analytic."""
+    stash: tuple[str, int] | None = None
+    """The lossy storage auto may use (recompute.compress): its format and the bytes a segment input keeps stored in
+    it; None: every plan stores exactly. Its (de)compression is not priced: auto uses it wherever it lets a stage
+    recompute less, ties going to exact storage."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,8 @@ class StageChoice:
     """`working_bytes` of such a micro-batch (none's)."""
     nested: bool = False
     """The segments are nested (StagePlan.nested): a choice only where that lowers the segments' working set."""
+    compress: str = "none"
+    """The segments' inputs are stored compressed (StagePlan.compress): only with CostTable.stash."""
 
 
 def _elementwise_bytes(shape: Shape, target: Target, modules: Sequence[str]) -> int:
@@ -199,16 +205,36 @@ def _classes(table: CostTable) -> list[tuple[float, tuple[BlockOption, ...]]]:
     return [(w, tuple(_pareto([o for o in table.options if o.working_bytes <= w]))) for w in levels]
 
 
-def _segment_moment(table: CostTable, size: int, nested: bool) -> float:
+def _segment_moment(table: CostTable, size: int, nested: bool, compressed: bool) -> float:
     """The working set of a segment of `size` blocks in its backward: it remakes what its blocks keep under none, less
-    the input it keeps anyway; nested, only the blocks' inputs and one block's interior
-    (working_set.nested_remade_bytes at its last block)."""
+    the input it keeps anyway (a compressed input is a copy: the input is remade beside it); nested, only the blocks'
+    inputs and one block's interior (working_set.nested_remade_bytes at its last block)."""
     if not size:
         return -math.inf
     none_working, block, segment_input = table.options[0].working_bytes, table.block_bytes, table.segment_input_bytes
+    reused = 0 if compressed else segment_input
     if nested:
-        return none_working + nested_remade_bytes(size - 1, block, segment_input, segment_input)
-    return none_working + size * block - segment_input
+        return none_working + nested_remade_bytes(size - 1, block, segment_input, reused)
+    return none_working + size * block - reused
+
+
+def _segment_sizes(m: int, k: int) -> list[int]:
+    """m blocks in k segments as even as can be (none longer than ceil(m / k)), the longest last."""
+    return [m // k] * (k - m % k) + [m // k + 1] * (m % k) if m else []
+
+
+def _segments_moment(table: CostTable, m: int, k: int, nested: bool, compressed: bool, ends_stage: bool) -> float:
+    """The segments' largest working set: the last segment's; stored compressed on a stage whose blocks end it
+    (`ends_stage`: StageWorking.blocks_end_stage), the one before it holds a fresh gradient of its output, which the
+    last block's is not, while the last segment has freed only a compressed input, so it can be larger."""
+    sizes = _segment_sizes(m, k)
+    if not sizes:
+        return -math.inf
+    moment = _segment_moment(table, sizes[-1], nested, compressed)
+    if compressed and ends_stage and len(sizes) > 1:
+        grown = table.segment_input_bytes - table.stash[1]  # the incoming gradient less the freed compressed input
+        moment = max(moment, _segment_moment(table, sizes[-2], nested, compressed) + grown)
+    return moment
 
 
 def _segments_cost(table: CostTable, m: int, k: int, nested: bool) -> float:
@@ -219,9 +245,11 @@ def _segments_cost(table: CostTable, m: int, k: int, nested: bool) -> float:
     return m * table.full_block_cost - k * table.segment_discount
 
 
-def _candidates(n: int, table: CostTable):
+def _candidates(n: int, table: CostTable, ends_stage: bool):
     """Every plan worth considering: (the choices of the other blocks, their frontier, full blocks m, segments k,
-    the blocks' largest working set, the segments' kept bytes, the full part's cost, nested)."""
+    the blocks' largest working set, the segments' kept bytes, the full part's cost, nested, compressed).
+    `ends_stage`: StageWorking.blocks_end_stage."""
+    stashes = [(False, table.segment_input_bytes)] + ([(True, table.stash[1])] if table.stash else [])
     for level, (w, options) in enumerate(_classes(table)):
         frontiers = _frontiers(n, options)
         for m in range(n + 1):
@@ -229,21 +257,22 @@ def _candidates(n: int, table: CostTable):
                 continue
             for k in [0] if m == 0 else range(1, m + 1):
                 size = math.ceil(m / k) if m else 0
-                plain = _segment_moment(table, size, nested=False)
-                for nested in (False, True):
-                    segment = _segment_moment(table, size, nested)
-                    if nested and (size < 2 or segment >= plain):  # nesting only where it lowers the peak
-                        continue
-                    moment = max(w if m < n else -math.inf, segment)
-                    full_cost = _segments_cost(table, m, k, nested)
-                    yield options, frontiers[n - m], m, k, moment, k * table.segment_input_bytes, full_cost, nested
+                for compressed, stored in stashes if m else stashes[:1]:
+                    plain = _segments_moment(table, m, k, False, compressed, ends_stage)
+                    for nested in (False, True):
+                        segment = _segments_moment(table, m, k, nested, compressed, ends_stage)
+                        if nested and (size < 2 or segment >= plain):  # nesting only where it lowers the peak
+                            continue
+                        moment = max(w if m < n else -math.inf, segment)
+                        cost = _segments_cost(table, m, k, nested)
+                        yield options, frontiers[n - m], m, k, moment, k * stored, cost, nested, compressed
 
 
 def least_stage_bytes(n: int, table: CostTable, in_flight: int, working: StageWorking) -> tuple[int, int]:
     """The smallest footprint any plan reaches, and any plan without nested segments: what the in-flight
     micro-batches' blocks keep, and the backward's working set (working.bytes)."""
     least = {False: math.inf, True: math.inf}
-    for _, frontier, _, _, moment, full_kept, _, nested in _candidates(n, table):
+    for _, frontier, _, _, moment, full_kept, _, nested, _ in _candidates(n, table, working.blocks_end_stage):
         least[nested] = min(least[nested], working.bytes(full_kept + frontier[0][0], in_flight, moment))
     return int(min(least.values())), int(least[False])
 
@@ -253,31 +282,41 @@ def choose_stage(
 ) -> StageChoice | None:
     """The cheapest plan for n blocks whose in-flight micro-batches' kept bytes and working set (working.bytes) fit
     byte_budget, or None; `floor`: a working set the stage's blocks hold whatever the plan (the plain micro-batches'
-    of a per-micro-batch plan). Ties go to fewer bytes."""
+    of a per-micro-batch plan). Ties go to fewer bytes, then to exact storage."""
     best = None
-    for options, frontier, m, k, moment, full_kept, full_cost, nested in _candidates(n, table):
+    candidates = _candidates(n, table, working.blocks_end_stage)
+    for options, frontier, m, k, moment, full_kept, full_cost, nested, compressed in candidates:
         moment = max(moment, floor)
         limit = working.kept_limit(byte_budget, in_flight, moment) - full_kept
         index = bisect.bisect_right(frontier, (limit, math.inf)) - 1
         if index < 0:
             continue
         kept, cost, counts = frontier[index]
-        key = (full_cost + cost, in_flight * (full_kept + kept))
+        key = (full_cost + cost, in_flight * (full_kept + kept), compressed)
         if best is None or key < best[0]:
-            best = (key, options, m, k, kept + full_kept, counts, nested)
+            best = (key, options, m, k, kept + full_kept, counts, (nested, compressed))
     if best is None:
         return None
-    (cost, _), options, m, k, kept, counts, nested = best
-    return _arranged(table, options, m, k, kept, counts, cost, nested)
+    (cost, _, _), options, m, k, kept, counts, segment_kind = best
+    return _arranged(table, options, m, k, kept, counts, cost, *segment_kind, working.blocks_end_stage)
 
 
-def _arranged(table: CostTable, options, m: int, k: int, kept: int, counts, cost: float, nested: bool) -> StageChoice:
+def _arranged(
+    table: CostTable,
+    options,
+    m: int,
+    k: int,
+    kept: int,
+    counts,
+    cost: float,
+    nested: bool,
+    compressed: bool,
+    ends_stage: bool,
+) -> StageChoice:
     """The choice's blocks in order, the one with the largest working set last: the stage's last block has the
     least freed around its backward (StageWorking), so there its working set is the stage's, as auto counted it."""
-    size = math.ceil(m / k) if m else 0
-    # k segments as even as can be (none longer than ceil(m / k)), the longest last
-    sizes = [m // k] * (k - m % k) + [m // k + 1] * (m % k) if m else []
-    segment = _segment_moment(table, size, nested)
+    sizes = _segment_sizes(m, k)
+    segment = _segments_moment(table, m, k, nested, compressed, ends_stage)
     others = sorted(
         (option for option, count in zip(options, counts) for _ in range(count)), key=lambda o: o.working_bytes
     )
@@ -290,7 +329,10 @@ def _arranged(table: CostTable, options, m: int, k: int, kept: int, counts, cost
         bounds += length
     choices = [o.choice for o in others]
     choices[start:start] = ["nested" if nested else "full"] * m
-    return StageChoice(tuple(choices), tuple(segments), kept, int(max(moment, 0)), cost, nested=nested)
+    compress = table.stash[0] if compressed else "none"
+    return StageChoice(
+        tuple(choices), tuple(segments), kept, int(max(moment, 0)), cost, nested=nested, compress=compress
+    )
 
 
 def choose_stage_micro_batches(
@@ -325,6 +367,7 @@ def to_stage_plan(
     return StagePlan(
         segments=tuple((block_positions[a], block_positions[b - 1] + 1) for a, b in choice.segments),
         nested=choice.nested,
+        compress=choice.compress,
         selective={block_positions[i]: modules[c] for i, c in enumerate(choice.choices) if c.startswith("selective:")},
         micro_batches=choice.micro_batches,
         in_flight=in_flight if choice.micro_batches is not None else None,

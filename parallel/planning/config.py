@@ -242,8 +242,15 @@ class AutoRecompute:
     """Also choose, per stage, for how many of its in-flight micro-batches the plan recomputes (the others
     run with no recompute; see `+recompute=full`'s `recompute.micro_batches`): the least recompute time per
     step that fits, plans between the all-micro-batch ones. Off: every micro-batch runs its stage's plan."""
+    compress: str = "none"
+    """Lossy storage auto may use: `none` (auto stays exact), `bf16` or `fp8` (see `+recompute=full`'s
+    `recompute.compress`). Allowed, it is one more choice per stage: a stage's full-recompute segments store their
+    inputs in it wherever that lets the stage recompute less within the budget (its (de)compression is not priced;
+    at equal cost exact storage wins). The run then says LOSSY, and on which stages, at start-up, in plan.json and
+    summary.json."""
 
     def __post_init__(self) -> None:
+        check_compress_name(self.compress)
         if self.budget_gb <= 0:
             raise ValueError(f"recompute.budget_gb={self.budget_gb} is invalid: it must be > 0 (GiB per GPU)")
         if not 0 <= self.reserve_gb < self.budget_gb:

@@ -2,6 +2,8 @@
 the micro-batches it holds in flight), for real stage ranges and for the balanced search's hypothetical ones.
 """
 
+from dataclasses import replace
+
 from model import BLOCK_CLASSES
 from parallel.planning.auto_recompute import (
     CostTable,
@@ -11,6 +13,7 @@ from parallel.planning.auto_recompute import (
     least_stage_bytes,
     to_stage_plan,
 )
+from parallel.planning.compression import stored_input_bytes
 from parallel.planning.config import AutoRecompute, NoRecompute, RecomputeConfig
 from parallel.planning.partition import StageRange
 from parallel.planning.shapes import GIB
@@ -26,6 +29,9 @@ class StagePlanner:
     def __init__(self, pricing: StagePricing, recompute: RecomputeConfig, table: CostTable):
         self.pricing = pricing
         self.recompute = recompute
+        compress = getattr(recompute, "compress", "none")
+        if isinstance(recompute, AutoRecompute) and compress != "none":  # lossy storage allowed: one more choice
+            table = replace(table, stash=(compress, stored_input_bytes(pricing.shape, pricing.run.target, compress)))
         self.table = table
         self.usable = (recompute.budget_gb - recompute.reserve_gb) * GIB if isinstance(recompute, AutoRecompute) else 0
 

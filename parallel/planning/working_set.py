@@ -63,6 +63,9 @@ class StageWorking:
     """The first stage's EMBEDDING working set plus the blocks' bytes of the micro-batch (which it has freed)."""
     optimizer: int = 0
     """The optimizer step's moment, after every backward (StageMemory.optimizer_floor): a floor under the peak."""
+    blocks_end_stage: bool = True
+    """No layer follows the stage's blocks: the last block's output gradient is DeepSpeed's buffer, every earlier
+    block's a fresh tensor."""
 
     def bytes(self, kept: int, count: int, moment: float) -> int:
         """`count` micro-batches whose blocks keep `kept` bytes each, with one's backward working set on top."""
@@ -308,6 +311,7 @@ def stage_working(layers: Sequence[LayerActivation], shape: Shape, target: Targe
         _loss_bytes(shape, target) if last else 0,
         _embedding_bytes(shape, target) - (sum(others) - layers[0].bytes) if first else None,
         optimizer,
+        not (blocks and blocks[-1] < len(layers) - 1),
     )
 
 
