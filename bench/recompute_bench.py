@@ -33,6 +33,13 @@ MODES = {
     "full(1)": FullRecompute(interval="1"),
     "full(stage)": FullRecompute(interval="stage"),
 }
+TIMEABLE = {
+    **MODES,
+    "nested(stage)": FullRecompute(interval="stage", nested=True),
+    "full(1) bf16 stash": FullRecompute(interval="1", compress="bf16"),
+    "full(1) fp8 stash": FullRecompute(interval="1", compress="fp8"),
+}
+"""What `--timed` may name: MODES, and nested checkpoints and compressed stashes (issue 29)."""
 
 
 def model_config(n_layer: int, seq_len: int, dropout: float, attention: str) -> GPTConfig:
@@ -174,6 +181,10 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=1, help="micro-batches per timed step")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--sections", nargs="+", choices=("bytes", "time", "flops"), default=["bytes", "time", "flops"])
+    parser.add_argument(
+        "--timed", nargs="+", choices=TIMEABLE, default=["none", "selective", "full(1)", "full(stage)"],
+        help="the modes of the timing and FLOP tables",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -185,7 +196,7 @@ def main() -> None:
     )
     main_off = model_config(args.layers, 512, 0.0, "math")
     main_on = model_config(args.layers, 512, 0.1, "math")
-    timed = {k: MODES[k] for k in ("none", "selective", "full(1)", "full(stage)")}
+    timed = {k: TIMEABLE[k] for k in args.timed}
     three = {k: MODES[k] for k in ("none", "selective", "full(1)")}
     sections = {
         "bytes": [

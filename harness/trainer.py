@@ -24,6 +24,7 @@ from harness.wandb_logger import open_wandb
 from parallel.measurement.compile_counters import CompileWatch
 from parallel.measurement.sdpa_backend import check_planned_backend, sdpa_backend
 from parallel.measurement.trace import StepTracer
+from parallel.planning.compression import lossy_note
 from parallel.planning.layout import PipelineLayout
 from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import Shape
@@ -72,7 +73,8 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
             f"{topology.data_parallel_size} data-parallel | recompute={run.recompute} | {target.device} "
             f"{target.precision} | run dir {run_dir}"
         )
-        for line in layout.describe() + layout.empty_stage_warnings():
+        lossy = lossy_note(layout.plans)
+        for line in layout.describe() + layout.empty_stage_warnings() + ([lossy] if lossy else []):
             print("stagecheck: " + line, flush=True)
         if run.train.compile:
             print(
@@ -208,6 +210,7 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
         summary = {
             "recompute": run.recompute.mode,
             "recompute_config": vars(run.recompute),
+            "lossy": lossy_note(layout.plans),
             "layout": layout.as_dict(),
             **topology.as_dict(),
             "micro_batches": t.micro_batches,

@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from data import check_data_files, check_vocab, data_has_val
+from parallel.planning.compression import check_compress
 from parallel.planning.config import AutoRecompute, NoRecompute
 from parallel.planning.shapes import RunShape, Target, Topology
 from parallel.runtime.compile_blocks import compile_refusal
@@ -85,6 +86,7 @@ def target(run: RunConfig, cuda_available: bool) -> Target:
         precision = "bf16" if device == "cuda" else "fp32"
     if precision == "fp16" and device == "cpu":
         raise ValueError("train.precision='fp16' needs train.device=cuda: on cpu use fp32 or bf16")
+    check_compress(getattr(run.recompute, "compress", "none"), precision)
     return Target(device, precision)
 
 

@@ -23,6 +23,8 @@ MODES = [
     FullRecompute(interval="3"),
     FullRecompute(interval="stage"),
     FullRecompute(interval="sqrt"),
+    FullRecompute(interval="2", nested=True),
+    FullRecompute(interval="stage", nested=True),
     *[SelectiveRecompute(modules=list(combo)) for combo in selective_combinations()],
 ]
 # Each attention path that runs on CPU: explicit ops with and without dropout, SDPA's math backend
@@ -32,7 +34,7 @@ VARIANTS = [("math", 0.1, "fp32"), ("math", 0.0, "bf16"), ("sdpa", 0.1, "bf16"),
 
 def mode_id(recompute) -> str:
     if isinstance(recompute, FullRecompute):
-        return f"full-{recompute.interval}"
+        return f"full-{recompute.interval}" + ("-nested" if recompute.nested else "")
     if isinstance(recompute, SelectiveRecompute):
         return "selective-" + "+".join(recompute.modules)
     return "none"

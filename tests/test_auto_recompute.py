@@ -35,18 +35,25 @@ FIRST_STAGE = StageWorking(block_offset=0, embedding=400)  # the embedding's bac
 
 
 def brute_force(n: int, table: BlockPrices, in_flight: int, budget: float, working: StageWorking):
-    """Every assignment of choices to n blocks, with full blocks grouped into any number of segments, the
-    working set being the largest block's (a segment's: none's with what it remakes)."""
+    """Every assignment of choices to n blocks, with full blocks grouped into any number of segments, nested or not,
+    the working set being the largest block's (a segment's: none's with what it remakes; nested, its blocks' inputs
+    and one block's interior, for one more forward of each of its blocks but the last)."""
     best = None
     names = [o.choice for o in table.options] + ["full"]
     for assignment in itertools.product(names, repeat=n):
         m = assignment.count("full")
         rest = [o for name in assignment if name != "full" for o in table.options if o.choice == name]
-        for k in [0] if m == 0 else range(1, m + 1):
+        for k, nested in itertools.product([0] if m == 0 else range(1, m + 1), (False, True)):
+            size = math.ceil(m / k) if m else 0
+            if nested and size < 2:  # nothing to nest
+                continue
             kept = sum(o.kept_bytes for o in rest) + k * table.segment_input_bytes
-            remade = math.ceil(m / k) * table.block_bytes - table.segment_input_bytes if m else -math.inf
-            moment = max([o.working_bytes for o in rest] + [table.options[0].working_bytes + remade])
+            remade = size * table.block_bytes - table.segment_input_bytes if m else -math.inf
             cost = sum(o.cost for o in rest) + m * table.full_block_cost - k * table.segment_discount
+            if nested:
+                remade = table.block_bytes + (size - 2) * table.segment_input_bytes
+                cost += (m - k) * table.full_block_cost - (m - k) * table.segment_discount
+            moment = max([o.working_bytes for o in rest] + [table.options[0].working_bytes + remade])
             if working.bytes(kept, in_flight, moment) <= budget and (best is None or cost < best):
                 best = cost
     return best
@@ -69,8 +76,10 @@ def test_none_is_chosen_when_it_fits():
 
 
 def test_budget_boundaries_just_fit_and_just_do_not():
-    least = least_stage_bytes(4, TABLE, 3, NOTHING_ELSE)
-    assert choose_stage(4, TABLE, 3, least, NOTHING_ELSE) is not None
+    least, unnested = least_stage_bytes(4, TABLE, 3, NOTHING_ELSE)
+    assert unnested > least  # the floor needs a nested segment
+    assert choose_stage(4, TABLE, 3, least, NOTHING_ELSE).nested
+    assert not choose_stage(4, TABLE, 3, unnested, NOTHING_ELSE).nested
     assert choose_stage(4, TABLE, 3, least - 1, NOTHING_ELSE) is None
     # One block moved to core_attn: the budget for exactly that (with core_attn's working set) fits, a byte less not.
     exact = 3 * (3 * 100 + 40) + 90
@@ -83,12 +92,13 @@ def test_the_block_of_the_largest_working_set_comes_last_and_segments_cover_the_
         choice = choose_stage(5, TABLE, 4, budget, NOTHING_ELSE)
         if choice is None:
             continue
-        full = [i for i, c in enumerate(choice.choices) if c == "full"]
+        segment_choice = "nested" if choice.nested else "full"
+        full = [i for i, c in enumerate(choice.choices) if c == segment_choice]
         assert [i for a, b in choice.segments for i in range(a, b)] == full
         working = {o.choice: o.working_bytes for o in TABLE.options}
-        others = [working[c] for c in choice.choices if c != "full"]
+        others = [working[c] for c in choice.choices if c != segment_choice]
         if others and choice.working_bytes == max(others):
-            assert choice.choices[-1] != "full" and working[choice.choices[-1]] == choice.working_bytes
+            assert choice.choices[-1] != segment_choice and working[choice.choices[-1]] == choice.working_bytes
         elif full:
             longest = max(b - a for a, b in choice.segments)
             assert full[-1] == 4 and choice.segments[-1][1] - choice.segments[-1][0] == longest
@@ -141,8 +151,11 @@ def test_nothing_fits_names_the_smallest_budget_and_each_setting_that_lowers_it_
         "parallel.pipeline_stages=4",
         "train.micro_batch_size=1",
         "parallel.zero_stage=1 with parallel.data_parallel_size=2",
+        "recompute.compress=fp8 (lossy)",
     ]
     assert all(gb < smallest for gb in helps.values())
+    lossy = AutoRecompute(budget_gb=helps["recompute.compress=fp8 (lossy)"], reserve_gb=0.0, compress="fp8")
+    assert any(b.choice.compress == "fp8" for b in _budgets(TINY, lossy, run))
     more_stages = RunShape(Topology(4), run.target, run.micro_batches, run.micro_batch_size)
     _budgets(TINY, AutoRecompute(budget_gb=helps["parallel.pipeline_stages=4"], reserve_gb=0.0), more_stages)
     with pytest.raises(ValueError):

@@ -24,6 +24,8 @@ MODES = [
     FullRecompute(interval="1"),
     FullRecompute(interval="2"),
     FullRecompute(interval="stage"),
+    FullRecompute(interval="2", nested=True),
+    FullRecompute(interval="stage", nested=True),
     *[SelectiveRecompute(modules=list(combo)) for combo in selective_combinations()],
 ]
 

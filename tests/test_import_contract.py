@@ -53,6 +53,7 @@ PLANNING = [
         "parallel.planning.step_sim",
         "parallel.planning.virtual_schedules",  # v chunks per rank: interleaved 1F1B, ZB-V, V-Half
     },
+    {"parallel.planning.compression"},  # compressed stashes: the bytes a stored segment input keeps, the lossy note
     {
         "parallel.planning.memory_model",
         "parallel.planning.flops",

@@ -1,6 +1,6 @@
-"""Every `recompute.modules` combination (and every full interval) is bit-exact with no recompute: the same
-loss and the same gradients, dropout on, on the unpipelined GPT run through parallel.runtime.recompute.run_stage,
-for both attention kernels."""
+"""Every `recompute.modules` combination (and every full interval, nested or not) is bit-exact with no recompute:
+the same loss and the same gradients, dropout on, on the unpipelined GPT run through
+parallel.runtime.recompute.run_stage, for both attention kernels."""
 
 import pytest
 import torch
@@ -46,8 +46,12 @@ def test_there_are_eleven_valid_combinations():
         FullRecompute(interval="2"),
         FullRecompute(interval="stage"),
         FullRecompute(interval="sqrt"),
+        FullRecompute(interval="2", nested=True),
+        FullRecompute(interval="stage", nested=True),
     ],
-    ids=lambda r: getattr(r, "interval", None) or "+".join(r.modules),
+    ids=lambda r: (
+        getattr(r, "interval", "") + ("-nested" if getattr(r, "nested", False) else "") or "+".join(r.modules)
+    ),
 )
 def test_recompute_is_bit_exact_with_none(recompute, attention):
     base_losses, base_grads = loss_and_grads(NoRecompute(), attention)

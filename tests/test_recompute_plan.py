@@ -27,6 +27,12 @@ def test_full_segments_cover_only_blocks_and_start_at_the_first_block(interval, 
     assert plan_stage(STAGE, FullRecompute(interval=interval)).segments == segments
 
 
+def test_nested_keeps_the_segments_and_marks_the_plan():
+    plan = plan_stage(STAGE, FullRecompute(interval="2", nested=True))
+    assert plan.segments == ((2, 4), (4, 6), (6, 7)) and plan.nested
+    assert not plan_stage(STAGE, FullRecompute(interval="2")).nested
+
+
 def test_selective_marks_every_block_and_nothing_else():
     plan = plan_stage(STAGE, SelectiveRecompute(modules=["core_attn", "mlp_act"]))
     assert plan.segments == ()
@@ -74,6 +80,10 @@ def test_recompute_is_bit_exact_with_dropout(recompute):
     [
         (lambda: FullRecompute(interval="0"), "recompute.interval='0' is invalid"),
         (lambda: FullRecompute(interval="often"), "recompute.interval='often' is invalid"),
+        (
+            lambda: FullRecompute(interval="1", nested=True),
+            "recompute.nested=true is invalid with recompute.interval=1: a one-block segment has nothing to nest",
+        ),
         (
             lambda: SelectiveRecompute(modules=["attn"]),
             r"recompute.modules=\['attn'\] is invalid: choose one or more of core_attn",

@@ -102,8 +102,14 @@ def two_micro_batches(model: GPT, plan, idx: torch.Tensor, early: bool, defer: b
 @pytest.mark.parametrize("attention", ["math", "sdpa"])
 @pytest.mark.parametrize(
     "recompute",
-    [*[SelectiveRecompute(modules=list(c)) for c in selective_combinations()], FullRecompute(interval="2")],
-    ids=lambda r: getattr(r, "interval", None) or "+".join(r.modules),
+    [
+        *[SelectiveRecompute(modules=list(c)) for c in selective_combinations()],
+        FullRecompute(interval="2"),
+        FullRecompute(interval="stage", nested=True),
+    ],
+    ids=lambda r: (
+        getattr(r, "interval", "") + ("-nested" if getattr(r, "nested", False) else "") or "+".join(r.modules)
+    ),
 )
 def test_early_and_deferred_recompute_is_bit_exact_with_none(recompute, attention):
     base_losses, base_grads = gpt_grads(NoRecompute(), attention, early=False, defer=False)
@@ -188,8 +194,11 @@ def test_every_schedule_early_and_recompute_trains_bit_identically(engine_runs, 
 def test_zb_h1_with_data_parallel_zero1_trains_like_1f1b(engine_runs):
     runs = _by_combination(engine_runs["zero1"])
     assert sorted(r["stage"] for r in runs["1f1b/none"]) == [0, 0, 1, 1]
-    for name in ("zb-h1/none", "zb-h1/full/early"):
+    for name in ("zb-h1/none", "zb-h1/full/early", "1f1b/nested", "zb-h1/nested/early"):
         assert _same_training(runs[name], runs["1f1b/none"]), name
+    for rank in runs["zb-h1/nested/early"]:  # stage 0's nested segment (2 blocks) really recomputed early
+        early_runs = rank["instructions"].get("RecomputeEarly", 0)
+        assert early_runs == (4 if rank["stage"] == 0 else 0) == 4 * rank["planned_early"]
 
 
 @pytest.mark.multiproc

@@ -14,10 +14,11 @@ less around them) and what no choice changes (the loss's backward; the first sta
 comes once the micro-batch's blocks are freed): parallel/planning/working_set.py's StageWorking.
 
 Algorithm (exact for this model). Blocks of a stage are identical, so a plan is characterised by m, the
-blocks under full recompute, split into k segments, and the multiset of per-block choices of the other
-n - m blocks. Memory and cost are additive over blocks, so for every (m, k) we need the cheapest multiset
-of n - m per-block choices whose kept bytes stay under what is left. A dynamic programme over the number
-of blocks builds the Pareto frontier (kept bytes, cost) of those multisets (each frontier is at most a
+blocks under full recompute, split into k segments (nested or not: nesting costs a forward of each segment's blocks
+but its last, and is a candidate only where it lowers the segments' working set), and the multiset of per-block
+choices of the other n - m blocks. Memory and cost are additive over blocks, so for every (m, k) we need the
+cheapest multiset of n - m per-block choices whose kept bytes stay under what is left. A dynamic programme over the
+number of blocks builds the Pareto frontier (kept bytes, cost) of those multisets (each frontier is at most a
 few hundred points here); each (m, k) then takes the frontier's cheapest point that fits (a binary
 search). The working set is the largest among the chosen blocks', so the search runs once per class of
 choices whose working set is at most w, for each w a choice has, with w counted as the blocks' (the
@@ -35,13 +36,13 @@ from dataclasses import dataclass, replace
 
 from parallel.planning.block_prices import BlockOption, BlockPrices
 from parallel.planning.stage_plan import StagePlan
-from parallel.planning.working_set import StageWorking
+from parallel.planning.working_set import StageWorking, nested_remade_bytes
 
 
 @dataclass(frozen=True)
 class StageChoice:
     choices: tuple[str, ...]
-    """One per block of the stage, in order: `none`, `selective:<modules>` or `full`."""
+    """One per block of the stage, in order: `none`, `selective:<modules>`, `full` or `nested`."""
     segments: tuple[tuple[int, int], ...]
     """Block-index ranges [start, stop) of the full-recompute segments (relative to the stage's blocks)."""
     kept_bytes: int
@@ -58,6 +59,10 @@ class StageChoice:
     """What the blocks keep per micro-batch that runs with no recompute (when `micro_batches` is set)."""
     plain_working_bytes: int = 0
     """`working_bytes` of such a micro-batch (none's)."""
+    nested: bool = False
+    """The segments are nested (StagePlan.nested): a choice only where that lowers the segments' working set."""
+    compress: str = "none"
+    """The segments' inputs are stored compressed (StagePlan.compress): only with BlockPrices.stash."""
 
 
 def _pareto(options: Sequence[BlockOption]) -> list[BlockOption]:
@@ -95,10 +100,51 @@ def _classes(table: BlockPrices) -> list[tuple[float, tuple[BlockOption, ...]]]:
     return [(w, tuple(_pareto([o for o in table.options if o.working_bytes <= w]))) for w in levels]
 
 
-def _candidates(n: int, table: BlockPrices):
+def _segment_moment(table: BlockPrices, size: int, nested: bool, compressed: bool) -> float:
+    """The working set of a segment of `size` blocks in its backward: it remakes what its blocks keep under none, less
+    the input it keeps anyway (a compressed input is a copy: the input is remade beside it); nested, only the blocks'
+    inputs and one block's interior (working_set.nested_remade_bytes at its last block)."""
+    if not size:
+        return -math.inf
+    none_working, block, segment_input = table.options[0].working_bytes, table.block_bytes, table.segment_input_bytes
+    reused = 0 if compressed else segment_input
+    if nested:
+        return none_working + nested_remade_bytes(size - 1, block, segment_input, reused)
+    return none_working + size * block - reused
+
+
+def _segment_sizes(m: int, k: int) -> list[int]:
+    """m blocks in k segments as even as can be (none longer than ceil(m / k)), the longest last."""
+    return [m // k] * (k - m % k) + [m // k + 1] * (m % k) if m else []
+
+
+def _segments_moment(table: BlockPrices, m: int, k: int, nested: bool, compressed: bool, ends_stage: bool) -> float:
+    """The segments' largest working set: the last segment's; stored compressed on a stage whose blocks end it
+    (`ends_stage`: StageWorking.blocks_end_stage), the one before it holds a fresh gradient of its output, which the
+    last block's is not, while the last segment has freed only a compressed input, so it can be larger."""
+    sizes = _segment_sizes(m, k)
+    if not sizes:
+        return -math.inf
+    moment = _segment_moment(table, sizes[-1], nested, compressed)
+    if compressed and ends_stage and len(sizes) > 1:
+        grown = table.segment_input_bytes - table.stash[1]  # the incoming gradient less the freed compressed input
+        moment = max(moment, _segment_moment(table, sizes[-2], nested, compressed) + grown)
+    return moment
+
+
+def _segments_cost(table: BlockPrices, m: int, k: int, nested: bool) -> float:
+    """m blocks in k segments; nested, each segment's recompute stops before its last block and every block is then
+    remade on its own (flops.nested_segment_recompute_flops)."""
+    if nested:
+        return (2 * m - k) * table.full_block_cost - m * table.segment_discount
+    return m * table.full_block_cost - k * table.segment_discount
+
+
+def _candidates(n: int, table: BlockPrices, ends_stage: bool):
     """Every plan worth considering: (the choices of the other blocks, their frontier, full blocks m, segments k,
-    the blocks' largest working set, the segments' kept bytes, the full part's cost)."""
-    none_working = table.options[0].working_bytes
+    the blocks' largest working set, the segments' kept bytes, the full part's cost, nested, compressed).
+    `ends_stage`: StageWorking.blocks_end_stage."""
+    stashes = [(False, table.segment_input_bytes)] + ([(True, table.stash[1])] if table.stash else [])
     for level, (w, options) in enumerate(_classes(table)):
         frontiers = _frontiers(n, options)
         for m in range(n + 1):
@@ -106,20 +152,24 @@ def _candidates(n: int, table: BlockPrices):
                 continue
             for k in [0] if m == 0 else range(1, m + 1):
                 size = math.ceil(m / k) if m else 0
-                # A segment's backward remakes what its blocks keep under none, less the input it keeps anyway.
-                segment = none_working + size * table.block_bytes - table.segment_input_bytes if m else -math.inf
-                moment = max(w if m < n else -math.inf, segment)
-                full_cost = m * table.full_block_cost - k * table.segment_discount
-                yield options, frontiers[n - m], m, k, moment, k * table.segment_input_bytes, full_cost
+                for compressed, stored in stashes if m else stashes[:1]:
+                    plain = _segments_moment(table, m, k, False, compressed, ends_stage)
+                    for nested in (False, True):
+                        segment = _segments_moment(table, m, k, nested, compressed, ends_stage)
+                        if nested and (size < 2 or segment >= plain):  # nesting only where it lowers the peak
+                            continue
+                        moment = max(w if m < n else -math.inf, segment)
+                        cost = _segments_cost(table, m, k, nested)
+                        yield options, frontiers[n - m], m, k, moment, k * stored, cost, nested, compressed
 
 
-def least_stage_bytes(n: int, table: BlockPrices, in_flight: int, working: StageWorking) -> int:
-    """The smallest footprint any plan reaches: what the in-flight micro-batches' blocks keep, and the backward's
-    working set (working.bytes)."""
-    return min(
-        working.bytes(full_kept + frontier[0][0], in_flight, moment)
-        for _, frontier, _, _, moment, full_kept, _ in _candidates(n, table)
-    )
+def least_stage_bytes(n: int, table: BlockPrices, in_flight: int, working: StageWorking) -> tuple[int, int]:
+    """The smallest footprint any plan reaches, and any plan without nested segments: what the in-flight
+    micro-batches' blocks keep, and the backward's working set (working.bytes)."""
+    least = {False: math.inf, True: math.inf}
+    for _, frontier, _, _, moment, full_kept, _, nested, _ in _candidates(n, table, working.blocks_end_stage):
+        least[nested] = min(least[nested], working.bytes(full_kept + frontier[0][0], in_flight, moment))
+    return int(min(least.values())), int(least[False])
 
 
 def choose_stage(
@@ -127,31 +177,41 @@ def choose_stage(
 ) -> StageChoice | None:
     """The cheapest plan for n blocks whose in-flight micro-batches' kept bytes and working set (working.bytes) fit
     byte_budget, or None; `floor`: a working set the stage's blocks hold whatever the plan (the plain micro-batches'
-    of a per-micro-batch plan). Ties go to fewer bytes."""
+    of a per-micro-batch plan). Ties go to fewer bytes, then to exact storage."""
     best = None
-    for options, frontier, m, k, moment, full_kept, full_cost in _candidates(n, table):
+    candidates = _candidates(n, table, working.blocks_end_stage)
+    for options, frontier, m, k, moment, full_kept, full_cost, nested, compressed in candidates:
         moment = max(moment, floor)
         limit = working.kept_limit(byte_budget, in_flight, moment) - full_kept
         index = bisect.bisect_right(frontier, (limit, math.inf)) - 1
         if index < 0:
             continue
         kept, cost, counts = frontier[index]
-        key = (full_cost + cost, in_flight * (full_kept + kept))
+        key = (full_cost + cost, in_flight * (full_kept + kept), compressed)
         if best is None or key < best[0]:
-            best = (key, options, m, k, kept + full_kept, counts)
+            best = (key, options, m, k, kept + full_kept, counts, (nested, compressed))
     if best is None:
         return None
-    (cost, _), options, m, k, kept, counts = best
-    return _arranged(table, options, m, k, kept, counts, cost)
+    (cost, _, _), options, m, k, kept, counts, segment_kind = best
+    return _arranged(table, options, m, k, kept, counts, cost, *segment_kind, working.blocks_end_stage)
 
 
-def _arranged(table: BlockPrices, options, m: int, k: int, kept: int, counts, cost: float) -> StageChoice:
+def _arranged(
+    table: BlockPrices,
+    options,
+    m: int,
+    k: int,
+    kept: int,
+    counts,
+    cost: float,
+    nested: bool,
+    compressed: bool,
+    ends_stage: bool,
+) -> StageChoice:
     """The choice's blocks in order, the one with the largest working set last: the stage's last block has the
     least freed around its backward (StageWorking), so there its working set is the stage's, as auto counted it."""
-    size = math.ceil(m / k) if m else 0
-    # k segments as even as can be (none longer than ceil(m / k)), the longest last
-    sizes = [m // k] * (k - m % k) + [m // k + 1] * (m % k) if m else []
-    segment = table.options[0].working_bytes + size * table.block_bytes - table.segment_input_bytes if m else -math.inf
+    sizes = _segment_sizes(m, k)
+    segment = _segments_moment(table, m, k, nested, compressed, ends_stage)
     others = sorted(
         (option for option, count in zip(options, counts) for _ in range(count)), key=lambda o: o.working_bytes
     )
@@ -163,8 +223,11 @@ def _arranged(table: BlockPrices, options, m: int, k: int, kept: int, counts, co
         segments.append((bounds, bounds + length))
         bounds += length
     choices = [o.choice for o in others]
-    choices[start:start] = ["full"] * m
-    return StageChoice(tuple(choices), tuple(segments), kept, int(max(moment, 0)), cost)
+    choices[start:start] = ["nested" if nested else "full"] * m
+    compress = table.stash[0] if compressed else "none"
+    return StageChoice(
+        tuple(choices), tuple(segments), kept, int(max(moment, 0)), cost, nested=nested, compress=compress
+    )
 
 
 def choose_stage_micro_batches(
@@ -198,6 +261,8 @@ def to_stage_plan(
     modules = {option.choice: option.modules for option in table.options}
     return StagePlan(
         segments=tuple((block_positions[a], block_positions[b - 1] + 1) for a, b in choice.segments),
+        nested=choice.nested,
+        compress=choice.compress,
         selective={block_positions[i]: modules[c] for i, c in enumerate(choice.choices) if c.startswith("selective:")},
         micro_batches=choice.micro_batches,
         in_flight=in_flight if choice.micro_batches is not None else None,
@@ -220,6 +285,8 @@ class StageBudget:
     choice: StageChoice | None
     least_bytes: int
     """The smallest peak any plan reaches on this stage."""
+    least_bytes_unnested: int
+    """The smallest peak a plan without nested segments reaches: above `least_bytes` where only nesting reaches it."""
 
     @property
     def predicted_peak_bytes(self) -> int | None:

@@ -143,6 +143,10 @@ class BlockPrices:
     seconds)."""
     source: CostSource = ANALYTIC
     """Which costs these are: a device profile (its path and date) or analytic."""
+    stash: tuple[str, int] | None = None
+    """The lossy storage auto may use (recompute.compress): its format and the bytes a segment input keeps stored in
+    it; None: every plan stores exactly. Its (de)compression is not priced: auto uses it wherever it lets a stage
+    recompute less, ties going to exact storage."""
 
     @property
     def unit(self) -> str:

@@ -11,10 +11,10 @@ from parallel.planning.config import AutoRecompute
 from parallel.planning.shapes import GIB, RunShape, Target, Topology
 
 
-def smallest_budget_gb(auto: AutoRecompute, budgets: list[StageBudget]) -> float:
-    """The smallest recompute.budget_gb every stage fits in, rounded up to three significant digits so that the
-    figure quoted really fits."""
-    gb = max(b.least_bytes for b in budgets) / GIB + auto.reserve_gb
+def smallest_budget_gb(auto: AutoRecompute, budgets: list[StageBudget], nesting: bool = True) -> float:
+    """The smallest recompute.budget_gb every stage fits in (without nested segments, with `nesting` false), rounded
+    up to three significant digits so that the figure quoted really fits."""
+    gb = max(b.least_bytes if nesting else b.least_bytes_unnested for b in budgets) / GIB + auto.reserve_gb
     step = 10.0 ** (math.floor(math.log10(gb)) - 2)
     return round(math.ceil(gb / step) * step, 12)
 
@@ -55,6 +55,13 @@ class BudgetTooSmall(ValueError):
             f"least: the smallest budget that fits every stage is recompute.budget_gb={self.smallest_gb:g} (with "
             f"recompute.reserve_gb={auto.reserve_gb})"
         )
+        unnested = smallest_budget_gb(auto, budgets, nesting=False)
+        if unnested > self.smallest_gb:
+            nested = ", ".join(str(b.stage) for b in budgets if b.least_bytes < b.least_bytes_unnested)
+            message += (
+                f", reached with nested checkpoints on stage {nested} (auto nests a stage where nothing else fits; "
+                f"without nesting the smallest budget is {unnested:g})"
+            )
         helps = [f"{setting} fits at {gb:g}" for setting, gb in priced if gb < self.smallest_gb]
         if helps:
             message += ". Also helps (the smallest budget the planner finds with it): " + ", ".join(helps)

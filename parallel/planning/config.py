@@ -99,6 +99,16 @@ class ParallelConfig:
             )
 
 
+COMPRESS_FORMATS = ("none", "bf16", "fp8")
+
+
+def check_compress_name(compress: str) -> None:
+    if compress not in COMPRESS_FORMATS:
+        raise ValueError(
+            f"recompute.compress={compress!r} is unknown: allowed values are {', '.join(COMPRESS_FORMATS)}"
+        )
+
+
 def check_micro_batches(value: int | None) -> None:
     """`recompute.micro_batches` on its own; schema/checks.py holds it to train.micro_batches."""
     if value is not None and value < 1:
@@ -154,16 +164,32 @@ class FullRecompute(PlannedRecompute):
     """Blocks per segment: a positive integer, `stage` (one segment per stage: the stage input the
     pipeline already holds is the only thing stored) or `sqrt` (about sqrt(blocks in the stage)).
     Segments start at each stage's first block and never cross a stage boundary."""
+    nested: bool = False
+    """Checkpoint each block again inside its segment (a recompute tree): a segment still keeps only its input per
+    micro-batch, and its recompute in backward then keeps only its blocks' inputs, each block's interior being
+    remade just before that block's backward. The backward holds one micro-batch's block inputs plus one block's
+    working set instead of every block's activations, for one more forward of the segment. Exact, like every
+    mode. Needs segments of more than one block (`recompute.interval` 2 or more, `stage` or `sqrt`)."""
+    compress: str = "none"
+    """Store what each segment keeps, its input (the stage's boundary input included), in fewer bits until its
+    recompute: `none` (as it is), `bf16` (from an fp32 run: half the bytes) or `fp8` (float8 e4m3 with one fp32 scale
+    per token: a quarter of fp32's bytes, plus 4 bytes a token). LOSSY, so never on by default: the recompute and the
+    backward run on the decompressed input, and the gradients are those of the decompressed input. plan.json,
+    summary.json and the start-up print say so."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.interval = str(self.interval)
-        if self.interval in INTERVAL_WORDS:
-            return
-        if not self.interval.isdigit() or int(self.interval) <= 0:
+        if self.interval not in INTERVAL_WORDS and (not self.interval.isdigit() or int(self.interval) <= 0):
             raise ValueError(
                 f"recompute.interval={self.interval!r} is invalid: allowed values are a positive "
                 f"integer (blocks per segment), {' or '.join(INTERVAL_WORDS)}"
+            )
+        check_compress_name(self.compress)
+        if self.nested and self.interval == "1":
+            raise ValueError(
+                "recompute.nested=true is invalid with recompute.interval=1: a one-block segment has nothing to nest; "
+                "use recompute.interval=2 or more, stage or sqrt, or recompute.nested=false"
             )
 
 
@@ -216,8 +242,15 @@ class AutoRecompute:
     """Also choose, per stage, for how many of its in-flight micro-batches the plan recomputes (the others
     run with no recompute; see `+recompute=full`'s `recompute.micro_batches`): the least recompute time per
     step that fits, plans between the all-micro-batch ones. Off: every micro-batch runs its stage's plan."""
+    compress: str = "none"
+    """Lossy storage auto may use: `none` (auto stays exact), `bf16` or `fp8` (see `+recompute=full`'s
+    `recompute.compress`). Allowed, it is one more choice per stage: a stage's full-recompute segments store their
+    inputs in it wherever that lets the stage recompute less within the budget (its (de)compression is not priced;
+    at equal cost exact storage wins). The run then says LOSSY, and on which stages, at start-up, in plan.json and
+    summary.json."""
 
     def __post_init__(self) -> None:
+        check_compress_name(self.compress)
         if self.budget_gb <= 0:
             raise ValueError(f"recompute.budget_gb={self.budget_gb} is invalid: it must be > 0 (GiB per GPU)")
         if not 0 <= self.reserve_gb < self.budget_gb:

@@ -79,6 +79,13 @@ def segment_recompute_flops(shape: Shape, blocks: int) -> int:
     return blocks * block_forward_flops(shape) - (0 if shape.dropout else mlp_output_matmul_flops(shape))
 
 
+def nested_segment_recompute_flops(shape: Shape, blocks: int) -> int:
+    """Nested recompute of a segment of `blocks` blocks: the segment's recompute runs every block but the last (torch's
+    early stop ends it once the last block's input, the last tensor it keeps, is made), then each block's own
+    recompute runs before its backward (`segment_recompute_flops` of one block). Counted with FlopCounterMode."""
+    return (blocks - 1) * block_forward_flops(shape) + blocks * segment_recompute_flops(shape, 1)
+
+
 def non_embedding_params(recipes: Sequence[LayerRecipe], param_counts: Sequence[int]) -> int:
     """N: the blocks and the final norm (biases and gains included), without the token and position embeddings and
     without an untied LM head (model_flops_per_token counts every LM head as h V). `param_counts`:
@@ -133,10 +140,10 @@ def stage_flops(
             forward += head_forward_flops(shape)
             # The fused loss makes each chunk's logits again in backward (model/fused_loss.py).
             recompute += head_forward_flops(shape) if shape.loss_chunk_tokens else 0
+    segment_flops = nested_segment_recompute_flops if plan.nested else segment_recompute_flops
     for start, stop in plan.segments:
-        recompute += segment_recompute_flops(
-            shape, sum(recipes[layers[i]].module_class in BLOCK_CLASSES for i in range(start, stop))
-        )
+        blocks = sum(recipes[layers[i]].module_class in BLOCK_CLASSES for i in range(start, stop))
+        recompute += segment_flops(shape, blocks)
     return StageFlops(forward, recompute)
 
 

@@ -101,8 +101,11 @@ class TimeModel:
         blocks inside each of the plan's segments."""
         by_modules = {frozenset(o.modules): o.cost for o in self.table.options}
         cost = sum(by_modules[frozenset(modules)] for modules in plan.selective.values())
+        full, discount = self.table.full_block_cost, self.table.segment_discount
         for segment in plan.segments:
-            cost += blocks_in[segment] * self.table.full_block_cost - self.table.segment_discount
+            blocks = blocks_in[segment]
+            # nested: the segment's recompute stops before its last block, then every block is remade on its own
+            cost += (2 * blocks - 1) * full - blocks * discount if plan.nested else blocks * full - discount
         return cost
 
     def stage(

@@ -6,7 +6,7 @@ the same layout, built by `build_layout` alone.
 (parallel/planning/balanced_search.py); the schedule is chosen last (parallel/planning/schedule_choice.py).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from model import BLOCK_CLASSES, GPTConfig, LayerRecipe, gpt_layers
 from parallel.planning.auto_recompute import StageBudget
@@ -102,11 +102,16 @@ class PipelineLayout:
             for choice in b.choice.choices:
                 counts[choice] = counts.get(choice, 0) + 1
             plan = ", ".join(f"{n} x {c}" for c, n in counts.items()) or "no blocks"
+            if b.choice.compress != "none":
+                plan += f" (segment inputs stored as {b.choice.compress}: lossy)"
             if b.choice.micro_batches is not None:
                 plan += f" for {b.choice.micro_batches} of them, none for the others"
+            floor = f"floor {b.least_bytes / GIB:.4f}"
+            if b.least_bytes < b.least_bytes_unnested:
+                floor += f" ({b.least_bytes_unnested / GIB:.4f} without nesting)"
             lines.append(
                 f"stage {b.stage}: {plan} | {b.in_flight} in flight | predicted peak "
-                f"{self.peak_bytes[b.stage] / GIB:.4f} of {usable:g} GiB"
+                f"{self.peak_bytes[b.stage] / GIB:.4f} of {usable:g} GiB | {floor} GiB"
             )
         return lines
 
@@ -219,15 +224,19 @@ def _fastest_partition(
 def _priced_alternatives(
     model: GPTConfig, auto: AutoRecompute, run: RunShape, partition_method: str, seed: int
 ) -> list[tuple[str, float]]:
-    """Each of budget_refusal.alternatives with the smallest budget the planner finds under it (analytic costs)."""
+    """Each of budget_refusal.alternatives with the smallest budget the planner finds under it (analytic costs), and
+    lossy fp8 storage where the run does not allow it yet."""
     priced = []
-    for setting, other_run in alternatives(model, run):
+    settings = [(setting, auto, other_run) for setting, other_run in alternatives(model, run)]
+    if auto.compress == "none":
+        settings.append(("recompute.compress=fp8 (lossy)", replace(auto, compress="fp8"), run))
+    for setting, other_auto, other_run in settings:
         try:
-            layout = build_layout(model, auto, other_run, partition_method, seed, price_alternatives=False)
+            layout = build_layout(model, other_auto, other_run, partition_method, seed, price_alternatives=False)
         except BudgetTooSmall as refused:
             priced.append((setting, refused.smallest_gb))
             continue
         except ValueError:  # the setting itself is refused (recompute.early=true that does not fit): not a help
             continue
-        priced.append((setting, smallest_budget_gb(auto, layout.budgets)))
+        priced.append((setting, smallest_budget_gb(other_auto, layout.budgets)))
     return priced

@@ -18,6 +18,7 @@ from itertools import combinations
 from model import BLOCK_CLASSES, LayerRecipe, LMHead
 from model.layers import FinalNorm, PositionEmbedding, TokenEmbedding
 from model.llama_layers import LlamaEmbedding, LlamaFinalNorm
+from parallel.planning.compression import stored_input_bytes
 from parallel.planning.config import RECOMPUTE_MODULES
 from parallel.planning.shapes import FP32, Shape, Target
 from parallel.planning.stage_plan import StagePlan
@@ -161,9 +162,14 @@ def block_kept_items(shape: Shape, target: Target, modules: Sequence[str] = ()) 
     return (llama_block_items if shape.arch == "llama" else block_items)(shape, target, modules)
 
 
-def block_full_items(shape: Shape, target: Target, segment_start: bool) -> list[Item]:
-    """Full recompute: a segment keeps only its input, by reference; blocks inside keep nothing."""
-    return [("segment input (checkpoint input)", shape.bsh * target.dtype_bytes)] if segment_start else []
+def block_full_items(shape: Shape, target: Target, segment_start: bool, compress: str = "none") -> list[Item]:
+    """Full recompute: a segment keeps only its input, by reference (or a compressed copy of it: `compress`,
+    parallel/planning/compression.py); blocks inside keep nothing."""
+    if not segment_start:
+        return []
+    if compress != "none":
+        return [(f"segment input stored as {compress}", stored_input_bytes(shape, target, compress))]
+    return [("segment input (checkpoint input)", shape.bsh * target.dtype_bytes)]
 
 
 def token_embedding_items(shape: Shape, target: Target) -> list[Item]:
@@ -268,7 +274,7 @@ class LayerActivation:
     flat_index: int
     name: str
     choice: str
-    """`none`, `full` or `selective:<modules>` for blocks; `-` for other layers."""
+    """`none`, `full`, `nested` or `selective:<modules>` for blocks; `-` for other layers."""
     items: tuple[Item, ...]
 
     @property
@@ -293,8 +299,8 @@ def stage_activations(
         choice = "-"
         if cls in BLOCK_CLASSES:
             choice = plan.choice_of(local)
-            if choice == "full":
-                items = block_full_items(shape, target, local in segment_starts)
+            if choice in ("full", "nested"):
+                items = block_full_items(shape, target, local in segment_starts, plan.compress)
             else:
                 items = block_kept_items(shape, target, plan.selective.get(local, ()))
         elif is_head(recipe):

@@ -208,6 +208,9 @@ class RunPlan:
     """The model config's fields."""
     step_time: StepTimeEstimate | None = None
     """Absent from plan.json files written before the step-time model."""
+    lossy: str | None = None
+    """What compressed stashes (recompute.compress) lose, on which stages (parallel/planning/compression.py's
+    lossy_note); None: the run is exact (and in plan.json files written before compression)."""
 
     @property
     def predicted_step_time_s(self) -> float | None:
@@ -229,7 +232,7 @@ class RunPlan:
 
     @classmethod
     def from_json(cls, data: dict) -> "RunPlan":
-        simple = {f.name: data[f.name] for f in fields(cls) if f.name != "step_time"}
+        simple = {f.name: data[f.name] for f in fields(cls) if f.name not in ("step_time", "lossy")}
         step_time = None
         if "predicted_step_time_s" in data:
             keys = [f.name for f in fields(StepTimeEstimate) if f.name != "costs"]
@@ -239,6 +242,7 @@ class RunPlan:
             **{
                 **simple,
                 "step_time": step_time,
+                "lossy": data.get("lossy"),
                 "target": PlanTarget(**data["target"]),
                 "stages": tuple(StageEstimate.from_json(s) for s in data["stages"]),
                 "per_block_activation_bytes": tuple(data["per_block_activation_bytes"]),
@@ -277,6 +281,8 @@ class RunPlan:
                     f"{_gib(s.activation_bytes_per_microbatch)} GiB each; the others none, "
                     f"{_gib(s.plain_activation_bytes_per_microbatch)} GiB each"
                 )
+        if self.lossy:
+            lines.append(self.lossy)
         lines.append(self.states_legend())
         k, blocks = self.korthikanti_per_block_bytes, self.per_block_activation_bytes
         lines.append(

@@ -9,6 +9,7 @@ back.
 from model import BLOCK_CLASSES, GPTConfig
 from parallel.planning.auto_recompute import StageBudget
 from parallel.planning.block_prices import analytic_prices
+from parallel.planning.compression import lossy_note
 from parallel.planning.config import FullRecompute, NoRecompute, RecomputeConfig, SelectiveRecompute
 from parallel.planning.flops import (
     head_flops_per_token,
@@ -101,6 +102,7 @@ def plan_run(model: GPTConfig, recompute: RecomputeConfig, layout: PipelineLayou
     return RunPlan(
         target=PlanTarget(target.device, target.precision, model.attention, kernel, model.dropout),
         recompute=vars(recompute),
+        lossy=lossy_note(layout.plans),
         pipeline_stages=len(stages),
         data_parallel_size=data_parallel,
         world_size=len(stages) * data_parallel,

@@ -21,7 +21,7 @@ from parallel.planning.partition import StageRange
 from parallel.planning.schedule_walk import ActivationPeak, activation_peak, in_flight_micro_batches, pipe_buffers
 from parallel.planning.shapes import RunShape, Shape, Target
 from parallel.planning.stage_plan import StagePlan
-from parallel.planning.working_set import backward_working_sets, early_recompute_copies
+from parallel.planning.working_set import backward_working_sets, early_recompute_copies, nested_early_bytes
 
 
 @dataclass(frozen=True)
@@ -141,13 +141,19 @@ def stage_memory(
     split = schedule == "zb-h1"  # B defers the weight gradients and keeps what W needs
     sets = backward_working_sets(layers, plan, shape, run.target, split)
     plain_sets = backward_working_sets(plain_layers, StagePlan(), shape, run.target, split)
+    early = plan.early and not is_last
     # A micro-batch recomputed early holds what `none` keeps when its backward starts (the walk adds the remade bytes
-    # as `recomputed`), so its backward's working set is none's.
-    own_sets = plain_sets if plan.early and not is_last else sets
+    # as `recomputed`), so its backward's working set is none's; a nested one holds its block inputs, and remakes
+    # each block's interior in the backward.
+    own_sets = plain_sets if early else sets
+    if early and plan.nested:
+        own_sets = backward_working_sets(layers, plan, shape, run.target, split, remade_early=True)
     working = [max((own_sets if p else plain_sets).items(), key=lambda i: i[1], default=("", 0)) for p in under_plan]
 
     weights_pending = stage_weight_grad_bytes(recipes, stage.layers, shape, run.target)
     early_copies = early_recompute_copies(plan, shape, run.target)
+    block_input = shape.bsh * run.target.dtype_bytes
+    early_remade = nested_early_bytes(plan, layers, block_input) if plan.nested else plain - kept + early_copies
     # A stage between two others under posted sends (every stage's `early` is recompute.early's) holds each input
     # gradient it sent until the previous stage surely has it; the last stage's are its kept outputs' anyway.
     posted = (schedule != "1f1b" or plan.early) and 0 < stage.stage < num_stages - 1
@@ -159,7 +165,7 @@ def stage_memory(
             plan.early,
             [kept if p else plain for p in under_plan],
             weights_pending,
-            [plain - kept + early_copies if p else 0 for p in under_plan],
+            [early_remade if p else 0 for p in under_plan],
             run.micro_batches,
             num_stages,
             stage.stage,

@@ -17,6 +17,12 @@ class StagePlan:
 
     segments: tuple[tuple[int, int], ...] = ()
     """[start, stop) local layer ranges, each run as one checkpointed segment."""
+    nested: bool = False
+    """Each segment's recompute checkpoints its blocks again (`recompute.nested`): it keeps only their inputs, and
+    each block's interior is remade just before that block's backward."""
+    compress: str = "none"
+    """How each segment stores its input until its recompute (`recompute.compress`: parallel/planning/compression.py);
+    `none`: as it is."""
     selective: dict[int, tuple[str, ...]] = field(default_factory=dict)
     """Local block index -> modules recomputed inside that block."""
     micro_batches: int | None = None
@@ -33,9 +39,10 @@ class StagePlan:
     by the layout within 1F1B's peak; None: the schedule's own default (the stage index)."""
 
     def choice_of(self, local_index: int) -> str:
-        """`none`, `full` or `selective:<modules>` for one local layer (for print-outs and W&B)."""
+        """`none`, `full`, `nested` (a block of a nested segment) or `selective:<modules>` for one local layer (for
+        print-outs and W&B)."""
         if any(start <= local_index < stop for start, stop in self.segments):
-            return "full"
+            return "nested" if self.nested else "full"
         if local_index in self.selective:
             return "selective:" + "+".join(self.selective[local_index])
         return "none"
@@ -96,4 +103,4 @@ def plan_stage(is_block: Sequence[bool], recompute: RecomputeConfig, in_flight: 
         (block_positions[i], block_positions[min(i + length, len(block_positions)) - 1] + 1)
         for i in range(0, len(block_positions), length)
     )
-    return StagePlan(segments=segments, **per_micro_batch)
+    return StagePlan(segments=segments, nested=recompute.nested, compress=recompute.compress, **per_micro_batch)

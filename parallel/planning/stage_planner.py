@@ -2,6 +2,8 @@
 the micro-batches it holds in flight), for real stage ranges and for the balanced search's hypothetical ones.
 """
 
+from dataclasses import replace
+
 from model import BLOCK_CLASSES
 from parallel.planning.auto_recompute import (
     StageBudget,
@@ -11,6 +13,7 @@ from parallel.planning.auto_recompute import (
     to_stage_plan,
 )
 from parallel.planning.block_prices import BlockPrices
+from parallel.planning.compression import stored_input_bytes
 from parallel.planning.config import AutoRecompute, NoRecompute, RecomputeConfig
 from parallel.planning.partition import StageRange
 from parallel.planning.shapes import GIB
@@ -26,6 +29,9 @@ class StagePlanner:
     def __init__(self, pricing: StagePricing, recompute: RecomputeConfig, table: BlockPrices):
         self.pricing = pricing
         self.recompute = recompute
+        compress = getattr(recompute, "compress", "none")
+        if isinstance(recompute, AutoRecompute) and compress != "none":  # lossy storage allowed: one more choice
+            table = replace(table, stash=(compress, stored_input_bytes(pricing.shape, pricing.run.target, compress)))
         self.table = table
         self.usable = (recompute.budget_gb - recompute.reserve_gb) * GIB if isinstance(recompute, AutoRecompute) else 0
 
@@ -46,8 +52,10 @@ class StagePlanner:
             choice = choose_stage_micro_batches(n, self.table, in_flight, run.micro_batches, room, working)
         else:
             choice = choose_stage(n, self.table, in_flight, room, working)
-        least = memory.fixed_bytes + least_stage_bytes(n, self.table, in_flight, working)
-        budget = StageBudget(stage.stage, int(self.usable), in_flight, memory.fixed_bytes, working, choice, least)
+        least, unnested = (memory.fixed_bytes + b for b in least_stage_bytes(n, self.table, in_flight, working))
+        budget = StageBudget(
+            stage.stage, int(self.usable), in_flight, memory.fixed_bytes, working, choice, least, unnested
+        )
         return (to_stage_plan(choice, positions, self.table, memory.in_flight) if choice else StagePlan()), budget
 
     def _lowering(self, stage: StageRange, plan: StagePlan, plain: StageMemory) -> StagePlan:

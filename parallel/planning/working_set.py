@@ -63,6 +63,9 @@ class StageWorking:
     """The first stage's EMBEDDING working set plus the blocks' bytes of the micro-batch (which it has freed)."""
     optimizer: int = 0
     """The optimizer step's moment, after every backward (StageMemory.optimizer_floor): a floor under the peak."""
+    blocks_end_stage: bool = True
+    """No layer follows the stage's blocks: the last block's output gradient is DeepSpeed's buffer, every earlier
+    block's a fresh tensor."""
 
     def bytes(self, kept: int, count: int, moment: float) -> int:
         """`count` micro-batches whose blocks keep `kept` bytes each, with one's backward working set on top."""
@@ -184,7 +187,12 @@ def block_backward_bytes(
 
 
 def backward_working_sets(
-    layers: Sequence[LayerActivation], plan: StagePlan, shape: Shape, target: Target, split_weights: bool = False
+    layers: Sequence[LayerActivation],
+    plan: StagePlan,
+    shape: Shape,
+    target: Target,
+    split_weights: bool = False,
+    remade_early: bool = False,
 ) -> dict[str, int]:
     """The most one micro-batch's backward through the stage holds beyond what the micro-batch keeps, by moment
     (the names above; each the largest over the stage's blocks). The backward runs the layers last first: when it
@@ -200,6 +208,9 @@ def backward_working_sets(
       chunks' worth, since the loop makes the next chunk's logits while the previous chunk's are still bound;
     - EMBEDDING (the first stage, after everything but the token ids is freed): the token embedding's dense (V, C)
       weight gradient.
+
+    `remade_early`: a nested segment's block inputs were remade by an early recompute, which the schedule's walk
+    counts (`nested_early_bytes`), so the backward adds only each block's interior.
     """
     d, bsh = target.dtype_bytes, shape.bsh
     sets: dict[str, int] = {}
@@ -218,7 +229,12 @@ def backward_working_sets(
             incoming = bsh * d if local < len(layers) - 1 else 0
             if local in segment_of:
                 start = segment_of[local][0]
-                remade = sum(kept_none - layers[i].bytes for i in range(start, local + 1) if layers[i].is_block)
+                # A compressed input is a copy: the recompute makes the input anew beside it (decompressed).
+                reused = layers[start].bytes if plan.compress == "none" else 0
+                if plan.nested:
+                    remade = nested_remade_bytes(local - start, kept_none, bsh * d, reused, remade_early)
+                else:
+                    remade = (local - start + 1) * kept_none - reused
                 keep(SEGMENT, max(none.values()) + remade + incoming - freed)
             else:
                 own = block_backward_bytes(shape, target, plan.selective.get(local, ()), split_weights)
@@ -234,6 +250,25 @@ def backward_working_sets(
     if layers and layers[0].name in EMBEDDING_NAMES:
         sets[EMBEDDING] = _embedding_bytes(shape, target) - (freed - layers[0].bytes)
     return sets
+
+
+def nested_remade_bytes(offset: int, kept_none: int, block_input: int, reused: int, remade_early: bool = False) -> int:
+    """What a nested segment's backward holds, beyond what the segment keeps, at its block `offset` (0: the segment's
+    first): the segment's recompute remade every block's input (the first's is the kept segment input itself,
+    `reused` bytes of it, unless that was stored compressed: then 0, and it is remade too), the blocks after this one
+    have freed theirs with their backward, and this block's interior is remade as under `none`, its input included.
+    Its largest moment is at the segment's last block, which the backward reaches first. With `remade_early` the early
+    recompute made the inputs already (`nested_early_bytes`): only this block's interior is new."""
+    if remade_early:
+        return kept_none - block_input
+    return kept_none - reused + offset * block_input
+
+
+def nested_early_bytes(plan: StagePlan, layers: Sequence[LayerActivation], block_input: int) -> int:
+    """What an early recompute of a nested stage holds from its RecomputeEarly to the backward: every segment's block
+    inputs, less what the segment kept (its input, or its compressed copy, which the early recompute releases)."""
+    is_block = [layer.is_block for layer in layers]
+    return sum(sum(is_block[a:b]) * block_input - layers[a].bytes for a, b in plan.segments)
 
 
 def _freed_bytes(layer: LayerActivation, shape: Shape, target: Target) -> int:
@@ -276,6 +311,7 @@ def stage_working(layers: Sequence[LayerActivation], shape: Shape, target: Targe
         _loss_bytes(shape, target) if last else 0,
         _embedding_bytes(shape, target) - (sum(others) - layers[0].bytes) if first else None,
         optimizer,
+        not (blocks and blocks[-1] < len(layers) - 1),
     )
 
 

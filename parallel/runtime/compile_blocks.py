@@ -36,6 +36,13 @@ def compile_refusal(schedule: str, recompute) -> str | None:
             "train.compile=true cannot run recompute.early=true: an early recompute is a Python autograd Function "
             "holding its segment, which dynamo cannot trace; set recompute.early=false or train.compile=false"
         )
+    if getattr(recompute, "nested", False) or getattr(recompute, "compress", "none") != "none":
+        # Neither has been run with compiled blocks: their exactness and their bytes under compile are unmeasured.
+        return (
+            "train.compile=true cannot run recompute.nested=true or recompute.compress: nested segments and compressed "
+            "stashes are not yet checked against compiled blocks; set recompute.nested=false and "
+            "recompute.compress=none, or train.compile=false"
+        )
     if isinstance(recompute, SelectiveRecompute) and "layernorm" in recompute.modules:
         # `mlp_act` compiles as a checkpoint of the activation and its one consumer Linear, whose output backward never
         # reads (parallel/runtime/recompute.py's _discard_output); a norm's consumer is a whole attention or MLP.

@@ -23,12 +23,20 @@ the bracket parallel/runtime/recompute.py passes (the trace times it).
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Protocol
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 Bracket = Callable[[], AbstractContextManager]
+
+
+class Stash(Protocol):
+    """How a segment stores its inputs until its recompute (parallel/runtime/compressed_stash.py's)."""
+
+    def pack(self, t: torch.Tensor) -> object: ...
+    def unpack(self, packed: object) -> torch.Tensor: ...
 
 
 class _RngState:
@@ -49,9 +57,11 @@ class _RngState:
 class _Segment:
     """A checkpointed call fn(*inputs): its inputs, RNG state, and once recomputed, its fresh graph."""
 
-    def __init__(self, fn: Callable, inputs: tuple[torch.Tensor, ...], bracket: Bracket):
-        self.fn, self.inputs, self.bracket = fn, inputs, bracket
+    def __init__(self, fn: Callable, inputs: tuple[torch.Tensor, ...], bracket: Bracket, stash: Stash | None = None):
+        self.fn, self.bracket, self.stash = fn, bracket, stash
         self.rng = _RngState(inputs)
+        self.inputs = tuple(stash.pack(t) for t in inputs) if stash else inputs
+        """The inputs, or their compressed copies (recompute.compress)."""
         self.recomputed: tuple[tuple[torch.Tensor, ...], GradientEdge] | None = None
         """The detached inputs and the output's gradient edge: the output tensor itself is dropped, so only
         what its graph saved stays alive until backward."""
@@ -59,7 +69,8 @@ class _Segment:
         """Bytes the early recompute made that live until backward (counted only when it measured)."""
 
     def recompute(self, measure: bool = False) -> None:
-        detached = tuple(t.detach().requires_grad_(t.requires_grad) for t in self.inputs)
+        inputs = tuple(self.stash.unpack(p) for p in self.inputs) if self.stash else self.inputs
+        detached = tuple(t.detach().requires_grad_(t.requires_grad) for t in inputs)
         kept = _KeptBytes()
         with self.bracket(), kept.counting(measure), self.rng.restored(), torch.enable_grad():
             output = self.fn(*detached)
@@ -198,12 +209,13 @@ def registering() -> bool:
     return _registry is not None
 
 
-def checkpoint(fn: Callable, *inputs: torch.Tensor, bracket: Bracket) -> torch.Tensor:
-    """fn(*inputs), keeping only the inputs, with its recompute registered for the current micro-batch."""
+def checkpoint(fn: Callable, *inputs: torch.Tensor, bracket: Bracket, stash: Stash | None = None) -> torch.Tensor:
+    """fn(*inputs), keeping only the inputs (compressed by `stash` when given), with its recompute registered for the
+    current micro-batch."""
     if not any(t.requires_grad for t in inputs):
         # The Function's output would not require grad: backward would never reach the parameters inside.
         raise RuntimeError("an early-recomputed checkpoint needs an input that requires grad")
-    segment = _Segment(fn, inputs, bracket)
+    segment = _Segment(fn, inputs, bracket, stash)
     _registry._pending[-1].append(segment)
     return _EarlyCheckpoint.apply(segment, *inputs)
 

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 from model import BLOCK_CLASSES, Block, LayerFn, LlamaBlock
 from parallel.planning.stage_plan import StagePlan
 from parallel.runtime import early_recompute
+from parallel.runtime.compressed_stash import CompressedStash
 from parallel.runtime.early_recompute import DiscardedOutput
 
 # Tensors kept for backward *outside* autograd's saved-tensor hooks: a non-reentrant checkpoint holds
@@ -80,19 +81,37 @@ def _recompute_context_fn():
     return nullcontext(), _observed_recompute()
 
 
-def _checkpoint(fn: Callable, *args: torch.Tensor) -> torch.Tensor:
+def _checkpoint(fn: Callable, *args: torch.Tensor, stash: CompressedStash | None = None) -> torch.Tensor:
+    """fn(*args) checkpointed; with `stash`, the inputs it keeps are stored compressed (recompute.compress), and the
+    stash reports what it stores."""
     if torch.compiler.is_compiling():
         # Traced into a compiled block (train.compile) as torch's checkpoint operator, which accepts no context_fn
-        # but dispatch modes: its recompute runs inside the compiled backward, where no bracket can time it.
+        # but dispatch modes: its recompute runs inside the compiled backward, where no bracket can time it. Start-up
+        # refuses a stash under compile (parallel/runtime/compile_blocks.py).
         return checkpoint(fn, *args, use_reentrant=False)
+    if stash is None:
+        note_stored(*args)
     if early_recompute.registering():  # recompute.early: RecomputeEarly reruns it ahead of backward
-        return early_recompute.checkpoint(fn, *args, bracket=_recompute_bracket)
-    return checkpoint(fn, *args, use_reentrant=False, context_fn=_recompute_context_fn)
+        return early_recompute.checkpoint(fn, *args, bracket=_recompute_bracket, stash=stash)
+    if stash is None:
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=_recompute_context_fn)
+    # torch saves a checkpoint's inputs (save_for_backward) before its own hooks take over: only they pass these
+    with stash.hooks():
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=_recompute_context_fn)
 
 
 def _run_range(funcs: Sequence[LayerFn], x: torch.Tensor) -> torch.Tensor:
     for fn in funcs:
         x = fn(x)
+    return x
+
+
+def _run_nested(funcs: Sequence[LayerFn], x: torch.Tensor) -> torch.Tensor:
+    """A nested segment's body: each block checkpointed again. The segment's own checkpoint discards the blocks'
+    inputs in the forward (torch saves a nested checkpoint's inputs through the enclosing one's hooks), its recompute
+    keeps only them, and each block's interior is remade just before that block's backward."""
+    for fn in funcs:
+        x = checkpoint(fn, x, use_reentrant=False, context_fn=_recompute_context_fn)
     return x
 
 
@@ -118,12 +137,12 @@ def run_stage(funcs: Sequence[LayerFn], plan: StagePlan, x: torch.Tensor, recomp
         with _without_recompute():
             return _run_range(funcs, x)
     segment_stop = dict(plan.segments)
+    stash = CompressedStash(plan.compress, note_stored) if plan.compress != "none" else None
     i = 0
     while i < len(funcs):
         if i in segment_stop:
             stop = segment_stop[i]
-            note_stored(x)
-            x = _checkpoint(partial(_run_range, funcs[i:stop]), x)
+            x = _checkpoint(partial(_run_nested if plan.nested else _run_range, funcs[i:stop]), x, stash=stash)
             i = stop
         else:
             x = funcs[i](x)
@@ -138,7 +157,6 @@ def _checkpoint_forward(module: nn.Module) -> None:
     def forward(*args):
         if _plain:
             return inner(*args)
-        note_stored(*args)
         return _checkpoint(inner, *args)
 
     module.forward = forward
@@ -152,7 +170,6 @@ def _checkpoint_pair(first: nn.Module, second: nn.Module) -> None:
     def forward(x: torch.Tensor) -> torch.Tensor:
         if _plain:
             return second_forward(first_forward(x))
-        note_stored(x)
         return _checkpoint(lambda t: second_forward(first_forward(t)), x)
 
     first.forward, second.forward = (lambda x: x), forward

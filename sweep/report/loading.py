@@ -67,7 +67,7 @@ class Job:
         """interval (full) or modules (selective)."""
         r = self.recompute
         if self.mode == "full":
-            return f"interval {r.get('interval')}"
+            return f"interval {r.get('interval')}" + (", nested" if r.get("nested") else "")
         if self.mode == "selective":
             return "+".join(r.get("modules") or [])
         if self.mode == "auto":
@@ -78,7 +78,7 @@ class Job:
     def variant(self) -> str:
         r = self.recompute
         if self.mode == "full":
-            return f"full/{r.get('interval')}"
+            return f"full/{r.get('interval')}" + ("/nested" if r.get("nested") else "")
         if self.mode == "selective":
             return "selective/" + "+".join(r.get("modules") or [])
         if self.mode == "auto":
@@ -287,7 +287,7 @@ def _recorded_plans(job: Job, layout: PipelineLayout) -> list[StagePlan] | None:
         choices = entry.get("choices", [])
         if list(entry.get("layers", [])) != [stage.start, stage.stop] or len(choices) != len(blocks):
             return None
-        if "full" in choices and "segments" not in entry:
+        if ("full" in choices or "nested" in choices) and "segments" not in entry:
             return None
         selective = {
             local: tuple(choice.split(":", 1)[1].split("+"))
@@ -295,7 +295,7 @@ def _recorded_plans(job: Job, layout: PipelineLayout) -> list[StagePlan] | None:
             if choice.startswith("selective:")
         }
         segments = tuple((a - stage.start, b - stage.start) for a, b in entry.get("segments", []))
-        plans.append(StagePlan(segments=segments, selective=selective))
+        plans.append(StagePlan(segments=segments, nested="nested" in choices, selective=selective))
     return plans
 
 
