@@ -21,7 +21,7 @@ import torch
 
 from model.fused_loss import HeadLoss
 from parallel.measurement.in_process import FakeNeighbours, LocalStage, LocalStageWork
-from parallel.measurement.tensor_peak import TensorPeak, TensorPeakMeter
+from parallel.measurement.tensor_peak import TensorPeak, TensorPeakMeter, storages_now
 from parallel.planning.layout import PipelineLayout
 from parallel.planning.schedules import posts_sends, train_schedule
 from parallel.planning.shapes import RunShape
@@ -34,6 +34,8 @@ class StageReplay:
     def __init__(self, layout: PipelineLayout, index: int, run: RunShape, seed: int = 0):
         if run.target.precision != "fp32":
             raise ValueError(f"a stage replay keeps fp32 optimizer states only, not {run.target.precision}")
+        # What the process held before this stage existed (an earlier test's or a cache's tensors): not the stage's.
+        self.foreign = storages_now()
         stages = run.topology.pipeline_stages
         plan = layout.plans[index]
         self.early = plan.early and index < stages - 1
@@ -97,7 +99,7 @@ class StageReplay:
         for _ in range(steps - 1):
             self.step()
         gc.collect()  # the garbage of earlier objects would otherwise count as alive in the window
-        meter = TensorPeakMeter("cpu")
+        meter = TensorPeakMeter("cpu", self.foreign)
         with meter.window() as result:
             self.step()
         return result[0]

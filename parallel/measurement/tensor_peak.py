@@ -81,14 +81,25 @@ def live_storages(device: str = "cpu") -> dict[int, torch.UntypedStorage]:
     return found
 
 
+def storages_now() -> list[weakref.ref]:
+    """Weak references to every CPU storage alive now: what a later window leaves out as another owner's
+    (`TensorPeakMeter(foreign=...)`), without keeping any of it alive."""
+    return [weakref.ref(storage) for storage in live_storages().values()]
+
+
 class TensorPeakMeter:
-    def __init__(self, device: str = "cpu"):
+    def __init__(self, device: str = "cpu", foreign: list[weakref.ref] | None = None):
+        """`foreign` (CPU): storages alive before what is measured existed (storages_now), such as tensors an earlier
+        test or a library's cache holds in the same process: left out of every figure, so that the window measures
+        its own tensors only. None of them may be freed inside the window."""
         if device not in ("cpu", "cuda"):
             raise ValueError(f"no tensor peak measurement for device {device!r}: use cpu or cuda")
         self.device = device
+        self._foreign = foreign or []
         self._profiler: profile | None = None
         self._baseline = 0
         self._finalizers: list[weakref.finalize] = []
+        self._foreign_ptrs: set[int] = set()
 
     def start(self) -> None:
         """Open the window: count what is alive and begin recording the allocator's events."""
@@ -101,6 +112,9 @@ class TensorPeakMeter:
             self._profiler.start()
             return
         storages = live_storages()  # strong references: nothing in it can be freed until the finalizers exist
+        foreign = {storage.data_ptr() for storage in (ref() for ref in self._foreign) if storage is not None}
+        storages = {ptr: storage for ptr, storage in storages.items() if ptr not in foreign}
+        self._foreign_ptrs = foreign
         self._baseline = sum(s.nbytes() for s in storages.values())
         self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._profiler.start()
@@ -121,7 +135,8 @@ class TensorPeakMeter:
                 peak, peak_op = live, op
         unaccounted = None
         if self.device == "cpu":
-            unaccounted = sum(s.nbytes() for s in live_storages().values()) - live
+            own = (s for ptr, s in live_storages().items() if ptr not in self._foreign_ptrs)
+            unaccounted = sum(s.nbytes() for s in own) - live
         return TensorPeak(self._baseline, peak, live, unaccounted, peak_op)
 
     @contextmanager
