@@ -6,6 +6,8 @@ slowest stage, and single-block moves keep what shortens the simulated 1F1B step
 """
 
 import math
+from collections.abc import Callable
+from functools import partial
 
 from model import BLOCK_CLASSES
 from parallel.planning.partition import StageRange, balanced_block_counts
@@ -71,18 +73,23 @@ def balanced_counts(planner: StagePlanner, blocks: int, num_stages: int) -> list
     counts = balanced_block_counts(blocks, num_stages, prices.time, bound)
     if counts is None:
         return even
-    best = _simulated(prices, counts)
-    improved = True
+    return shortened_by_single_moves(counts, partial(_simulated, prices))
+
+
+def shortened_by_single_moves(counts: list[int], step_s: Callable[[list[int]], float | None]) -> list[int]:
+    """`counts` (blocks per stage, or per virtual stage), improved by moving one block across a boundary at a time
+    while the simulated step `step_s(counts)` (None: those counts do not fit) gets shorter by more than RESOLUTION."""
+    best, improved = step_s(counts), True
     while improved:
         improved = False
-        for boundary in range(num_stages - 1):
-            for give in (1, -1):  # one block from stage boundary + 1 to boundary, or back
+        for boundary in range(len(counts) - 1):
+            for give in (1, -1):  # one block from boundary + 1 to boundary, or back
                 trial = list(counts)
                 trial[boundary] += give
                 trial[boundary + 1] -= give
                 if min(trial) < 1:
                     continue
-                step = _simulated(prices, trial)
+                step = step_s(trial)
                 if step is not None and step < best * (1 - RESOLUTION):
                     counts, best, improved = trial, step, True
     return counts

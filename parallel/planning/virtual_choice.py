@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 from model import GPTConfig
-from parallel.planning.balanced_search import RESOLUTION
+from parallel.planning.balanced_search import shortened_by_single_moves
 from parallel.planning.block_prices import analytic_prices
 from parallel.planning.config import AutoRecompute, RecomputeConfig
 from parallel.planning.layout import PipelineLayout
@@ -92,20 +92,7 @@ def _chunk_counts(blocks: int, chunks: int, step_s) -> list[int]:
     simulated step of the schedule gets shorter (as `balanced` moves stage boundaries: a V's rank 0 holds both the
     embedding's chunk and the LM head's, so even chunks load it most)."""
     counts = [blocks // chunks + (c < blocks % chunks) for c in range(chunks)]
-    best, improved = step_s(counts), True
-    while improved:
-        improved = False
-        for boundary in range(chunks - 1):
-            for give in (1, -1):  # one block from chunk boundary + 1 to boundary, or back
-                trial = list(counts)
-                trial[boundary] += give
-                trial[boundary + 1] -= give
-                if min(trial) < 1:
-                    continue
-                step = step_s(trial)
-                if step < best * (1 - RESOLUTION):
-                    counts, best, improved = trial, step, True
-    return counts
+    return shortened_by_single_moves(counts, step_s)
 
 
 def virtual_lines(model: GPTConfig, recompute: RecomputeConfig, layout: PipelineLayout, run: RunShape) -> list[str]:
