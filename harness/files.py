@@ -16,13 +16,18 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, write: Callable[[IO], Any], binary: bool = False) -> None:
+def _written_beside(path: Path, write: Callable[[IO], Any], binary: bool = False) -> Path:
+    """A temporary file beside `path`, written by `write` and on disk."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb" if binary else "w") as handle:
         write(handle)
         handle.flush()
         os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    return tmp
+
+
+def atomic_write(path: Path, write: Callable[[IO], Any], binary: bool = False) -> None:
+    os.replace(_written_beside(path, write, binary), path)
     fsync_path(path.parent)
 
 
@@ -37,11 +42,8 @@ def atomic_write_json(path: Path, data: Any) -> None:
 def write_json_once(path: Path, data: Any) -> bool:
     """Write `path` complete unless it exists: False when another process wrote it first (its content stands, so
     every reader of the path, at any moment, reads the same bytes)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as handle:
-        handle.write(json.dumps(data, indent=2) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
+    text = json.dumps(data, indent=2) + "\n"
+    tmp = _written_beside(path, lambda handle: handle.write(text))
     try:
         os.link(tmp, path)  # fails where the target exists, unlike a rename
     except FileExistsError:
