@@ -1,8 +1,9 @@
 """Virtual-stage schedules on real ranks (parallel/runtime/virtual_engine.py): interleaved 1F1B, ZB-V and V-Half on
 2 ranks with 2 chunks each train bit-identically to DeepSpeed's 1F1B on 2 stages of the same model, seed and data,
-under no, full and selective recompute with dropout 0 (tests/fixtures/virtual_runs.py, in the session's shared 2-rank
-engine launch): the same losses, the same gradient of every parameter at every step (both copies of the tied
-embedding), the same trained weights. And the runtime refuses, in one line, what it does not run yet."""
+under no, full and selective recompute with dropout 0, alone and with 2 data-parallel replicas
+(tests/fixtures/virtual_runs.py, in the session's shared 2- and 4-rank engine launches): the same losses, the same
+gradient of every parameter at every step (both copies of the tied embedding), the same trained weights. And the
+runtime refuses, in one line, what it does not run yet."""
 
 import pytest
 
@@ -12,7 +13,11 @@ from parallel.planning.virtual_support import virtual_refusal
 from tests.fixtures.virtual_runs import MODES
 from tests.shared_runs import EngineRun
 
-ENGINE_RUNS = {"two-ranks": EngineRun("virtual_runs", {}, nproc=2)}
+ENGINE_RUNS = {
+    "two-ranks": EngineRun("virtual_runs", {"modes": list(MODES)}, nproc=2),
+    # 2 pipeline ranks x 2 data-parallel replicas, in the shared 4-rank launch
+    "data-parallel": EngineRun("virtual_runs", {"modes": ["none", "full"]}, nproc=4),
+}
 
 
 def _merged(ranks: list[dict], field: str) -> list[dict[str, set[str]]] | dict[str, set[str]]:
@@ -31,14 +36,17 @@ def _merged(ranks: list[dict], field: str) -> list[dict[str, set[str]]] | dict[s
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "run, mode", [("two-ranks", mode) for mode in MODES] + [("data-parallel", mode) for mode in ("none", "full")]
+)
 @pytest.mark.parametrize("schedule", VIRTUAL_SCHEDULES)
-def test_two_chunks_per_rank_train_as_deepspeeds_1f1b_bit_for_bit(engine_runs, schedule, mode):
-    runs = {name: [rank[name] for rank in engine_runs["two-ranks"]] for name in engine_runs["two-ranks"][0]}
+def test_two_chunks_per_rank_train_as_deepspeeds_1f1b_bit_for_bit(engine_runs, schedule, run, mode):
+    runs = {name: [rank[name] for rank in engine_runs[run]] for name in engine_runs[run][0]}
     reference, ranks = runs[f"1f1b/{mode}"], runs[f"{schedule}/{mode}"]
     placement = [[0, 2], [1, 3]] if schedule == "interleaved-1f1b" else [[0, 3], [1, 2]]
-    assert [rank["stages"] for rank in ranks] == placement
-    assert ranks[0]["losses"] == ranks[1]["losses"] == reference[0]["losses"]
+    replicas = len(ranks) // 2  # DeepSpeed's grid: pipeline rank = global rank // replicas
+    assert [rank["stages"] for rank in ranks] == [placement[r // replicas] for r in range(len(ranks))]
+    assert all(rank["losses"] == reference[0]["losses"] for rank in ranks)
     for grads, expected in zip(_merged(ranks, "grads"), _merged(reference, "grads"), strict=True):
         assert grads.keys() == expected.keys()
         for key, digests in grads.items():
@@ -47,8 +55,8 @@ def test_two_chunks_per_rank_train_as_deepspeeds_1f1b_bit_for_bit(engine_runs, s
 
 
 def test_what_the_runtime_does_not_run_yet_is_refused_in_one_line():
-    def refusal(dropout=0.0, recompute=None, precision="fp32", zero=0, data_parallel=1):
-        return virtual_refusal("zb-v", dropout, recompute or NoRecompute(), precision, zero, data_parallel)
+    def refusal(dropout=0.0, recompute=None, precision="fp32", zero=0):
+        return virtual_refusal("zb-v", dropout, recompute or NoRecompute(), precision, zero)
 
     assert refusal() is None and refusal(recompute=FullRecompute(interval="1")) is None
     refusals = [
@@ -57,7 +65,6 @@ def test_what_the_runtime_does_not_run_yet_is_refused_in_one_line():
         refusal(recompute=FullRecompute(interval="1", early=True)),
         refusal(precision="bf16"),
         refusal(zero=1),
-        refusal(data_parallel=2),
     ]
     assert all(line and "\n" not in line and "zb-v" in line for line in refusals)
     assert "model.dropout=0.1" in refusals[0] and "train.precision=bf16" in refusals[3]

@@ -5,7 +5,7 @@ from parallel.planning.config import AutoRecompute, RecomputeConfig
 
 
 def virtual_refusal(
-    schedule: str, dropout: float, recompute: RecomputeConfig, precision: str, zero_stage: int, data_parallel: int
+    schedule: str, dropout: float, recompute: RecomputeConfig, precision: str, zero_stage: int
 ) -> str | None:
     if dropout > 0:
         # Each rank draws its masks from one random stream in the order its forwards run, and a rank of these
@@ -21,9 +21,6 @@ def virtual_refusal(
         )
     if precision != "fp32":
         return f"train.precision={precision} is not supported with parallel.schedule={schedule} yet: use fp32"
-    if zero_stage != 0 or data_parallel != 1:
-        return (
-            f"parallel.schedule={schedule} runs one pipeline without ZeRO so far: use parallel.data_parallel_size=1 "
-            f"and parallel.zero_stage=0"
-        )
+    if zero_stage != 0:
+        return f"parallel.zero_stage={zero_stage} is not supported with parallel.schedule={schedule} yet: use 0"
     return None

@@ -29,10 +29,11 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipelinePa
 
 from model import head_module
 from model.fused_loss import HeadLoss
-from parallel.planning.config import OptimConfig, ParallelConfig
+from parallel.planning.config import OptimConfig, ParallelConfig, RecomputeConfig
 from parallel.planning.layout import PipelineLayout
 from parallel.planning.shapes import TORCH_DTYPES
 from parallel.planning.virtual_schedules import Placement, VirtualProgram, placement_of, virtual_schedule
+from parallel.planning.virtual_support import virtual_refusal
 from parallel.runtime.boundary_links import BoundaryBatch
 from parallel.runtime.chunk_work import ChunkStageWork
 from parallel.runtime.ds_config import deepspeed_config
@@ -161,13 +162,16 @@ class VirtualPipelineEngine:
         return self.grid.stage_to_global(self.placement.holder(stage)[0])
 
     def _mean_loss(self, last: StageInterpreter | None, holder: int, count: int) -> torch.Tensor:
-        """The last chunk's losses summed in micro-batch order and divided by their count, as DeepSpeed's
-        PipelineEngine aggregates them, broadcast to the pipeline's ranks."""
+        """The last chunk's losses summed in micro-batch order and divided by their count, averaged over the
+        data-parallel replicas, as DeepSpeed's PipelineEngine aggregates them, broadcast to the pipeline's ranks."""
         loss = torch.zeros((), device=self.engine.device)
         if last is not None:
             for micro_batch_loss in last.work.step_losses:
                 loss += micro_batch_loss
             loss = loss / count
+            if self.grid.get_data_parallel_world_size() > 1:
+                dist.all_reduce(loss, group=self.grid.get_data_parallel_group())
+                loss /= self.grid.get_data_parallel_world_size()
         dist.broadcast(loss, src=holder, group=self.grid.get_pipe_parallel_group())
         return loss
 
@@ -191,13 +195,18 @@ def build_virtual_engine(
     parallel: ParallelConfig,
     precision: str,
     device: str,
+    recompute: RecomputeConfig,
 ) -> VirtualPipelineEngine:
     """This rank's engine: `layout`'s stages are the virtual stages, `chunks` of them per pipeline rank, placed by
-    `schedule`; the rest of the world is data parallelism."""
+    `schedule`, planned under `recompute`; the rest of the world is data parallelism."""
     if len(layout.stages) % chunks:
         raise ValueError(f"{len(layout.stages)} virtual stages do not split into {chunks} chunks per rank")
     ranks = len(layout.stages) // chunks
     data_parallel = dist.get_world_size() // ranks
+    config = layout.recipes[0].args[0]  # the token embedding's GPTConfig
+    refusal = virtual_refusal(schedule, config.dropout, recompute, precision, parallel.zero_stage)
+    if refusal:
+        raise ValueError(refusal)
     with dropping_lines(DEEPSPEED_START_UP_LINES):
         grid = PipelineParallelGrid(topology=PipeDataParallelTopology(num_pp=ranks, num_dp=data_parallel))
     placement = placement_of(schedule, ranks, chunks)
@@ -214,7 +223,6 @@ def build_virtual_engine(
     # Every ReduceGrads and OptimizerStep of a programme is at the boundary: the programme accumulates the
     # micro-batches itself.
     engine.set_gradient_accumulation_boundary(True)
-    config = layout.recipes[0].args[0]  # the token embedding's GPTConfig
     hidden = (train.micro_batch_size, config.seq_len, config.n_embd)
     return VirtualPipelineEngine(
         engine, grid, layout, schedule, placement, stages, hidden, TORCH_DTYPES[precision], tied
