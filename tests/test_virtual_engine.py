@@ -15,6 +15,7 @@ from tests.shared_runs import EngineRun
 
 ENGINE_RUNS = {
     "two-ranks": EngineRun("virtual_runs", {"modes": list(MODES)}, nproc=2),
+    "resume": EngineRun("virtual_runs", {"modes": [], "resume": "zb-v"}, nproc=2),
     # 2 pipeline ranks x 2 data-parallel replicas, in the shared 4-rank launch
     "data-parallel": EngineRun("virtual_runs", {"modes": ["none", "full"]}, nproc=4),
 }
@@ -52,6 +53,15 @@ def test_two_chunks_per_rank_train_as_deepspeeds_1f1b_bit_for_bit(engine_runs, s
         for key, digests in grads.items():
             assert len(digests) == 1 and digests == expected[key], key  # a tied weight's two copies agree
     assert _merged(ranks, "weights") == _merged(reference, "weights")
+
+
+@pytest.mark.multiproc
+def test_a_run_resumed_from_deepspeeds_checkpoint_continues_bit_exactly(engine_runs):
+    """DeepSpeed's engine saves and loads the chunks' weights, the optimizer and the LR schedule (zb-v: rank 0 holds
+    both copies of the tied embedding)."""
+    for rank in engine_runs["resume"]:
+        losses = rank["resume/zb-v"]
+        assert len(losses["straight"]) == 2 and losses["resumed"] == losses["straight"]
 
 
 def test_what_the_runtime_does_not_run_yet_is_refused_in_one_line():
