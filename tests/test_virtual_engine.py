@@ -1,6 +1,6 @@
 """Virtual-stage schedules on real ranks (parallel/runtime/virtual_engine.py): interleaved 1F1B, ZB-V and V-Half on
 2 ranks with 2 chunks each train bit-identically to DeepSpeed's 1F1B on 2 stages of the same model, seed and data,
-under no, full and selective recompute with dropout 0, alone and with 2 data-parallel replicas
+under no, full and selective recompute with dropout 0, alone and with 2 data-parallel replicas (also under ZeRO-1)
 (tests/fixtures/virtual_runs.py, in the session's shared 2- and 4-rank engine launches): the same losses, the same
 gradient of every parameter at every step (both copies of the tied embedding), the same trained weights. And the
 runtime refuses, in one line, what it does not run yet."""
@@ -16,8 +16,9 @@ from tests.shared_runs import EngineRun
 ENGINE_RUNS = {
     "two-ranks": EngineRun("virtual_runs", {"modes": list(MODES)}, nproc=2),
     "resume": EngineRun("virtual_runs", {"modes": [], "resume": "zb-v"}, nproc=2),
-    # 2 pipeline ranks x 2 data-parallel replicas, in the shared 4-rank launch
+    # 2 pipeline ranks x 2 data-parallel replicas, in the shared 4-rank launch, without and with ZeRO-1
     "data-parallel": EngineRun("virtual_runs", {"modes": ["none", "full"]}, nproc=4),
+    "zero1": EngineRun("virtual_runs", {"modes": ["full"], "zero_stage": 1}, nproc=4),
 }
 
 
@@ -38,7 +39,10 @@ def _merged(ranks: list[dict], field: str) -> list[dict[str, set[str]]] | dict[s
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize(
-    "run, mode", [("two-ranks", mode) for mode in MODES] + [("data-parallel", mode) for mode in ("none", "full")]
+    "run, mode",
+    [("two-ranks", mode) for mode in MODES]
+    + [("data-parallel", mode) for mode in ("none", "full")]
+    + [("zero1", "full")],
 )
 @pytest.mark.parametrize("schedule", VIRTUAL_SCHEDULES)
 def test_two_chunks_per_rank_train_as_deepspeeds_1f1b_bit_for_bit(engine_runs, schedule, run, mode):
@@ -48,6 +52,8 @@ def test_two_chunks_per_rank_train_as_deepspeeds_1f1b_bit_for_bit(engine_runs, s
     replicas = len(ranks) // 2  # DeepSpeed's grid: pipeline rank = global rank // replicas
     assert [rank["stages"] for rank in ranks] == [placement[r // replicas] for r in range(len(ranks))]
     assert all(rank["losses"] == reference[0]["losses"] for rank in ranks)
+    zero = "DeepSpeedZeroOptimizer" if run == "zero1" else "AdamW"
+    assert {rank["optimizer"] for rank in ranks + reference} == {zero}  # ZeRO-1's gradients: only in the weights
     for grads, expected in zip(_merged(ranks, "grads"), _merged(reference, "grads"), strict=True):
         assert grads.keys() == expected.keys()
         for key, digests in grads.items():
@@ -74,7 +80,7 @@ def test_what_the_runtime_does_not_run_yet_is_refused_in_one_line():
         refusal(recompute=AutoRecompute()),
         refusal(recompute=FullRecompute(interval="1", early=True)),
         refusal(precision="bf16"),
-        refusal(zero=1),
+        refusal(zero=2),
     ]
     assert all(line and "\n" not in line and "zb-v" in line for line in refusals)
     assert "model.dropout=0.1" in refusals[0] and "train.precision=bf16" in refusals[3]

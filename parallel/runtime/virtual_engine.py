@@ -8,8 +8,9 @@ through one interpreter per chunk (parallel/runtime/virtual_rank.py, chunk_work.
 boundary by boundary (parallel/runtime/boundary_links.py), and DeepSpeed's engine owns the rest: the chunks go into a
 plain DeepSpeedEngine with DeepSpeed's own PipelineParallelGrid as its mpu, so its data-parallel groups, optimizer,
 LR schedule, gradient clipping (over the pipeline's ranks: the grid's model-parallel group) and checkpoints are
-DeepSpeed's. The gradients accumulate in the chunks' parameters; the programme's ReduceGrads and OptimizerStep run the
-engine's `allreduce_gradients` and `step` at a gradient-accumulation boundary that stays set (the programme counts the
+DeepSpeed's, ZeRO-1 included. The gradients accumulate in the chunks' parameters; as in DeepSpeed's PipelineEngine,
+no backward reduces them (`enable_backward_allreduce` off), and the engine is at a gradient-accumulation boundary only
+while the programme's ReduceGrads and OptimizerStep run its `allreduce_gradients` and `step` (the programme counts the
 micro-batches, not the engine).
 
 The tied embedding: the token embedding's copy (virtual stage 0) and the LM head's (the last) get the sum of both
@@ -18,7 +19,8 @@ sum), interleaved ranks 0 and p - 1 all-reduce over a group of the two. The LM h
 `ds_pipe_replicated`, as PipelineModule marks a tied weight's later copies, so clipping counts the weight once.
 """
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
 
 import deepspeed
@@ -181,10 +183,23 @@ class VirtualPipelineEngine:
         self.tied.reduce()
 
     def reduce_grads(self) -> None:
-        self.engine.allreduce_gradients()
+        with self._at_boundary():
+            self.engine.allreduce_gradients()
 
     def optimizer_step(self) -> None:
-        self.engine.step()
+        with self._at_boundary():
+            self.engine.step()
+
+    @contextmanager
+    def _at_boundary(self) -> Iterator[None]:
+        """The engine at a gradient-accumulation boundary, as DeepSpeed's PipelineEngine forces it around its
+        ReduceGrads and OptimizerStep only: a backward outside it accumulates (ZeRO's gradient hooks reduce at a
+        boundary)."""
+        self.engine.set_gradient_accumulation_boundary(True)
+        try:
+            yield
+        finally:
+            self.engine.set_gradient_accumulation_boundary(False)
 
 
 def build_virtual_engine(
@@ -220,9 +235,9 @@ def build_virtual_engine(
         lr_scheduler=partial(warmup_cosine, train=train),
         mpu=grid,
     )
-    # Every ReduceGrads and OptimizerStep of a programme is at the boundary: the programme accumulates the
-    # micro-batches itself.
-    engine.set_gradient_accumulation_boundary(True)
+    engine.set_gradient_accumulation_boundary(False)  # the programme accumulates the micro-batches itself
+    # As DeepSpeed's PipelineEngine: gradients are reduced at ReduceGrads, never by a backward's epilogue.
+    engine.enable_backward_allreduce = False
     hidden = (train.micro_batch_size, config.seq_len, config.n_embd)
     return VirtualPipelineEngine(
         engine, grid, layout, schedule, placement, stages, hidden, TORCH_DTYPES[precision], tied
