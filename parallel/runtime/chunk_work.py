@@ -78,8 +78,9 @@ class ChunkStageWork:
 
     def forward(self, buffer_id: int) -> None:
         plan = self.chunk.plan
+        # A received activation (complete since its boundary's flush) becomes the leaf whose gradient SendGrad sends.
+        x = self.inputs[buffer_id] if self.first else self.inputs[buffer_id].requires_grad_()
         # A chunk runs its micro-batches' forwards in order: the k-th forward of the step is micro-batch k's.
-        x = self.inputs[buffer_id] if self.first else self.inputs[buffer_id].requires_grad_()  # filled at its flush
         output = run_stage(self.chunk.funcs, plan, x, plan.recomputes_micro_batch(buffer_id))
         if self.first:  # no gradient goes back from the token ids
             self.inputs[buffer_id] = None
