@@ -16,6 +16,7 @@ from tests.shared_runs import EngineRun
 ENGINE_RUNS = {
     "two-ranks": EngineRun("virtual_runs", {"modes": list(MODES)}, nproc=2),
     "resume": EngineRun("virtual_runs", {"modes": [], "resume": "zb-v"}, nproc=2),
+    "three-chunks": EngineRun("virtual_runs", {"modes": ["full"], "chunks": 3}, nproc=2),
     # 2 pipeline ranks x 2 data-parallel replicas, in the shared 4-rank launch, without and with ZeRO-1
     "data-parallel": EngineRun("virtual_runs", {"modes": ["none"]}, nproc=4),
     "zero1": EngineRun("virtual_runs", {"modes": ["full"], "zero_stage": 1}, nproc=4),
@@ -56,6 +57,16 @@ def test_two_chunks_per_rank_train_as_deepspeeds_1f1b_bit_for_bit(engine_runs, s
         assert grads.keys() == expected.keys()
         for key, digests in grads.items():
             assert len(digests) == 1 and digests == expected[key], key  # a tied weight's two copies agree
+    assert _merged(ranks, "weights") == _merged(reference, "weights")
+
+
+@pytest.mark.multiproc
+def test_interleaving_three_chunks_per_rank_trains_as_deepspeeds_1f1b_bit_for_bit(engine_runs):
+    runs = {name: [rank[name] for rank in engine_runs["three-chunks"]] for name in engine_runs["three-chunks"][0]}
+    reference, ranks = runs["1f1b/full"], runs["interleaved-1f1b/full"]
+    assert [rank["stages"] for rank in ranks] == [[0, 2, 4], [1, 3, 5]]
+    assert all(rank["losses"] == reference[0]["losses"] for rank in ranks)
+    assert _merged(ranks, "grads") == _merged(reference, "grads")
     assert _merged(ranks, "weights") == _merged(reference, "weights")
 
 
