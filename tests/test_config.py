@@ -7,6 +7,8 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
 from harness.run_dir import register_run_stamp_resolver
+from parallel.planning.config import SCHEDULE_CHOICES
+from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES
 from schema import GROUP_SCHEMAS, register_schemas
 from schema.checks import to_run_config, topology
 
@@ -99,6 +101,14 @@ def test_schema_rejects_typos_and_wrong_types_at_composition(overrides):
 def test_topology_checks(world, overrides, message):
     with pytest.raises(ValueError, match=message):
         topology(compose_run(*overrides), world)
+
+
+@pytest.mark.parametrize("schedule", VIRTUAL_SCHEDULES)
+def test_virtual_stage_schedules_are_named_and_refused_by_train_py_in_one_line(schedule):
+    assert schedule in SCHEDULE_CHOICES
+    with pytest.raises(ValueError, match=f"parallel.schedule={schedule} is not run by train.py yet") as refused:
+        compose_run(f"parallel.schedule={schedule}")
+    assert "\n" not in str(refused.value)
 
 
 def test_default_topology_is_one_stage_per_rank():

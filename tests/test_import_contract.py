@@ -52,6 +52,7 @@ PLANNING = [
         "parallel.planning.schedule_walk",
         "parallel.planning.step_sim",
         "parallel.planning.virtual_schedules",  # v chunks per rank: interleaved 1F1B, ZB-V, V-Half
+        "parallel.planning.virtual_support",  # what their multi-rank runtime runs so far
     },
     {"parallel.planning.compression"},  # compressed stashes: the bytes a stored segment input keeps, the lossy note
     {

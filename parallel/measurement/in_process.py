@@ -16,28 +16,25 @@ every stage against `LinkedNeighbours`.
 """
 
 from collections import defaultdict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import nullcontext
 
 import torch
-import torch.nn as nn
 
-from model import LayerRecipe, build_layers, head_module
+from model import LayerRecipe, head_module
 from model.fused_loss import HeadLoss
 from model.weight_grad import WeightGradStore
 from parallel.measurement.activation_meter import ActivationMeter
 from parallel.planning.partition import StageRange
-from parallel.planning.shapes import TORCH_DTYPES
 from parallel.planning.stage_plan import StagePlan
-from parallel.runtime.compile_blocks import compile_blocks
-from parallel.runtime.recompute import apply_plan, run_stage
+from parallel.runtime.chunk_work import MicroBatchSource
+from parallel.runtime.planned_layers import PlannedLayers
+from parallel.runtime.recompute import run_stage
 from parallel.runtime.stage_interpreter import Recv, Send, Work
 
 
-class LocalStage(nn.Module):
-    """A stage's layers, built and planned as parallel/runtime/pipeline.py's RecomputingPipelineModule builds them on
-    its rank (the tied embedding once per stage that uses it, as DeepSpeed does across ranks), its blocks compiled
-    under `compile` (train.compile)."""
+class LocalStage(PlannedLayers):
+    """A stage's planned layers (parallel/runtime/planned_layers.py), with the activation meter the replay reads."""
 
     def __init__(
         self,
@@ -47,21 +44,8 @@ class LocalStage(nn.Module):
         precision: str = "fp32",
         compile: bool = False,
     ):
-        super().__init__()
-        self.stage, self.plan = stage, plan
-        self.layers, self.funcs = build_layers([recipes[flat] for flat in stage.layers])
-        self.to(TORCH_DTYPES[precision])
-        apply_plan(self.funcs, plan)
-        if compile:  # train.compile, after the plan as on a rank
-            compile_blocks(self.funcs)
+        super().__init__(recipes, stage, plan, precision, compile)
         self.meter = ActivationMeter(self.parameters)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return run_stage(self.funcs, self.plan, x)
-
-
-MicroBatchSource = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
-"""Micro-batch k's (token ids, labels), each (b, s)."""
 
 
 class LocalStageWork:

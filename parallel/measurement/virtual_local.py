@@ -23,6 +23,7 @@ from parallel.planning.layout import PipelineLayout
 from parallel.planning.shapes import TORCH_DTYPES
 from parallel.planning.virtual_schedules import ChunkCommand, VirtualProgram, virtual_schedule
 from parallel.runtime.stage_interpreter import Recv, StageInterpreter, Transport
+from parallel.runtime.virtual_rank import backward_kind, execute
 
 
 class VirtualLocalPipeline:
@@ -107,14 +108,13 @@ def chunk_interpreter(
     stage = pipe.stages[index]
     work = ChunkWork(stage, index, virtual, pipe.loss, hidden, pipe.dtype, count, data, optimizer)
     work.start_step()
-    split = any(c.kind is schedules.BackwardWeight for c in program.commands())
     return StageInterpreter(
         work,
         transport,
         index,
         virtual,
         count,
-        "zb-h1" if split else "1f1b",  # the backward split into B and W, or whole
+        backward_kind(program),
         early=False,
         posted_sends=False,  # in-process links queue every send
     )
@@ -140,13 +140,3 @@ def _run_until_done(programs: list[VirtualProgram], interpreters: list[StageInte
 
 def _arrived(interpreters: list[StageInterpreter], receive: ChunkCommand, side: int) -> bool:
     return interpreters[receive.stage].transport.ready(receive.stage + side)
-
-
-def execute(program: VirtualProgram, interpreters: Sequence[StageInterpreter], command: ChunkCommand) -> None:
-    """A rank's instruction on its chunk's interpreter (`interpreters` by virtual stage), with the micro-batch as the
-    buffer; a once-per-step instruction on each of the rank's chunks."""
-    if command.stage is None:  # once per step: on every chunk of the rank
-        for chunk in range(program.chunks):
-            interpreters[program.placement.virtual_stage(program.rank, chunk)].execute(command.kind())
-        return
-    interpreters[command.stage].execute(command.kind(command.micro_batch))

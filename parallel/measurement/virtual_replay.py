@@ -12,9 +12,10 @@ import torch
 
 from parallel.measurement.in_process import FakeNeighbours
 from parallel.measurement.tensor_peak import TensorPeak, TensorPeakMeter
-from parallel.measurement.virtual_local import VirtualLocalPipeline, chunk_interpreter, execute
+from parallel.measurement.virtual_local import VirtualLocalPipeline, chunk_interpreter
 from parallel.planning.layout import PipelineLayout
 from parallel.planning.virtual_schedules import virtual_schedule
+from parallel.runtime.virtual_rank import execute
 
 
 class VirtualRankReplay:

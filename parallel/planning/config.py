@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 PARTITION_METHODS = ("balanced", "parameters", "uniform", "type:Block")
 RECOMPUTE_MODULES = ("core_attn", "mlp_act", "layernorm", "mlp")
 INTERVAL_WORDS = ("stage", "sqrt")
-SCHEDULE_CHOICES = ("1f1b", "zb-h1", "auto")
+SCHEDULE_CHOICES = ("1f1b", "zb-h1", "auto", "interleaved-1f1b", "zb-v", "v-half")
 
 
 @dataclass
@@ -73,7 +73,9 @@ class ParallelConfig:
     """Pipeline schedule of a training step: `1f1b` (DeepSpeed's TrainSchedule), `zb-h1` (Zero Bubble H1: each
     backward split into the input gradient, sent upstream at once, and the weight gradient, deferred into the
     bubbles within 1F1B's activation memory) or `auto` (only with `+recompute=auto`: the planner picks the one
-    with the shorter simulated step time within the budget)."""
+    with the shorter simulated step time within the budget). `interleaved-1f1b`, `zb-v` and `v-half` hold two model
+    chunks per rank (docs/virtual_stages.md): they run at engine level (parallel/runtime/virtual_engine.py), and
+    train.py refuses them at start-up until its trainer drives that engine; the dry run prices them beside."""
 
     def __post_init__(self) -> None:
         if self.pipeline_stages is not None and self.pipeline_stages <= 0:

@@ -93,7 +93,7 @@ def _destroy_process_group() -> None:
         c10d.destroy_process_group()
 
 
-def _param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
     """Decay matrices and embeddings; leave biases and LayerNorm gains alone (as GPT-2/nanoGPT)."""
     params = [p for p in module.parameters() if p.requires_grad]
     return [
@@ -150,7 +150,7 @@ def build_engine(
     config = deepspeed_config(train, parallel, data_parallel_size, precision, device)
     engine, _, _, _ = deepspeed.initialize(
         model=module,
-        model_parameters=_param_groups(module, train.weight_decay),
+        model_parameters=param_groups(module, train.weight_decay),
         config=config,
         lr_scheduler=partial(warmup_cosine, train=train, segment=lr_segment),
     )

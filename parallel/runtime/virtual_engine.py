@@ -1,0 +1,244 @@
+"""A rank of a virtual-stage schedule (parallel/planning/virtual_schedules.py: interleaved 1F1B, ZB-V, V-Half) on
+DeepSpeed, one process per pipeline rank.
+
+DeepSpeed's PipelineEngine cannot run these programmes (docs/virtual_stages.md): its PipelineModule holds one
+contiguous layer range per rank, its p2p talks to the neighbouring stages only, and it keeps one gradient and one
+loss. So here the rank's chunks are modules of their own (parallel/runtime/planned_layers.py), its programme runs
+through one interpreter per chunk (parallel/runtime/virtual_rank.py, chunk_work.py) over torch.distributed p2p posted
+boundary by boundary (parallel/runtime/boundary_links.py), and DeepSpeed's engine owns the rest: the chunks go into a
+plain DeepSpeedEngine with DeepSpeed's own PipelineParallelGrid as its mpu, so its data-parallel groups, optimizer,
+LR schedule, gradient clipping (over the pipeline's ranks: the grid's model-parallel group) and checkpoints are
+DeepSpeed's, ZeRO-1 included. The gradients accumulate in the chunks' parameters; as in DeepSpeed's PipelineEngine,
+no backward reduces them (`enable_backward_allreduce` off), and the engine is at a gradient-accumulation boundary only
+while the programme's ReduceGrads and OptimizerStep run its `allreduce_gradients` and `step` (the programme counts the
+micro-batches, not the engine).
+
+The tied embedding: the token embedding's copy (virtual stage 0) and the LM head's (the last) get the sum of both
+gradients, as DeepSpeed's ReduceTiedGrads sums them over the stages that hold them: a V's rank 0 holds both (a local
+sum), interleaved ranks 0 and p - 1 all-reduce over a group of the two. The LM head's copy is marked
+`ds_pipe_replicated`, as PipelineModule marks a tied weight's later copies, so clipping counts the weight once.
+"""
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from functools import partial
+
+import deepspeed
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipelineParallelGrid
+
+from model import head_module
+from model.fused_loss import HeadLoss
+from parallel.planning.config import OptimConfig, ParallelConfig, RecomputeConfig
+from parallel.planning.layout import PipelineLayout
+from parallel.planning.shapes import TORCH_DTYPES
+from parallel.planning.virtual_schedules import Placement, VirtualProgram, placement_of, virtual_schedule
+from parallel.planning.virtual_support import virtual_refusal
+from parallel.runtime.boundary_links import BoundaryBatch
+from parallel.runtime.chunk_work import ChunkStageWork
+from parallel.runtime.ds_config import deepspeed_config
+from parallel.runtime.engine import DEEPSPEED_START_UP_LINES, dropping_lines, param_groups
+from parallel.runtime.lr_schedule import warmup_cosine
+from parallel.runtime.planned_layers import PlannedLayers
+from parallel.runtime.stage_interpreter import StageInterpreter
+from parallel.runtime.virtual_rank import backward_kind, run_training_step
+
+
+class TiedCopies:
+    """The copies of each tied weight this rank holds (in virtual-stage order) and the group it sums them over with
+    the other ranks that hold one (None: this rank holds them all). Every rank builds every group, as
+    `dist.new_group` asks."""
+
+    def __init__(
+        self,
+        layout: PipelineLayout,
+        placement: Placement,
+        grid: PipelineParallelGrid,
+        chunks: Sequence[PlannedLayers],
+        stages: Sequence[int],
+    ):
+        self.copies: dict[str, list[nn.Parameter]] = {}
+        self.groups: dict[str, dist.ProcessGroup | None] = {}
+        keys = sorted({r.tie_key for r in layout.recipes if r.tie_key is not None})
+        for key in keys:
+            holders = [s.stage for s in layout.stages if any(layout.recipes[f].tie_key == key for f in s.layers)]
+            ranks = sorted({placement.holder(stage)[0] for stage in holders})
+            self.groups[key] = None
+            for data in range(grid.get_data_parallel_world_size()) if len(ranks) > 1 else ():
+                members = [grid.topology().get_rank(pipe=rank, data=data) for rank in ranks]
+                group = dist.new_group(ranks=members)
+                if dist.get_rank() in members:
+                    self.groups[key] = group
+            self.copies[key] = []
+            for chunk, stage in sorted(zip(chunks, stages), key=lambda pair: pair[1]):
+                if stage in holders:
+                    weight = _tied_weight(layout, chunk, key)
+                    weight.ds_pipe_replicated = stage != holders[0]
+                    self.copies[key].append(weight)
+
+    def reduce(self) -> None:
+        """Every copy's gradient becomes the sum of all copies' gradients."""
+        for key, copies in self.copies.items():
+            if not copies:
+                continue
+            total = copies[0].grad
+            for copy in copies[1:]:
+                total = total + copy.grad
+            if self.groups[key] is not None:
+                dist.all_reduce(total, group=self.groups[key])
+            for copy in copies:
+                if copy.grad is not total:
+                    copy.grad.copy_(total)
+
+
+def _tied_weight(layout: PipelineLayout, chunk: PlannedLayers, key: str) -> nn.Parameter:
+    """The chunk's copy of the tied weight `key` (a chunk with both ends builds the module once)."""
+    (module,) = {
+        head_module(fn) for flat, fn in zip(chunk.stage.layers, chunk.funcs) if layout.recipes[flat].tie_key == key
+    }
+    return module.head_weight
+
+
+class VirtualPipelineEngine:
+    """This rank's chunks under `schedule`, on DeepSpeed's `engine`; `train_batch` runs one training step."""
+
+    def __init__(
+        self,
+        engine: deepspeed.DeepSpeedEngine,
+        grid: PipelineParallelGrid,
+        layout: PipelineLayout,
+        schedule: str,
+        placement: Placement,
+        stages: Sequence[int],
+        hidden: tuple[int, int, int],
+        dtype: torch.dtype,
+        tied: TiedCopies,
+    ):
+        self.engine, self.grid, self.schedule, self.placement = engine, grid, schedule, placement
+        self.stages, self.hidden, self.dtype, self.tied = list(stages), hidden, dtype, tied
+        self.rank = grid.get_stage_id()
+        self.loss_fn = HeadLoss.of(layout.recipes)
+        self._programs: dict[int, VirtualProgram] = {}
+
+    @property
+    def chunks(self) -> list[PlannedLayers]:
+        return list(self.engine.module)
+
+    def program(self, micro_batches: int) -> VirtualProgram:
+        if micro_batches not in self._programs:
+            programs = virtual_schedule(self.schedule, micro_batches, self.placement.ranks, self.placement.chunks)
+            self._programs[micro_batches] = programs[self.rank]
+        return self._programs[micro_batches]
+
+    def train_batch(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One training step over the (token ids, labels) micro-batches, each (b, s): the mean loss, on every rank of
+        the pipeline (as DeepSpeed's train_batch returns it)."""
+        count, virtual = len(micro_batches), self.placement.virtual_stages
+        program = self.program(count)
+        batch = BoundaryBatch(self._holder_rank, dist.get_rank())
+        interpreters: list[StageInterpreter | None] = [None] * virtual
+        for index, (chunk, stage) in enumerate(zip(self.chunks, self.stages)):
+            last_chunk = index == len(self.stages) - 1
+            work = ChunkStageWork(
+                chunk,
+                stage,
+                virtual,
+                self.loss_fn,
+                self.hidden,
+                self.dtype,
+                count,
+                micro_batches.__getitem__,
+                self if last_chunk else None,  # the once-per-step work runs once, with the rank's last chunk's
+            )
+            interpreters[stage] = StageInterpreter(
+                work, batch.link(stage), stage, virtual, count, backward_kind(program), early=False, posted_sends=False
+            )
+        self.engine.module.train()
+        run_training_step(program, interpreters, batch)
+        return self._mean_loss(interpreters[virtual - 1], self._holder_rank(virtual - 1), count)
+
+    def _holder_rank(self, stage: int) -> int:
+        """The global rank of this data-parallel replica's pipeline that holds virtual stage `stage`."""
+        return self.grid.stage_to_global(self.placement.holder(stage)[0])
+
+    def _mean_loss(self, last: StageInterpreter | None, holder: int, count: int) -> torch.Tensor:
+        """The last chunk's losses summed in micro-batch order and divided by their count, averaged over the
+        data-parallel replicas, as DeepSpeed's PipelineEngine aggregates them, broadcast to the pipeline's ranks."""
+        loss = torch.zeros((), device=self.engine.device)
+        if last is not None:
+            for micro_batch_loss in last.work.step_losses:
+                loss += micro_batch_loss
+            loss = loss / count
+            if self.grid.get_data_parallel_world_size() > 1:
+                dist.all_reduce(loss, group=self.grid.get_data_parallel_group())
+                loss /= self.grid.get_data_parallel_world_size()
+        dist.broadcast(loss, src=holder, group=self.grid.get_pipe_parallel_group())
+        return loss
+
+    # The rank's once-per-step work (parallel/runtime/chunk_work.py's RankStep).
+
+    def reduce_tied_grads(self) -> None:
+        self.tied.reduce()
+
+    def reduce_grads(self) -> None:
+        with self._at_boundary():
+            self.engine.allreduce_gradients()
+
+    def optimizer_step(self) -> None:
+        with self._at_boundary():
+            self.engine.step()
+
+    @contextmanager
+    def _at_boundary(self) -> Iterator[None]:
+        """The engine at a gradient-accumulation boundary, as DeepSpeed's PipelineEngine forces it around its
+        ReduceGrads and OptimizerStep only: a backward outside it accumulates (ZeRO's gradient hooks reduce at a
+        boundary)."""
+        self.engine.set_gradient_accumulation_boundary(True)
+        try:
+            yield
+        finally:
+            self.engine.set_gradient_accumulation_boundary(False)
+
+
+def build_virtual_engine(
+    layout: PipelineLayout,
+    schedule: str,
+    chunks: int,
+    train: OptimConfig,
+    parallel: ParallelConfig,
+    precision: str,
+    device: str,
+    recompute: RecomputeConfig,
+) -> VirtualPipelineEngine:
+    """This rank's engine: `layout`'s stages are the virtual stages, `chunks` of them per pipeline rank, placed by
+    `schedule`, planned under `recompute`; the rest of the world is data parallelism."""
+    if len(layout.stages) % chunks:
+        raise ValueError(f"{len(layout.stages)} virtual stages do not split into {chunks} chunks per rank")
+    ranks = len(layout.stages) // chunks
+    data_parallel = dist.get_world_size() // ranks
+    config = layout.recipes[0].args[0]  # the token embedding's GPTConfig
+    refusal = virtual_refusal(schedule, config.dropout, recompute, precision, parallel.zero_stage)
+    if refusal:
+        raise ValueError(refusal)
+    with dropping_lines(DEEPSPEED_START_UP_LINES):
+        grid = PipelineParallelGrid(topology=PipeDataParallelTopology(num_pp=ranks, num_dp=data_parallel))
+    placement = placement_of(schedule, ranks, chunks)
+    stages = [placement.virtual_stage(grid.get_stage_id(), chunk) for chunk in range(chunks)]
+    module = nn.ModuleList(PlannedLayers(layout.recipes, layout.stages[s], layout.plans[s], precision) for s in stages)
+    tied = TiedCopies(layout, placement, grid, list(module), stages)
+    engine, _, _, _ = deepspeed.initialize(
+        model=module,
+        model_parameters=param_groups(module, train.weight_decay),
+        config=deepspeed_config(train, parallel, data_parallel, precision, device),
+        lr_scheduler=partial(warmup_cosine, train=train),
+        mpu=grid,
+    )
+    engine.set_gradient_accumulation_boundary(False)  # the programme accumulates the micro-batches itself
+    # As DeepSpeed's PipelineEngine: gradients are reduced at ReduceGrads, never by a backward's epilogue.
+    engine.enable_backward_allreduce = False
+    hidden = (train.micro_batch_size, config.seq_len, config.n_embd)
+    return VirtualPipelineEngine(
+        engine, grid, layout, schedule, placement, stages, hidden, TORCH_DTYPES[precision], tied
+    )

@@ -1,0 +1,46 @@
+"""A rank's programme of a virtual-stage schedule (parallel/planning/virtual_schedules.py) run through the one
+interpreter of a stage's programme (parallel/runtime/stage_interpreter.py), one interpreter per chunk: each
+instruction goes to the interpreter of its chunk, with the micro-batch as the buffer, and the once-per-step
+instructions to every chunk of the rank. The engine (parallel/runtime/virtual_engine.py), the stage replay and the
+in-process pipeline (parallel/measurement/virtual_replay.py, virtual_local.py) all dispatch through `execute`."""
+
+from collections.abc import Sequence
+from contextlib import ExitStack
+
+from parallel.planning import schedules
+from parallel.planning.virtual_schedules import ChunkCommand, VirtualProgram
+from parallel.runtime.boundary_links import BoundaryBatch
+from parallel.runtime.stage_interpreter import StageInterpreter
+
+
+def execute(program: VirtualProgram, interpreters: Sequence[StageInterpreter | None], command: ChunkCommand) -> None:
+    """A rank's instruction on its chunk's interpreter (`interpreters` by virtual stage), with the micro-batch as the
+    buffer; a once-per-step instruction on each of the rank's chunks."""
+    if command.stage is None:  # once per step: on every chunk of the rank
+        for chunk in range(program.chunks):
+            interpreters[program.placement.virtual_stage(program.rank, chunk)].execute(command.kind())
+        return
+    interpreters[command.stage].execute(command.kind(command.micro_batch))
+
+
+def backward_kind(program: VirtualProgram) -> str:
+    """The interpreter's schedule for a chunk of `program`: zb-h1 where the programme splits the backward into B and
+    W (its forwards then run the Linear layers through the Function whose weight gradient B can defer), else 1f1b."""
+    return "zb-h1" if any(c.kind is schedules.BackwardWeight for c in program.commands()) else "1f1b"
+
+
+def run_training_step(
+    program: VirtualProgram, interpreters: Sequence[StageInterpreter | None], batch: BoundaryBatch
+) -> None:
+    """Every instruction of the rank's `program`, each boundary's messages posted as one `batch`: flushed at the end
+    of each step and before the once-per-step instructions, which follow the last boundary's messages."""
+    with ExitStack() as stack:
+        for interpreter in interpreters:
+            if interpreter is not None:
+                stack.enter_context(interpreter.training_step())
+        for step in program.steps:
+            for command in step:
+                if command.kind not in schedules.COMMUNICATION:
+                    batch.flush()
+                execute(program, interpreters, command)
+            batch.flush()

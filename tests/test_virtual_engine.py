@@ -1,0 +1,95 @@
+"""Virtual-stage schedules on real ranks (parallel/runtime/virtual_engine.py): interleaved 1F1B, ZB-V and V-Half on
+2 ranks with 2 chunks each train bit-identically to DeepSpeed's 1F1B on 2 stages of the same model, seed and data,
+under no, full and selective recompute with dropout 0, alone and with 2 data-parallel replicas (also under ZeRO-1)
+(tests/fixtures/virtual_runs.py, in the session's shared 2- and 4-rank engine launches): the same losses, the same
+gradient of every parameter at every step (both copies of the tied embedding), the same trained weights. And the
+runtime refuses, in one line, what it does not run yet."""
+
+import pytest
+
+from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute
+from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES
+from parallel.planning.virtual_support import virtual_refusal
+from tests.fixtures.virtual_runs import MODES
+from tests.shared_runs import EngineRun
+
+ENGINE_RUNS = {
+    "two-ranks": EngineRun("virtual_runs", {"modes": list(MODES)}, nproc=2),
+    "resume": EngineRun("virtual_runs", {"modes": [], "resume": "zb-v"}, nproc=2),
+    "three-chunks": EngineRun("virtual_runs", {"modes": ["full"], "chunks": 3}, nproc=2),
+    # 2 pipeline ranks x 2 data-parallel replicas, in the shared 4-rank launch, without and with ZeRO-1
+    "data-parallel": EngineRun("virtual_runs", {"modes": ["none"]}, nproc=4),
+    "zero1": EngineRun("virtual_runs", {"modes": ["full"], "zero_stage": 1}, nproc=4),
+}
+
+
+def _merged(ranks: list[dict], field: str) -> list[dict[str, set[str]]] | dict[str, set[str]]:
+    """Every rank's digests of `field` by key, each key's copies (over ranks and within one) as a set."""
+
+    def merge(per_rank: list[dict[str, list[str]]]) -> dict[str, set[str]]:
+        out: dict[str, set[str]] = {}
+        for digests in per_rank:
+            for key, values in digests.items():
+                out.setdefault(key, set()).update(values)
+        return out
+
+    if field == "weights":
+        return merge([rank["weights"] for rank in ranks])
+    return [merge([rank["grads"][step] for rank in ranks]) for step in range(len(ranks[0]["grads"]))]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(
+    "run, mode",
+    [("two-ranks", mode) for mode in MODES] + [("data-parallel", "none")] + [("zero1", "full")],
+)
+@pytest.mark.parametrize("schedule", VIRTUAL_SCHEDULES)
+def test_two_chunks_per_rank_train_as_deepspeeds_1f1b_bit_for_bit(engine_runs, schedule, run, mode):
+    runs = {name: [rank[name] for rank in engine_runs[run]] for name in engine_runs[run][0]}
+    reference, ranks = runs[f"1f1b/{mode}"], runs[f"{schedule}/{mode}"]
+    placement = [[0, 2], [1, 3]] if schedule == "interleaved-1f1b" else [[0, 3], [1, 2]]
+    replicas = len(ranks) // 2  # DeepSpeed's grid: pipeline rank = global rank // replicas
+    assert [rank["stages"] for rank in ranks] == [placement[r // replicas] for r in range(len(ranks))]
+    assert all(rank["losses"] == reference[0]["losses"] for rank in ranks)
+    zero = "DeepSpeedZeroOptimizer" if run == "zero1" else "AdamW"
+    assert {rank["optimizer"] for rank in ranks + reference} == {zero}  # ZeRO-1's gradients: only in the weights
+    for grads, expected in zip(_merged(ranks, "grads"), _merged(reference, "grads"), strict=True):
+        assert grads.keys() == expected.keys()
+        for key, digests in grads.items():
+            assert len(digests) == 1 and digests == expected[key], key  # a tied weight's two copies agree
+    assert _merged(ranks, "weights") == _merged(reference, "weights")
+
+
+@pytest.mark.multiproc
+def test_interleaving_three_chunks_per_rank_trains_as_deepspeeds_1f1b_bit_for_bit(engine_runs):
+    runs = {name: [rank[name] for rank in engine_runs["three-chunks"]] for name in engine_runs["three-chunks"][0]}
+    reference, ranks = runs["1f1b/full"], runs["interleaved-1f1b/full"]
+    assert [rank["stages"] for rank in ranks] == [[0, 2, 4], [1, 3, 5]]
+    assert all(rank["losses"] == reference[0]["losses"] for rank in ranks)
+    assert _merged(ranks, "grads") == _merged(reference, "grads")
+    assert _merged(ranks, "weights") == _merged(reference, "weights")
+
+
+@pytest.mark.multiproc
+def test_a_run_resumed_from_deepspeeds_checkpoint_continues_bit_exactly(engine_runs):
+    """DeepSpeed's engine saves and loads the chunks' weights, the optimizer and the LR schedule (zb-v: rank 0 holds
+    both copies of the tied embedding)."""
+    for rank in engine_runs["resume"]:
+        losses = rank["resume/zb-v"]
+        assert len(losses["straight"]) == 2 and losses["resumed"] == losses["straight"]
+
+
+def test_what_the_runtime_does_not_run_yet_is_refused_in_one_line():
+    def refusal(dropout=0.0, recompute=None, precision="fp32", zero=0):
+        return virtual_refusal("zb-v", dropout, recompute or NoRecompute(), precision, zero)
+
+    assert refusal() is None and refusal(recompute=FullRecompute(interval="1")) is None
+    refusals = [
+        refusal(dropout=0.1),
+        refusal(recompute=AutoRecompute()),
+        refusal(recompute=FullRecompute(interval="1", early=True)),
+        refusal(precision="bf16"),
+        refusal(zero=2),
+    ]
+    assert all(line and "\n" not in line and "zb-v" in line for line in refusals)
+    assert "model.dropout=0.1" in refusals[0] and "train.precision=bf16" in refusals[3]
