@@ -158,7 +158,11 @@ def llama_block_items(shape: Shape, target: Target, modules: Sequence[str] = ())
 
 
 def block_kept_items(shape: Shape, target: Target, modules: Sequence[str] = ()) -> list[Item]:
-    """block_items or llama_block_items, by the shape's architecture."""
+    """block_items or llama_block_items, by the shape's architecture; a compiled block's measured bytes under
+    train.compile (Target.compiled), where the partitioner, not eager autograd, chose what the block saves."""
+    if target.compiled is not None:
+        kept = target.compiled.kept_bytes(shape, target.precision, tuple(modules))
+        return [("compiled block's saved tensors (measured)", kept)]
     return (llama_block_items if shape.arch == "llama" else block_items)(shape, target, modules)
 
 
