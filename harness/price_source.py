@@ -137,6 +137,8 @@ def price_file(ctx: RunContext, signature: DeviceSignature) -> Path:
     """The cache file of this run's shape on this device: its signature's name and a digest of everything the probe
     builds (the model but its depth, the micro-batch size)."""
     shape = {**asdict(ctx.run.model), "n_layer": None, "micro_batch_size": ctx.run.train.micro_batch_size}
+    if ctx.run.train.compile:  # priced from compiled instructions: a file of their own
+        shape["compile"] = True
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return price_cache_dir() / f"{Path(signature.file_name()).stem}-{digest}.json"
 
@@ -172,10 +174,11 @@ def measured_prices_of(ctx: RunContext, profile: DeviceProfile | None) -> tuple[
     elif how == RACED:
         line = f"costs: measured at this shape by another run at the same moment: its prices {path}"
     else:
+        compiled = " (compiled, but for selective layernorm and ZB-H1's)" if run.train.compile else ""
         line = (
-            f"costs: measured at this shape: one block per recompute option (none, each selective part, full; 1F1B's "
-            f"and ZB-H1's backward), the embeddings and the head, {replays} stage replays in {wall_s:.1f} s; cached at "
-            f"{path}"
+            f"costs: measured at this shape: one block per recompute option{compiled} (none, each selective part, "
+            f"full; 1F1B's and ZB-H1's backward), the embeddings and the head, {replays} stage replays in "
+            f"{wall_s:.1f} s; cached at {path}"
         )
     if runs:
         line += f", scaled by the residuals {runs} earlier run(s) measured ({residuals_path(path)})"
@@ -200,7 +203,7 @@ def corrected_curves(ctx: RunContext, profile: DeviceProfile, shape: Shape) -> t
             seconds = with_residuals(MeasuredSeconds(**data["seconds"]), read_residuals(path)[0])
         except (OSError, ValueError, KeyError, TypeError):
             continue  # a damaged file teaches nothing (planning its own shape says so)
-        if measured_shape.arch == shape.arch:
+        if measured_shape.arch == shape.arch and not data.get("compiled"):  # the curves time eager kernels
             pairs.append((seconds, profile_seconds(profile, measured_shape, ctx.target)))
     if not pairs:
         return None, ""
@@ -228,10 +231,16 @@ def _measure(ctx: RunContext, signature: DeviceSignature, profile: DeviceProfile
     threads = torch.get_num_threads()
     torch.set_num_threads(signature.threads or threads)
     try:
-        measured = measure_stage_prices(ctx.run.model, ctx.shape, transfer, link_rate)
+        measured = measure_stage_prices(ctx.run.model, ctx.shape, transfer, link_rate, ctx.run.train.compile)
     finally:
         torch.set_num_threads(threads)
-    return {"replays": measured.replays, "wall_s": measured.wall_s, "seconds": vars(measured.seconds)}
+    seconds = vars(measured.seconds)
+    return {
+        "replays": measured.replays,
+        "wall_s": measured.wall_s,
+        "seconds": seconds,
+        "compiled": ctx.run.train.compile,
+    }
 
 
 MEASURED, RACED = "measured", "raced"
