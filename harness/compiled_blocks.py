@@ -14,20 +14,11 @@ from pathlib import Path
 
 from harness.context import RunContext
 from harness.price_source import RACED, expected_signature, measure_once, measurement_header, price_file
-from parallel.measurement.compiled_bytes import measure_compiled_blocks
-from parallel.planning.config import SelectiveRecompute
+from parallel.measurement.compiled_bytes import compiled_options, measure_compiled_blocks
 from parallel.planning.device_profile_file import DeviceSignature
-from parallel.planning.shapes import CompiledBlocks, Shape, option_key
+from parallel.planning.shapes import CompiledBlocks, Shape
 
 EAGER = "the plan counts eager autograd's bytes, which a compiled block does not keep (docs/compile.md)"
-
-
-def compiled_options(recompute) -> tuple[tuple[str, ...], ...]:
-    """The block options a compiled run's plan needs: none (every block under none and full, whose segments recompute
-    compiled blocks, and the micro-batches recompute.micro_batches leaves plain) and its selective modules."""
-    if isinstance(recompute, SelectiveRecompute):
-        return ((), option_key(recompute.modules))
-    return ((),)
 
 
 def compiled_file(ctx: RunContext, signature: DeviceSignature, options: tuple[tuple[str, ...], ...]) -> Path:
@@ -51,7 +42,7 @@ def with_compiled_blocks(ctx: RunContext) -> tuple[RunContext, str]:
 
     def measure() -> dict:
         blocks = measure_compiled_blocks(model, size, target, options)
-        return {"kept": blocks.kept, "working": blocks.working}
+        return {"kept": blocks.kept, "working": blocks.working, "shared": blocks.shared}
 
     how = measure_once(path, ctx.env.local_rank, measurement_header(ctx, signature), measure)
     try:
@@ -66,10 +57,13 @@ def with_compiled_blocks(ctx: RunContext) -> tuple[RunContext, str]:
             target.precision,
             tuple((tuple(modules), int(kept)) for modules, kept in data["kept"]),
             tuple((tuple(modules), int(working)) for modules, working in data["working"]),
+            int(data["shared"]),
         )
     except (OSError, ValueError, KeyError, TypeError) as error:
         return ctx, f"train.compile: the compiled block bytes {path} are damaged ({error!r}); {EAGER}"
     kept = ", ".join(f"{'+'.join(modules) or 'none'} {kept:,} bytes" for modules, kept in compiled.kept)
+    if compiled.shared:
+        kept += f", and {compiled.shared:,} bytes of one storage every block saves, once per stage"
     source = {None: f"cached {path}", RACED: f"measured by another run at the same moment: {path}"}
     line = f"train.compile: the plan counts what a compiled block keeps per micro-batch, {kept} ("
     line += source.get(how, f"measured now by compiling one block per option; cached at {path}") + ")"

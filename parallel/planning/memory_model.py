@@ -296,6 +296,7 @@ def stage_activations(
     """Per-layer kept bytes of one stage under its plan, in order; the loss is a last pseudo-layer on
     the last stage. Each layer counts its own input when it keeps it, so nothing is counted twice."""
     segment_starts = {start for start, _ in plan.segments}
+    shared = target.compiled.shared if target.compiled is not None else 0
     out = []
     for local, flat in enumerate(layers):
         recipe = recipes[flat]
@@ -307,6 +308,9 @@ def stage_activations(
                 items = block_full_items(shape, target, local in segment_starts, plan.compress)
             else:
                 items = block_kept_items(shape, target, plan.selective.get(local, ()))
+                if shared:  # one storage, whichever block of the stage saved it first
+                    items.append(("one storage every compiled block saves (measured: the rotary angles table)", shared))
+                    shared = 0
         elif is_head(recipe):
             items = lm_head_items(shape, target)
         elif cls in (TokenEmbedding, LlamaEmbedding):

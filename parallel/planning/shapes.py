@@ -184,6 +184,10 @@ class CompiledBlocks:
     """(the option's modules, sorted by option_key, () for none; the bytes one block keeps), per option."""
     working: tuple[tuple[tuple[str, ...], int], ...]
     """(modules; the most the block's backward holds beyond what it keeps and its output gradient), per option."""
+    shared: int = 0
+    """Saved by every compiled block from one storage the process held before any block ran (Llama's rotary angles
+    table, which a compiled graph keeps where eager keeps each block's cos and sin): counted once per stage, not in
+    `kept`."""
 
     @property
     def options(self) -> tuple[tuple[str, ...], ...]:
