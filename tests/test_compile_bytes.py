@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from model import GPTConfig
+from parallel.measurement.compile_counters import CompileCount
 from parallel.measurement.compiled_bytes import compiled_options, measure_compiled_blocks
 from parallel.measurement.local_stages import LocalPipeline
+from parallel.measurement.stage_prices import measure_stage_prices
 from parallel.measurement.stage_replay import StageReplay
 from parallel.planning.config import SelectiveRecompute
 from parallel.planning.layout import build_layout
@@ -37,6 +39,8 @@ FAMILIES = {
 }  # fmt: skip
 MICRO_BATCHES = 3
 PEAK_TOLERANCE = 0.02
+COMPILED_PROBE_GRAPHS = 5
+"""One graph per compiled stage price probe (parallel/measurement/stage_prices.py)."""
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -83,3 +87,15 @@ def test_each_compiled_stages_peak_is_the_planned_peak(planned):
             stage.peak_tensor_terms,
             measured,
         )
+
+
+def test_a_compiled_runs_stage_prices_time_compiled_blocks():
+    """The step-time prices of a compiled run come from compiled instructions: the stage price measurement compiles the
+    probe's block in each 1F1B block replay (none, core_attn, mlp, mlp_act, full), without a graph break."""
+    model, _, micro_batch_size = FAMILIES["gpt2"]
+    run = RunShape(Topology(2), Target("cpu", "fp32"), MICRO_BATCHES, micro_batch_size)
+    before = CompileCount.now()
+    measure_stage_prices(model, run, compile=True)
+    compiled = CompileCount.now() - before
+    assert compiled.graphs == COMPILED_PROBE_GRAPHS
+    assert compiled.graph_breaks == 0
