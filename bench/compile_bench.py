@@ -9,20 +9,26 @@ compiled before each compiled pipeline, so each pays its own compile (inductor's
 may still serve kernels it built earlier: point it at an empty directory for a cold figure). Compile is the first
 step's wall-clock time less the eager first step's; tokens/s is the median of the later steps' wall-clock. The
 activation bytes are each stage's saved tensors for one micro-batch (the activation meter's, which sees what a
-compiled block's graph saves). Not a test; time it on a quiet machine: the load average is printed beside the figures.
+compiled block's graph saves), eager's layout eager and compiled, then the layout planned from a compiled block measured
+at this shape (parallel/measurement/compiled_bytes.py, after the timed steps, so its compiles warm no timed cache):
+its compiled stages' metered bytes beside the plan's.
+Not a test; time it on a quiet machine: the load average is printed beside the figures.
 """
 
 import argparse
 import os
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
 from model import GPTConfig
+from parallel.measurement.compiled_bytes import compiled_options, measure_compiled_blocks
 from parallel.measurement.local_stages import LocalPipeline
 from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.planning.layout import build_layout
+from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import RunShape, Target, Topology
 
 MODES = {
@@ -76,8 +82,8 @@ def main() -> None:
     tokens = args.micro_batches * args.micro_batch_size * args.seq_len
     print(f"load average at start: {os.getloadavg()[0]:.2f}; {args.threads} intra-op thread(s); {config}")
     print("| mode | compile s | eager tok/s | compiled tok/s | compiled / eager | eager bytes per stage "
-          "| compiled bytes per stage |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+          "| compiled bytes per stage | compiled plan's bytes per stage: metered | planned |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, recompute in MODES.items():
         layout = build_layout(config, recompute, run, "type:Block", seed=0)
         eager = LocalPipeline(layout)
@@ -87,10 +93,19 @@ def main() -> None:
         compiled_s = timed_steps(compiled, batches, args.steps)
         eager_rate = tokens / statistics.median(eager_s[1:])
         compiled_rate = tokens / statistics.median(compiled_s[1:])
+        # the plan counts a compiled block measured at this shape, and may then plan another layout than eager's
+        blocks = measure_compiled_blocks(config, args.micro_batch_size, run.target, compiled_options(recompute))
+        compiled_run = replace(run, target=replace(run.target, compiled=blocks))
+        compiled_layout = build_layout(config, recompute, compiled_run, "type:Block", seed=0)
+        planned = plan_run(config, recompute, compiled_layout, compiled_run)
+        torch._dynamo.reset()
+        metered = LocalPipeline(compiled_layout, compile=True)
+        timed_steps(metered, batches, 1)  # compiles (from the cache the measurement filled)
         print(
             f"| {name} | {compiled_s[0] - eager_s[0]:.1f} | {eager_rate:,.0f} | {compiled_rate:,.0f} | "
             f"{compiled_rate / eager_rate:.2f} | {activation_bytes(eager, batches)} | "
-            f"{activation_bytes(compiled, batches)} |"
+            f"{activation_bytes(compiled, batches)} | {activation_bytes(metered, batches)} | "
+            f"{[stage.activation_bytes_per_microbatch for stage in planned.stages]} |"
         )
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
 

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
@@ -136,6 +137,8 @@ def price_file(ctx: RunContext, signature: DeviceSignature) -> Path:
     """The cache file of this run's shape on this device: its signature's name and a digest of everything the probe
     builds (the model but its depth, the micro-batch size)."""
     shape = {**asdict(ctx.run.model), "n_layer": None, "micro_batch_size": ctx.run.train.micro_batch_size}
+    if ctx.run.train.compile:  # priced from compiled instructions: a file of their own
+        shape["compile"] = True
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return price_cache_dir() / f"{Path(signature.file_name()).stem}-{digest}.json"
 
@@ -153,12 +156,9 @@ def measured_prices_of(ctx: RunContext, profile: DeviceProfile | None) -> tuple[
     if reason is not None:
         return None, f"costs: not measured: {reason}"
     path = price_file(ctx, signature)
-    line = None
-    if not path.exists():
-        if env.local_rank == 0:
-            line = _measure_into(path, ctx, signature, profile)
-        else:
-            _wait_for(path)
+    how = measure_once(
+        path, env.local_rank, measurement_header(ctx, signature), lambda: _measure(ctx, signature, profile)
+    )
     try:
         data = json.loads(path.read_text())
         if "failed" in data:
@@ -169,8 +169,17 @@ def measured_prices_of(ctx: RunContext, profile: DeviceProfile | None) -> tuple[
         seconds = with_residuals(seconds, residuals)
     except (OSError, ValueError, KeyError, TypeError) as error:
         return None, f"costs: not measured: the measured prices {path} or their residuals are damaged ({error!r})"
-    if line is None:
+    if how is None:
         line = f"costs: measured at this shape by {replays} stage replays in {wall_s:.1f} s (cached {path}, {created})"
+    elif how == RACED:
+        line = f"costs: measured at this shape by another run at the same moment: its prices {path}"
+    else:
+        compiled = " (compiled, but for selective layernorm and ZB-H1's)" if run.train.compile else ""
+        line = (
+            f"costs: measured at this shape: one block per recompute option{compiled} (none, each selective part, "
+            f"full; 1F1B's and ZB-H1's backward), the embeddings and the head, {replays} stage replays in "
+            f"{wall_s:.1f} s; cached at {path}"
+        )
     if runs:
         line += f", scaled by the residuals {runs} earlier run(s) measured ({residuals_path(path)})"
     shape = Shape.of(run.model, run.train.micro_batch_size)
@@ -194,7 +203,7 @@ def corrected_curves(ctx: RunContext, profile: DeviceProfile, shape: Shape) -> t
             seconds = with_residuals(MeasuredSeconds(**data["seconds"]), read_residuals(path)[0])
         except (OSError, ValueError, KeyError, TypeError):
             continue  # a damaged file teaches nothing (planning its own shape says so)
-        if measured_shape.arch == shape.arch:
+        if measured_shape.arch == shape.arch and not data.get("compiled"):  # the curves time eager kernels
             pairs.append((seconds, profile_seconds(profile, measured_shape, ctx.target)))
     if not pairs:
         return None, ""
@@ -205,35 +214,55 @@ def corrected_curves(ctx: RunContext, profile: DeviceProfile, shape: Shape) -> t
     )
 
 
-def _measure_into(path: Path, ctx: RunContext, signature: DeviceSignature, profile: DeviceProfile | None) -> str:
-    """Local rank 0: measure on the rank's own intra-op threads, and write the file the other ranks wait for (a
-    failure too, which every rank then reads alike; the start-up line is then the file's)."""
+def measurement_header(ctx: RunContext, signature: DeviceSignature) -> dict:
+    """What every cached measurement file of this run's shape on this device begins with."""
+    return {
+        "format": PRICES_FORMAT,
+        "signature": vars(signature),
+        "shape": vars(Shape.of(ctx.run.model, ctx.run.train.micro_batch_size)),
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+
+
+def _measure(ctx: RunContext, signature: DeviceSignature, profile: DeviceProfile | None) -> dict:
+    """The stage's prices, timed on the rank's own intra-op threads."""
     shape = Shape.of(ctx.run.model, ctx.run.train.micro_batch_size)
     transfer, link_rate = (None, None) if profile is None else link_seconds(profile, shape, ctx.target)
     threads = torch.get_num_threads()
     torch.set_num_threads(signature.threads or threads)
-    record = {
-        "format": PRICES_FORMAT,
-        "signature": vars(signature),
-        "shape": vars(shape),
-        "created": datetime.now(UTC).isoformat(timespec="seconds"),
-    }
     try:
-        measured = measure_stage_prices(ctx.run.model, ctx.shape, transfer, link_rate)
-        record.update(replays=measured.replays, wall_s=measured.wall_s, seconds=vars(measured.seconds))
-    except Exception as error:  # the waiting ranks must learn it too: the file says so, for every rank alike
-        record["failed"] = f"{type(error).__name__}: {error}"
+        measured = measure_stage_prices(ctx.run.model, ctx.shape, transfer, link_rate, ctx.run.train.compile)
     finally:
         torch.set_num_threads(threads)
+    return {
+        "replays": measured.replays,
+        "wall_s": measured.wall_s,
+        "seconds": vars(measured.seconds),
+        "compiled": ctx.run.train.compile,  # the curves' corrections learn from eager prices only
+    }
+
+
+MEASURED, RACED = "measured", "raced"
+"""How measure_once found a file that was not there: this process wrote it, or another run wrote it first."""
+
+
+def measure_once(path: Path, local_rank: int, record: dict, measure: Callable[[], dict]) -> str | None:
+    """A measurement cached in one file that every rank reads alike: when `path` is missing, local rank 0 runs
+    `measure()` and writes its fields into `record` (or `failed` with the error: the waiting ranks must learn it too,
+    and read it alike) while the other ranks wait for the file. Returns MEASURED, RACED (another run wrote it at the
+    same moment: its content stands) or None (it was there)."""
+    if path.exists():
+        return None
+    if local_rank != 0:
+        _wait_for(path)
+        return None
+    try:
+        record.update(measure())
+    except Exception as error:
+        record["failed"] = f"{type(error).__name__}: {error}"
     record["load"] = list(os.getloadavg())
     path.parent.mkdir(parents=True, exist_ok=True)
-    if not write_json_once(path, record):
-        return f"costs: measured at this shape by another run at the same moment: its prices {path}"
-    return (
-        f"costs: measured at this shape: one block per recompute option (none, each selective part, full; 1F1B's "
-        f"and ZB-H1's backward), the embeddings and the head, {record.get('replays')} stage replays in "
-        f"{record.get('wall_s', 0):.1f} s; cached at {path}"
-    )
+    return MEASURED if write_json_once(path, record) else RACED
 
 
 def _wait_for(path: Path) -> None:
@@ -242,7 +271,7 @@ def _wait_for(path: Path) -> None:
     deadline = time.monotonic() + WAIT_S
     while not path.exists():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"local rank 0 wrote no measured prices to {path} within {WAIT_S:.0f} s")
+            raise TimeoutError(f"local rank 0 wrote no measurement to {path} within {WAIT_S:.0f} s")
         time.sleep(0.2)
 
 

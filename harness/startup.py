@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness import preemption
 from harness.checkpoint import resume_point
+from harness.compiled_blocks import with_compiled_blocks
 from harness.config_errors import unknown_added_keys
 from harness.context import RunContext
 from harness.dry_run import dry_run
@@ -42,6 +43,10 @@ def run_from_hydra(cfg: DictConfig, job: JobHooks) -> None:
         if job.finished_earlier(run_dir, cfg, rank):  # a relaunched sweep: this job is done
             return
         ctx = validate(cfg, run_dir, env, job)
+        if ctx.run.train.compile:  # the plan counts what a compiled block keeps, measured once per shape
+            ctx, line = with_compiled_blocks(ctx)
+            if rank == 0:
+                print(f"stagecheck: {line}", flush=True)
         layout = layout_of(ctx)  # recompute=auto may not fit its budget
         check_partition(ctx.resume, layout.parts)
         if not ctx.run.dry_run:  # a dry run loads no DeepSpeed

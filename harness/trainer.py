@@ -77,11 +77,7 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
         for line in layout.describe() + layout.empty_stage_warnings() + ([lossy] if lossy else []):
             print("stagecheck: " + line, flush=True)
         if run.train.compile:
-            print(
-                "stagecheck: train.compile: each block compiled (inductor); the plan counts eager autograd's "
-                "activation bytes, and a compiled block keeps what the partitioner chooses (docs/compile.md)",
-                flush=True,
-            )
+            print("stagecheck: train.compile: each block compiled (inductor), after its plan", flush=True)
         if run.model.packed_dropout and run.model.dropout == 0:
             print("stagecheck: model.packed_dropout=true is a no-op: model.dropout is 0, so no masks are kept")
 
@@ -131,7 +127,7 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
             **ctx.resolved,
             "layout": layout.as_dict(),
             "topology": topology.as_dict(),
-            "runtime": vars(target),
+            "runtime": {"device": target.device, "precision": target.precision},
         }
         wandb = open_wandb(
             run.logger,

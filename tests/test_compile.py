@@ -8,9 +8,13 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from model import GPTConfig
+from model import FIRST_BLOCK_INDEX, GPTConfig, gpt_layers
 from parallel.measurement.tensor_peak import live_storages
+from parallel.planning import working_set
 from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute
+from parallel.planning.memory_model import block_kept_items, stage_activations
+from parallel.planning.shapes import CompiledBlocks, Shape, Target
+from parallel.planning.stage_plan import StagePlan
 from parallel.runtime.compile_blocks import compile_refusal
 from tests.compiled_runs import assert_bit_identical, compiled_steps
 from tests.runs import TINY, summary
@@ -65,6 +69,29 @@ def test_what_compiles_is_accepted(recompute):
     assert compile_refusal("1f1b", recompute) is None
 
 
+def test_a_compiled_blocks_bytes_are_read_only_where_they_were_measured():
+    """The planner counts a compiled block's measured bytes (tests/test_compile_bytes.py holds them to the meters) at
+    the shape, precision and options they were measured with; anything else is refused, never eager autograd's count."""
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=16, vocab_size=64, dropout=0.1)
+    shape = Shape.of(config, 2)
+    blocks = CompiledBlocks(
+        shape, "fp32", (((), 900), (("core_attn", "mlp"), 500)), (((), 70), (("core_attn", "mlp"), 90)), shared=40
+    )
+    target = Target("cpu", "fp32", blocks)
+    assert [kept for _, kept in block_kept_items(shape, target, ("mlp", "core_attn"))] == [500]
+    # one storage every compiled block saves (Llama's rotary angles table) counts once per stage
+    blocks_only = range(FIRST_BLOCK_INDEX, FIRST_BLOCK_INDEX + 2)
+    stage = stage_activations(gpt_layers(config, 0), blocks_only, StagePlan(), shape, target, is_last=False)
+    assert [layer.bytes for layer in stage] == [940, 900]
+    assert working_set.block_backward_bytes(shape, target, ()) == {working_set.COMPILED: 70}
+    with pytest.raises(ValueError, match="no compiled block was measured with recompute.modules=.'mlp'."):
+        block_kept_items(shape, target, ("mlp",))
+    with pytest.raises(ValueError, match="compiled blocks were measured at"):
+        block_kept_items(Shape.of(GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=16, vocab_size=64), 2), target)
+    with pytest.raises(ValueError, match="compiled blocks were measured at"):
+        block_kept_items(shape, Target("cpu", "bf16", blocks))
+
+
 def test_compiled_recompute_is_bit_identical_to_compiled_none_without_recompiles():
     """Dropout on, two stages in this process: selective checkpoints traced inside the compiled blocks give the
     compiled `none` run's losses and gradients, and the second step (other micro-batches, both stages) compiles
@@ -93,5 +120,8 @@ def test_a_compiled_two_stage_run_counts_no_graph_break_and_no_recompile(case_ru
         assert counts["first_step"]["graphs"] >= 1 and counts["later"]["graphs"] == 0
         assert counts["first_step"]["graph_breaks"] == counts["later"]["graph_breaks"] == 0
     output = shared_runs.case_output()
-    assert "stagecheck: train.compile: each block compiled (inductor); the plan counts eager" in output
+    assert "stagecheck: train.compile: each block compiled (inductor), after its plan" in output
+    # the plan counted what the compiled blocks keep (measured at start-up), and the meters agree to the byte
+    assert "stagecheck: train.compile: the plan counts what a compiled block keeps per micro-batch, none " in output
+    assert run["activation_bytes_per_stage"] == run["planned_activation_bytes_per_stage"]
     assert "stagecheck: train.compile: the first step compiled " in output

@@ -11,12 +11,19 @@ backward. The links are not timed here (one process): they come from the device 
 
 Each instruction's seconds are the median over PROBE_MICRO_BATCHES micro-batches x TIMED_STEPS steps, after one
 warm-up step. The replay keeps fp32 optimizer states on CPU only, so only such runs are measured (`refusal`).
+
+A compiled run (train.compile) is priced from compiled instructions: the probe's block is compiled as a rank compiles
+it (parallel/runtime/compile_blocks.py, after its plan) in every replay but those of the parts no compiled run runs
+(selective `layernorm` and ZB-H1's split backward, both refused under compile), which are timed eager; the warm-up step
+compiles, and dynamo forgets the graphs before each replay (its recompile limit is shared by every block's module).
 """
 
 import statistics
 import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
+
+import torch
 
 from model import BLOCK_CLASSES, GPTConfig, gpt_layers, layer_param_counts
 from parallel.measurement.stage_replay import StageReplay
@@ -101,9 +108,17 @@ def _probes() -> list[tuple[str, int, StagePlan]]:
     ]
 
 
-def _instruction_seconds(layout: PipelineLayout, stage: int, run: RunShape) -> dict[str, float]:
-    """The median seconds of each instruction kind of one replayed stage."""
-    replay = StageReplay(layout, stage, run)
+def _compiles(schedule: str, stage: int, plan: StagePlan) -> bool:
+    """Whether a compiled run's replay of this probe compiles its block: every 1F1B block probe but selective
+    `layernorm`'s (parallel/runtime/compile_blocks.py's compile_refusal refuses it and zb-h1)."""
+    return schedule == "1f1b" and stage == BLOCK and "layernorm" not in plan.selective.get(0, ())
+
+
+def _instruction_seconds(layout: PipelineLayout, stage: int, run: RunShape, compile: bool = False) -> dict[str, float]:
+    """The median seconds of each instruction kind of one replayed stage (`compile`: its block compiled)."""
+    if compile:
+        torch._dynamo.reset()
+    replay = StageReplay(layout, stage, run, compile=compile)
     replay.step()  # warm-up: allocates the gradients and the optimizer's states
     spans = defaultdict(list)
     for _ in range(TIMED_STEPS):
@@ -113,10 +128,15 @@ def _instruction_seconds(layout: PipelineLayout, stage: int, run: RunShape) -> d
 
 
 def measure_stage_prices(
-    model: GPTConfig, run: RunShape, transfer: float | None = None, link_bytes_per_s: float | None = None
+    model: GPTConfig,
+    run: RunShape,
+    transfer: float | None = None,
+    link_bytes_per_s: float | None = None,
+    compile: bool = False,
 ) -> StageMeasurement:
     """Every part the planner prices, timed at the run's shape on this process's threads; `transfer` and
-    `link_bytes_per_s`: the device profile's links, when it measured them."""
+    `link_bytes_per_s`: the device profile's links, when it measured them; `compile`: train.compile (the module
+    docstring)."""
     start = time.perf_counter()
     timed = {}
     for schedule, stage, plan in _probes():
@@ -124,7 +144,10 @@ def measure_stage_prices(
         plans = list(layout.plans)
         plans[stage] = plan
         key = (schedule, stage, plan.choice_of(0))
-        timed[key] = _instruction_seconds(replace(layout, plans=plans), stage, probe_run)
+        compiled = compile and _compiles(schedule, stage, plan)
+        timed[key] = _instruction_seconds(replace(layout, plans=plans), stage, probe_run, compiled)
+    if compile:
+        torch._dynamo.reset()
     plain = timed[("1f1b", BLOCK, "none")]
 
     def recompute(choice: str) -> float:

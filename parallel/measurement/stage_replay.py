@@ -31,7 +31,8 @@ from parallel.runtime.stage_interpreter import StageInterpreter
 class StageReplay:
     """Stage `index` of `layout`, ready to run training steps of `run`'s micro-batches."""
 
-    def __init__(self, layout: PipelineLayout, index: int, run: RunShape, seed: int = 0):
+    def __init__(self, layout: PipelineLayout, index: int, run: RunShape, seed: int = 0, compile: bool = False):
+        """`compile`: each block compiled (train.compile), as on a rank."""
         if run.target.precision != "fp32":
             raise ValueError(f"a stage replay keeps fp32 optimizer states only, not {run.target.precision}")
         # What the process held before this stage existed (an earlier test's or a cache's tensors): not the stage's.
@@ -42,7 +43,7 @@ class StageReplay:
         self.split = layout.schedule == "zb-h1"
         self.plan = plan
         torch.manual_seed(seed)
-        stage = LocalStage(layout.recipes, layout.stages[index], plan)
+        stage = LocalStage(layout.recipes, layout.stages[index], plan, compile=compile)
         self.program = train_schedule(
             layout.schedule, self.early, run.micro_batches, stages, index, plan.deferred_weights
         )

@@ -14,7 +14,7 @@ not a silent fall-back to the analytic model where it is read.
 """
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from parallel.planning.device_profile_file import ANALYTIC, CostSource
 from parallel.planning.flops import block_forward_flops, mlp_output_matmul_flops, selective_recompute_flops
@@ -25,7 +25,7 @@ from parallel.planning.memory_model import (
     selective_combinations,
     total,
 )
-from parallel.planning.shapes import Shape, Target
+from parallel.planning.shapes import Shape, Target, option_key
 from parallel.planning.working_set import block_backward_bytes
 
 SELECTIVE_PARTS = ("core_attn", "mlp", "mlp_act", "layernorm")
@@ -99,7 +99,7 @@ class BlockOption:
     """`none` or `selective:<modules>`."""
     modules: tuple[str, ...]
     kept_bytes: int
-    """Bytes one block keeps per micro-batch."""
+    """Bytes one block keeps per micro-batch (under train.compile, a compiled block's where it was measured)."""
     cost: float
     """Price of the block's recompute, in its table's unit (BlockPrices.unit)."""
     working_bytes: int = 0
@@ -109,16 +109,25 @@ class BlockOption:
 
 
 def block_options(shape: Shape, target: Target, cost: Callable[[tuple[str, ...]], float]) -> list[BlockOption]:
-    """`none`, then every selective combination, with the bytes each keeps, `cost(modules)`, its working set and the
-    FLOPs it redoes."""
+    """`none`, then every selective combination, with the bytes each keeps (under train.compile a compiled block's,
+    measured: Target.compiled), `cost(modules)`, its working set and the FLOPs it redoes."""
     kernel = attention_kernel(shape, target)
+
+    def counted_on(combo: tuple[str, ...]) -> Target:
+        # train.compile measures only the options its plan runs (compiling a block costs tens of seconds on a CPU);
+        # the others, which no compiled run plans (+recompute=auto is refused there), keep eager autograd's figures
+        # for the step-time model's costs
+        if target.compiled is None or option_key(combo) in target.compiled.options:
+            return target
+        return replace(target, compiled=None)
+
     return [
         BlockOption(
             "selective:" + "+".join(combo) if combo else "none",
             combo,
-            total(block_kept_items(shape, target, combo)),
+            total(block_kept_items(shape, counted_on(combo), combo)),
             float(cost(combo)) if combo else 0.0,
-            max(block_backward_bytes(shape, target, combo).values()),
+            max(block_backward_bytes(shape, counted_on(combo), combo).values()),
             selective_recompute_flops(shape, combo, kernel),
         )
         for combo in [(), *selective_combinations()]

@@ -8,7 +8,7 @@ from dataclasses import replace
 from model import GPTConfig
 from parallel.planning.auto_recompute import StageBudget
 from parallel.planning.config import AutoRecompute
-from parallel.planning.shapes import GIB, RunShape, Target, Topology
+from parallel.planning.shapes import GIB, RunShape, Topology
 
 
 def smallest_budget_gb(auto: AutoRecompute, budgets: list[StageBudget], nesting: bool = True) -> float:
@@ -32,7 +32,7 @@ def alternatives(model: GPTConfig, run: RunShape) -> list[tuple[str, RunShape]]:
         size = run.micro_batch_size // 2
         out.append((f"train.micro_batch_size={size}", replace(run, micro_batch_size=size)))
     if target.precision == "fp32":
-        out.append(("train.precision=bf16", replace(run, target=Target(target.device, "bf16"))))
+        out.append(("train.precision=bf16", replace(run, target=replace(target, precision="bf16"))))
     if target.precision == "bf16" or run.zero_stage == 1:
         wider = Topology(topology.pipeline_stages, 2 * dp)
         out.append((f"parallel.data_parallel_size={2 * dp}", replace(run, topology=wider)))

@@ -158,7 +158,11 @@ def llama_block_items(shape: Shape, target: Target, modules: Sequence[str] = ())
 
 
 def block_kept_items(shape: Shape, target: Target, modules: Sequence[str] = ()) -> list[Item]:
-    """block_items or llama_block_items, by the shape's architecture."""
+    """block_items or llama_block_items, by the shape's architecture; a compiled block's measured bytes under
+    train.compile (Target.compiled), where the partitioner, not eager autograd, chose what the block saves."""
+    if target.compiled is not None:
+        kept = target.compiled.kept_bytes(shape, target.precision, tuple(modules))
+        return [("compiled block's saved tensors (measured)", kept)]
     return (llama_block_items if shape.arch == "llama" else block_items)(shape, target, modules)
 
 
@@ -292,6 +296,7 @@ def stage_activations(
     """Per-layer kept bytes of one stage under its plan, in order; the loss is a last pseudo-layer on
     the last stage. Each layer counts its own input when it keeps it, so nothing is counted twice."""
     segment_starts = {start for start, _ in plan.segments}
+    shared = target.compiled.shared if target.compiled is not None else 0
     out = []
     for local, flat in enumerate(layers):
         recipe = recipes[flat]
@@ -303,6 +308,9 @@ def stage_activations(
                 items = block_full_items(shape, target, local in segment_starts, plan.compress)
             else:
                 items = block_kept_items(shape, target, plan.selective.get(local, ()))
+                if shared:  # one storage, whichever block of the stage saved it first
+                    items.append(("one storage every compiled block saves (measured: the rotary angles table)", shared))
+                    shared = 0
         elif is_head(recipe):
             items = lm_head_items(shape, target)
         elif cls in (TokenEmbedding, LlamaEmbedding):

@@ -33,7 +33,7 @@ from parallel.planning.plan_record import (
 )
 from parallel.planning.schedule_choice import setting_prices
 from parallel.planning.schedules import train_schedule
-from parallel.planning.shapes import RunShape, Shape, Target
+from parallel.planning.shapes import RunShape, Shape, Target, option_key
 from parallel.planning.stage_plan import plan_stage
 from parallel.planning.stage_price import StagePrice, StagePricing, price_stage, simulate_priced
 from parallel.planning.step_sim import StageCosts, lower_bound_s
@@ -46,11 +46,14 @@ GPU_TARGETS = ("H100", "A100")
 
 def block_choices(shape: Shape, target: Target) -> dict[str, ChoiceEstimate]:
     """Every recompute choice for one block: bytes kept per micro-batch, saving against none, and the
-    forward FLOPs redone in backward (block_prices' options). `full` is a one-block segment (its input only)."""
+    forward FLOPs redone in backward (block_prices' options; under train.compile those a compiled block was measured
+    with). `full` is a one-block segment (its input only)."""
     prices = analytic_prices(shape, target)
     none = prices.block_bytes
     figures = {"none": (none, 0), "full": (prices.segment_input_bytes, segment_recompute_flops(shape, 1))}
-    figures.update({o.choice: (o.kept_bytes, o.recompute_flops) for o in prices.options[1:]})
+    measured = target.compiled.options if target.compiled else None  # train.compile: the choices it measured
+    options = [o for o in prices.options[1:] if measured is None or option_key(o.modules) in measured]
+    figures.update({o.choice: (o.kept_bytes, o.recompute_flops) for o in options})
     return {name: ChoiceEstimate(kept, none - kept, flops) for name, (kept, flops) in figures.items()}
 
 

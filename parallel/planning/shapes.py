@@ -1,5 +1,6 @@
-"""What a plan is for, as values: the device and precision (`Target`), the process grid (`Topology`), the
-batch and optimizer sharding around it (`RunShape`), and one micro-batch through the model (`Shape`).
+"""What a plan is for, as values: the device and precision (`Target`, with what a compiled block keeps under
+train.compile: `CompiledBlocks`), the process grid (`Topology`), the batch and optimizer sharding around it
+(`RunShape`), and one micro-batch through the model (`Shape`).
 
 The first stop of planning: memory_model, flops and schedule read these; nothing here reads them back.
 """
@@ -24,6 +25,10 @@ class Target:
 
     device: str
     precision: str
+    compiled: "CompiledBlocks | None" = None
+    """train.compile: what one compiled block keeps and its backward's working set, measured per option at the run's
+    shape (parallel/measurement/compiled_bytes.py), which the memory model counts instead of eager autograd's items;
+    None: the blocks run eagerly."""
 
     def __post_init__(self) -> None:
         if self.device not in PLAN_DEVICES:
@@ -162,3 +167,53 @@ class Shape:
     def scores(self) -> int:
         """Attention-score elements b * a * s * s."""
         return self.b * self.a * self.s * self.s
+
+
+@dataclass(frozen=True)
+class CompiledBlocks:
+    """What one compiled block (train.compile) keeps for backward and what its backward holds beyond that, per
+    selective option, measured by compiling a block at one micro-batch shape and precision: AOTAutograd's partitioner
+    chooses what a compiled graph saves (it recomputes cheap ops on its own), so no count of eager autograd's saved
+    tensors gives them. Bytes are per micro-batch; an option or a shape that was not measured is an error where it is
+    read, never eager autograd's figure."""
+
+    shape: Shape
+    """The micro-batch shape the blocks were measured at."""
+    precision: str
+    kept: tuple[tuple[tuple[str, ...], int], ...]
+    """(the option's modules, sorted by option_key, () for none; the bytes one block keeps), per option."""
+    working: tuple[tuple[tuple[str, ...], int], ...]
+    """(modules; the most the block's backward holds beyond what it keeps and its output gradient), per option."""
+    shared: int = 0
+    """Saved by every compiled block from one storage the process held before any block ran (Llama's rotary angles
+    table, which a compiled graph keeps where eager keeps each block's cos and sin): counted once per stage, not in
+    `kept`."""
+
+    @property
+    def options(self) -> tuple[tuple[str, ...], ...]:
+        return tuple(modules for modules, _ in self.kept)
+
+    def kept_bytes(self, shape: Shape, precision: str, modules: tuple[str, ...]) -> int:
+        return self._measured(self.kept, shape, precision, modules)
+
+    def working_bytes(self, shape: Shape, precision: str, modules: tuple[str, ...]) -> int:
+        return self._measured(self.working, shape, precision, modules)
+
+    def _measured(self, table, shape: Shape, precision: str, modules: tuple[str, ...]) -> int:
+        if (shape, precision) != (self.shape, self.precision):
+            raise ValueError(
+                f"compiled blocks were measured at {self.shape} in {self.precision}, not at {shape} in {precision}: "
+                "a compiled block's bytes are known only where they were measured"
+            )
+        key = option_key(modules)
+        for option, value in table:
+            if option == key:
+                return value
+        raise ValueError(
+            f"no compiled block was measured with recompute.modules={list(key)} (measured: {self.options})"
+        )
+
+
+def option_key(modules) -> tuple[str, ...]:
+    """A selective option's modules in one order (recompute.modules may list them in any)."""
+    return tuple(sorted(modules))

@@ -40,6 +40,8 @@ MLP = "block backward"
 """The second MLP matmul's backward: where each block's backward starts."""
 ATTENTION = "attention backward"
 """The attention core's backward."""
+COMPILED = "compiled block backward"
+"""A compiled block's backward (train.compile), one graph: its measured largest moment (Target.compiled)."""
 SEGMENT = "segment recompute"
 """Either moment in a block of a full-recompute segment, which the backward remakes at once."""
 LOSS = "loss backward"
@@ -149,6 +151,8 @@ def block_backward_bytes(
       is held (`_remade_copies`). Under `split_weights` the Linear layers after the core keep their inputs and
       output gradients for W (memory_model.weight_grad_items): those are not freed.
     """
+    if target.compiled is not None:  # zb-h1's split backward never runs compiled (compile_blocks.compile_refusal)
+        return {COMPILED: target.compiled.working_bytes(shape, target.precision, modules)}
     d, bsh = target.dtype_bytes, shape.bsh
     kept_none = total(block_kept_items(shape, target))
     core = total(attention_core_items(shape, target)[:-1])  # without the output, which the projection keeps

@@ -27,9 +27,9 @@ def compile_refusal(schedule: str, recompute) -> str | None:
         )
     if isinstance(recompute, AutoRecompute):
         return (
-            "train.compile=true cannot run +recompute=auto: auto plans each block from what eager autograd keeps, "
-            "and a compiled block keeps what the partitioner chooses; use +recompute=none, full or selective "
-            "(modules core_attn, mlp_act, mlp), or train.compile=false"
+            "train.compile=true cannot run +recompute=auto: auto weighs every block option, and a compiled block's "
+            "bytes are measured only for the options a fixed plan runs (each a compile at start-up); use "
+            "+recompute=none, full or selective (modules core_attn, mlp_act, mlp), or train.compile=false"
         )
     if getattr(recompute, "early", False):
         return (
