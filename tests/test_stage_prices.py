@@ -130,6 +130,11 @@ def test_a_misspelt_measured_price_is_said_and_the_curves_price_the_plan(tmp_pat
     assert "block_forwrd" in line and "; costs: analytic: no device profile of this device at " in line
 
 
+def test_the_run_is_planned_with_its_clipping():
+    """train.grad_clip reaches the plan (the optimizer steps' barrier: parallel/planning/step_sim.py)."""
+    assert context(0).shape.grad_clip == 1.0 and context(0, "train.grad_clip=0").shape.grad_clip == 0.0
+
+
 def test_train_prices_names_its_allowed_values():
     allowed = r"train.prices='measure' is unknown: allowed values are measured, curves, analytic"
     with pytest.raises(ValueError, match=allowed):

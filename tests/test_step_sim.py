@@ -272,6 +272,25 @@ def test_early_recompute_leaves_the_backward_of_every_stage_but_the_last():
     assert {i.end_s - i.start_s for i in timeline.of_stage(1) if i.instruction.name == "BackwardPass"} == {2.5}
 
 
+def test_clipping_makes_every_stage_wait_for_the_slowest_before_its_optimizer_step():
+    """DeepSpeed clips inside its optimizer step, after an all-reduce of the norm over every stage: with clipping the
+    stages step together, once the last has reached its step, each for its own time; without, an early stage steps
+    early."""
+    costs = [dataclasses.replace(unit_stage(), optimizer=step) for step in (0.5, 2.0, 1.0, 0.5)]
+    free, clipped = (simulate_stages(costs, 8, clip_barrier=clip) for clip in (False, True))
+
+    def steps(timeline):
+        return [i for s in range(4) for i in timeline.of_stage(s) if i.instruction.name == "OptimizerStep"]
+
+    arrivals = [i.start_s for i in steps(free)]
+    assert len(set(arrivals)) > 1  # the stages reach their steps at different times
+    assert [i.posted_s for i in steps(clipped)] == arrivals
+    assert {i.start_s for i in steps(clipped)} == {max(arrivals)}
+    assert [i.end_s - i.start_s for i in steps(clipped)] == [0.5, 2.0, 1.0, 0.5]
+    # stage 1 has the longest step and, without clipping, started it before the end stages finished their backward
+    assert clipped.step_time_s == max(arrivals) + 2.0 > free.step_time_s
+
+
 def test_zb_h1_reaches_the_lower_bound_on_two_even_stages():
     """F = B = W = 1: 1F1B's bubble is one F + B + W; ZB-H1's deferred W's leave only stage 1's late start."""
     costs = [unit_stage()] * 2
