@@ -183,6 +183,8 @@ PROFILE = MeasuredSeconds(
     head_forward=0.002,
     head_backward=0.003,
     optimizer_per_param=1e-8,
+    load=0.0001,
+    reduce_grads_per_param=2e-9,
     block_weight_grad=0.004,
     head_weight_grad=0.0015,
     transfer=None,
@@ -215,8 +217,12 @@ def test_measured_costs_price_each_stage_from_the_profile():
     assert plan.step_time.costs == "measured" and layout.timing.source == "measured"
     assert plan.step_time.cost_source == {"kind": "profile", "path": "/profiles/cpu.json", "created": SOURCE.created}
     assert any("(device profile /profiles/cpu.json, measured 2026-12-01T21:00:00+00:00)" in x for x in plan.lines())
-    first, last = (layout.timing.stage(s, 2, 2, 2 * table.full_block_cost, 0, RUN) for s in (0, 1))
+    first, last = (layout.timing.stage(s, 2, 2, 2 * table.full_block_cost, 1000, RUN) for s in (0, 1))
     assert first.forward == pytest.approx(2 * 0.005 + 0.0003) and last.backward == pytest.approx(2 * 0.009 + 0.003)
+    # the fixed work: the end stages' loads, and ReduceGrads' flattening at one data-parallel replica
+    assert first.load == last.load == 0.0001 and first.reduce_grads == pytest.approx(1000 * 2e-9)
+    middle = layout.timing.stage(1, 3, 2, 0.0, 1000, RUN)
+    assert middle.load == 0.0 and middle.optimizer == pytest.approx(1000 * 1e-8)
     # Full recompute (interval 1) redoes each block's forward once per backward: 2 blocks x 4 micro-batches.
     assert plan.step_time.stage_recompute_s == pytest.approx((4 * 2 * 0.004, 4 * 2 * 0.004))
     selective = plan_run(
