@@ -232,6 +232,17 @@ def test_measured_costs_price_each_stage_from_the_profile():
     assert plan.step_time.by_mode_s["full"] > plan.step_time.by_mode_s["selective"] > plan.step_time.by_mode_s["none"]
 
 
+def test_every_transfer_of_a_two_stage_pipeline_takes_the_links_time():
+    """An end stage's receive was priced as its own send (none that way: 0), and a rendezvous lasts its shorter
+    side's cost: the two stages' transfers took no time."""
+    table = measured_prices(Shape.of(TINY_CFG, 2), RUN.target, dataclasses.replace(PROFILE, transfer=0.001), SOURCE)
+    layout = build_layout(TINY_CFG, NoRecompute(), RUN, "type:Block", 0, table)
+    timeline = simulate_stages(layout_costs(layout, TINY_CFG, RUN), RUN.micro_batches)
+    p2p = ("SendActivation", "RecvActivation", "SendGrad", "RecvGrad")
+    transfers = [i.end_s - i.start_s for i in timeline.intervals if i.instruction.name in p2p]
+    assert len(transfers) == 4 * RUN.micro_batches and all(t == pytest.approx(0.001) for t in transfers)
+
+
 def test_analytic_costs_charge_full_recompute_one_forward_and_a_gpu_by_its_peak():
     layout = build_layout(TINY_CFG, FullRecompute(), RUN, "type:Block", 0)
     timing = layout.timing

@@ -131,8 +131,10 @@ class TimeModel:
             forward=forward,
             backward=backward,
             recompute=recompute_cost * self.seconds_per_cost,
-            send_activation=0.0 if last else self.transfer,
-            send_grad=0.0 if first else self.transfer,
+            # every link carries one micro-batch's hidden states: an end stage's receive is priced as its neighbour's
+            # send (the simulator's rendezvous lasts the shorter side's cost), the send it never runs is never read
+            send_activation=self.transfer,
+            send_grad=self.transfer,
             # Two ranks all-reduce the tied embedding's gradient: each sends and receives it once.
             reduce_tied=2 * self.tied_weight_bytes / link if stages > 1 and (first or last) else 0.0,
             # A ring all-reduce moves 2 (dp - 1) / dp of the gradients through each rank, after DeepSpeed has
