@@ -126,7 +126,8 @@ PRICE_CACHE_ENV = "STAGECHECK_PRICE_DIR"
 ~/.cache/stagecheck/stage_prices)."""
 WAIT_S = 1800.0
 """How long a rank waits for local rank 0's measurement."""
-PRICES_FORMAT = 1
+PRICES_FORMAT = 2
+"""The measured seconds' fields (MeasuredSeconds): 2 added the loads, ReduceGrads' own work and clipping."""
 
 
 def price_cache_dir() -> Path:
@@ -135,9 +136,17 @@ def price_cache_dir() -> Path:
 
 def price_file(ctx: RunContext, signature: DeviceSignature) -> Path:
     """The cache file of this run's shape on this device: its signature's name and a digest of everything the probe
-    builds (the model but its depth, the micro-batch size)."""
-    shape = {**asdict(ctx.run.model), "n_layer": None, "micro_batch_size": ctx.run.train.micro_batch_size}
-    if ctx.run.train.compile:  # priced from compiled instructions: a file of their own
+    builds (the model but its depth, the micro-batch size), whether its optimizer step clips, whether its blocks are
+    compiled (priced from compiled instructions: a file of their own) and the file's format (a file of an earlier
+    format is measured anew, not read as damaged)."""
+    shape = {
+        **asdict(ctx.run.model),
+        "n_layer": None,
+        "micro_batch_size": ctx.run.train.micro_batch_size,
+        "clips": ctx.run.train.grad_clip > 0,
+        "format": PRICES_FORMAT,
+    }
+    if ctx.run.train.compile:
         shape["compile"] = True
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return price_cache_dir() / f"{Path(signature.file_name()).stem}-{digest}.json"

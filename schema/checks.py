@@ -54,13 +54,14 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
 
 
 def run_shape(run: RunConfig, world_size: int, cuda_available: bool) -> RunShape:
-    """What the run is planned for: the process grid, device and precision, batch and ZeRO stage."""
+    """What the run is planned for: the process grid, device and precision, batch, ZeRO stage and clipping."""
     return RunShape(
         topology(run, world_size),
         target(run, cuda_available),
         run.train.micro_batches,
         run.train.micro_batch_size,
         run.parallel.zero_stage,
+        run.train.grad_clip,
     )
 
 

@@ -1,6 +1,8 @@
 """summary.json's `prediction`: the plan's predicted seconds of each instruction against a traced step's, and the
 end-of-run line when the measured step is more than 10% off the predicted one."""
 
+import dataclasses
+
 import pytest
 
 from harness.prediction_check import (
@@ -36,6 +38,22 @@ def test_the_plan_predicts_each_instruction_its_stages_programme_runs_and_plan_j
     assert "RecomputeEarly" not in last and "BackwardPass" not in last  # the last stage never recomputes early
     assert first["RecomputeEarly"] > 0 and first["BackwardInput"] > first["BackwardWeight"] > 0
     assert RunPlan.from_json(plan.to_json()).step_time.stage_instruction_s == plan.step_time.stage_instruction_s
+
+
+def test_the_predicted_optimizer_step_holds_the_clipping_barriers_wait_as_a_trace_times_it():
+    """Each stage's predicted instruction is timed in the simulated step from reaching it to its end: under clipping
+    (train.grad_clip, on by default) a stage's OptimizerStep holds its wait for the last stage to reach its own."""
+    recompute = FullRecompute(interval="1")
+    plans = {}
+    for clip in (0.0, 1.0):
+        run = dataclasses.replace(RUN, topology=Topology(4), grad_clip=clip)
+        plans[clip] = plan_run(CFG, recompute, build_layout(CFG, recompute, run, "type:Block", 0), run).step_time
+    waits = [
+        clipped["OptimizerStep"] - free["OptimizerStep"]
+        for clipped, free in zip(plans[1.0].stage_instruction_s, plans[0.0].stage_instruction_s)
+    ]
+    assert min(waits) == pytest.approx(0.0, abs=1e-12) and max(waits) > 0  # the last to arrive waits for none
+    assert plans[1.0].predicted_step_time_s >= plans[0.0].predicted_step_time_s
 
 
 def _trace(seconds_by_stage: list[dict[str, list[float]]]) -> StepTrace:

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from model import GPTConfig
-from parallel.measurement.in_process import FakeNeighbours
+from parallel.measurement.in_process import FakeNeighbours, clip_as_deepspeed
 from parallel.measurement.local_stages import LocalPipeline
 from parallel.measurement.stage_replay import StageReplay
+from parallel.measurement.tensor_peak import TensorPeakMeter
 from parallel.planning import schedules as planned
 from parallel.planning.config import FullRecompute
 from parallel.planning.layout import build_layout
@@ -126,3 +127,31 @@ def test_a_three_stage_zb_h1_early_pipelines_measured_peak_is_the_plans():
         measured = StageReplay(layout, index, run).measure_peak()
         assert measured.unaccounted_bytes == 0
         assert abs(measured.peak_bytes / stage.predicted_peak_bytes - 1) <= 0.10, (index, stage.peak_tensor_terms)
+
+
+def test_the_replays_fixed_work_is_deepspeeds_reduce_grads_flat_buffer_and_clipping():
+    """What the stage replay times beside the blocks is the engine's work: ReduceGrads holds one flat copy of every
+    gradient (DeepSpeed flattens them at one data-parallel replica too), and clipping is DeepSpeed's, whose norm only
+    the first stage adds to (the model-parallel group's rank 0), every stage scaling by the coefficient."""
+    layout, run, _ = _layout(2)
+    replay = StageReplay(layout, 1, run)
+    replay.step()
+    grads = [p.grad for p in replay.work.stage.parameters()]
+    meter = TensorPeakMeter("cpu")
+    with meter.window() as result:
+        replay.work.reduce_grads()
+    assert result[0].peak_bytes - result[0].baseline_bytes == sum(g.numel() * g.element_size() for g in grads)
+
+    def with_grads() -> list[torch.nn.Parameter]:
+        params = [torch.nn.Parameter(torch.ones(3)) for _ in range(2)]
+        for p in params:
+            p.grad = torch.full((3,), 2.0)
+        return params
+
+    later = with_grads()
+    clip_as_deepspeed(later, 1.0, first=False)  # its norm is the first stage's: a coefficient of 1 here
+    assert all(torch.equal(p.grad, torch.full((3,), 2.0)) for p in later)
+    first, reference = with_grads(), with_grads()
+    clip_as_deepspeed(first, 1.0, first=True)
+    torch.nn.utils.clip_grad_norm_(reference, 1.0)  # the same formula: max_norm / (norm + 1e-6), at most 1
+    assert all(torch.allclose(p.grad, r.grad) for p, r in zip(first, reference)) and first[0].grad[0] < 2.0

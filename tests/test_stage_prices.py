@@ -100,7 +100,8 @@ def test_every_rank_plans_from_local_rank_0s_measurement(two_ranks):
 def test_the_stage_replay_times_every_part_the_planner_prices(two_ranks):
     seconds = two_ranks[0][0].measured
     timed = ("block_forward", "block_backward", "block_weight_grad", "embedding_forward", "embedding_backward")
-    assert all(getattr(seconds, name) > 0 for name in (*timed, "head_forward", "head_backward", "optimizer_per_param"))
+    fixed = ("optimizer_per_param", "load", "reduce_grads_per_param")  # the stage's own work beside its blocks'
+    assert all(getattr(seconds, name) > 0 for name in (*timed, "head_forward", "head_backward", *fixed))
     assert all(seconds.selective((part,)) >= 0 for part in SELECTIVE_PARTS) and seconds.block_recompute >= 0
     assert seconds.transfer is None and seconds.link_bytes_per_s is None  # no profile measured the links
 
@@ -128,6 +129,11 @@ def test_a_misspelt_measured_price_is_said_and_the_curves_price_the_plan(tmp_pat
         f"costs: not measured: the measured prices {path} or their residuals are damaged (TypeError("
     )
     assert "block_forwrd" in line and "; costs: analytic: no device profile of this device at " in line
+
+
+def test_the_run_is_planned_with_its_clipping():
+    """train.grad_clip reaches the plan (the optimizer steps' barrier: parallel/planning/step_sim.py)."""
+    assert context(0).shape.grad_clip == 1.0 and context(0, "train.grad_clip=0").shape.grad_clip == 0.0
 
 
 def test_train_prices_names_its_allowed_values():

@@ -183,6 +183,8 @@ PROFILE = MeasuredSeconds(
     head_forward=0.002,
     head_backward=0.003,
     optimizer_per_param=1e-8,
+    load=0.0001,
+    reduce_grads_per_param=2e-9,
     block_weight_grad=0.004,
     head_weight_grad=0.0015,
     transfer=None,
@@ -215,8 +217,12 @@ def test_measured_costs_price_each_stage_from_the_profile():
     assert plan.step_time.costs == "measured" and layout.timing.source == "measured"
     assert plan.step_time.cost_source == {"kind": "profile", "path": "/profiles/cpu.json", "created": SOURCE.created}
     assert any("(device profile /profiles/cpu.json, measured 2026-12-01T21:00:00+00:00)" in x for x in plan.lines())
-    first, last = (layout.timing.stage(s, 2, 2, 2 * table.full_block_cost, 0, RUN) for s in (0, 1))
+    first, last = (layout.timing.stage(s, 2, 2, 2 * table.full_block_cost, 1000, RUN) for s in (0, 1))
     assert first.forward == pytest.approx(2 * 0.005 + 0.0003) and last.backward == pytest.approx(2 * 0.009 + 0.003)
+    # the fixed work: the end stages' loads, and ReduceGrads' flattening at one data-parallel replica
+    assert first.load == last.load == 0.0001 and first.reduce_grads == pytest.approx(1000 * 2e-9)
+    middle = layout.timing.stage(1, 3, 2, 0.0, 1000, RUN)
+    assert middle.load == 0.0 and middle.optimizer == pytest.approx(1000 * 1e-8)
     # Full recompute (interval 1) redoes each block's forward once per backward: 2 blocks x 4 micro-batches.
     assert plan.step_time.stage_recompute_s == pytest.approx((4 * 2 * 0.004, 4 * 2 * 0.004))
     selective = plan_run(
@@ -224,6 +230,17 @@ def test_measured_costs_price_each_stage_from_the_profile():
     )
     assert selective.step_time.stage_recompute_s == pytest.approx((4 * 2 * 0.002, 4 * 2 * 0.002))  # core_attn
     assert plan.step_time.by_mode_s["full"] > plan.step_time.by_mode_s["selective"] > plan.step_time.by_mode_s["none"]
+
+
+def test_every_transfer_of_a_two_stage_pipeline_takes_the_links_time():
+    """An end stage's receive was priced as its own send (none that way: 0), and a rendezvous lasts its shorter
+    side's cost: the two stages' transfers took no time."""
+    table = measured_prices(Shape.of(TINY_CFG, 2), RUN.target, dataclasses.replace(PROFILE, transfer=0.001), SOURCE)
+    layout = build_layout(TINY_CFG, NoRecompute(), RUN, "type:Block", 0, table)
+    timeline = simulate_stages(layout_costs(layout, TINY_CFG, RUN), RUN.micro_batches)
+    p2p = ("SendActivation", "RecvActivation", "SendGrad", "RecvGrad")
+    transfers = [i.end_s - i.start_s for i in timeline.intervals if i.instruction.name in p2p]
+    assert len(transfers) == 4 * RUN.micro_batches and all(t == pytest.approx(0.001) for t in transfers)
 
 
 def test_analytic_costs_charge_full_recompute_one_forward_and_a_gpu_by_its_peak():
@@ -270,6 +287,25 @@ def test_early_recompute_leaves_the_backward_of_every_stage_but_the_last():
     last = [i.instruction.name for i in timeline.of_stage(1)]
     assert "RecomputeEarly" not in last
     assert {i.end_s - i.start_s for i in timeline.of_stage(1) if i.instruction.name == "BackwardPass"} == {2.5}
+
+
+def test_clipping_makes_every_stage_wait_for_the_slowest_before_its_optimizer_step():
+    """DeepSpeed clips inside its optimizer step, after an all-reduce of the norm over every stage: with clipping the
+    stages step together, once the last has reached its step, each for its own time; without, an early stage steps
+    early."""
+    costs = [dataclasses.replace(unit_stage(), optimizer=step) for step in (0.5, 2.0, 1.0, 0.5)]
+    free, clipped = (simulate_stages(costs, 8, clip_barrier=clip) for clip in (False, True))
+
+    def steps(timeline):
+        return [i for s in range(4) for i in timeline.of_stage(s) if i.instruction.name == "OptimizerStep"]
+
+    arrivals = [i.start_s for i in steps(free)]
+    assert len(set(arrivals)) > 1  # the stages reach their steps at different times
+    assert [i.posted_s for i in steps(clipped)] == arrivals
+    assert {i.start_s for i in steps(clipped)} == {max(arrivals)}
+    assert [i.end_s - i.start_s for i in steps(clipped)] == [0.5, 2.0, 1.0, 0.5]
+    # stage 1 has the longest step and, without clipping, started it before the end stages finished their backward
+    assert clipped.step_time_s == max(arrivals) + 2.0 > free.step_time_s
 
 
 def test_zb_h1_reaches_the_lower_bound_on_two_even_stages():

@@ -12,7 +12,10 @@ every stage against `LinkedNeighbours`.
 - BackwardPass (B): the loss's backward on the last stage, which never drops its outputs; the output's backward with
   the received gradient elsewhere, after which the output is dropped;
 - SendGrad: the input's gradient is sent and the pipe buffer's input dropped;
-- OptimizerStep: the optimizer given, if any (the local pipeline leaves the step to its caller).
+- ReduceGrads: the gradients flattened into one buffer and copied back, which DeepSpeed does at one data-parallel
+  replica too (its all-reduce over a group of one between);
+- OptimizerStep: the optimizer given, if any (the local pipeline leaves the step to its caller), after clipping as
+  DeepSpeed clips (`clip_as_deepspeed`) where `grad_clip` is given.
 """
 
 from collections import defaultdict, deque
@@ -20,6 +23,8 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 
 import torch
+import torch.nn as nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from model import LayerRecipe, head_module
 from model.fused_loss import HeadLoss
@@ -63,10 +68,11 @@ class LocalStageWork:
         buffers: int,
         data: MicroBatchSource,
         optimizer: torch.optim.Optimizer | None = None,
+        grad_clip: float = 0.0,
     ):
         self.stage, self.plan, self.index = stage, stage.plan, index
         self.first, self.last = index == 0, index == stages - 1
-        self.loss_fn, self.data, self.optimizer = loss_fn, data, optimizer
+        self.loss_fn, self.data, self.optimizer, self.grad_clip = loss_fn, data, optimizer, grad_clip
         device = next(stage.parameters()).device  # the local pipeline's stages may have been moved to a GPU
         self.recv_buffer = None if self.first else torch.zeros(hidden, dtype=dtype, device=device)
         self.grad_buffer = None if self.last else torch.zeros(hidden, dtype=dtype, device=device)
@@ -137,12 +143,32 @@ class LocalStageWork:
         pass  # each stage keeps its own copy of a tied weight, with its own gradient
 
     def reduce_grads(self) -> None:
-        pass  # one data-parallel replica
+        # DeepSpeed 0.19.8's engine.allreduce_bucket: one flat buffer of every gradient, all-reduced (over one replica
+        # here: nothing moves) and copied back
+        grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
+        if grads:
+            flat = _flatten_dense_tensors(grads)
+            for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                grad.copy_(reduced)
 
     def optimizer_step(self) -> None:
         if self.optimizer is not None:
+            if self.grad_clip > 0:
+                clip_as_deepspeed(list(self.stage.parameters()), self.grad_clip, self.first)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=False)  # DeepSpeed keeps its gradient buffers between steps
+
+
+def clip_as_deepspeed(params: Sequence[nn.Parameter], max_norm: float, first: bool) -> None:
+    """DeepSpeed 0.19.8's clip_grad_norm_ (runtime/utils.py) on one stage of one replica, its all-reduces over the
+    stages and the replicas left out: only the first stage (the model-parallel group's rank 0) adds up its gradients'
+    norms, one parameter at a time; every stage scales its gradients by the clipping coefficient."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norms = [grad.detach().float().norm(2) for grad in grads] if first else []
+    total = torch.stack(norms).pow(2).sum() if norms else torch.zeros(())
+    coefficient = torch.clamp(max_norm / (total.sqrt() + 1e-6), max=1.0)
+    for grad in grads:
+        grad.mul_(coefficient)
 
 
 class FakeNeighbours:

@@ -64,7 +64,7 @@ def probe_layout(model: GPTConfig, run: RunShape, schedule: str) -> tuple[Pipeli
     recipes = gpt_layers(replace(model, n_layer=1), seed=0)
     (block,) = [i for i, recipe in enumerate(recipes) if recipe.module_class in BLOCK_CLASSES]
     stages = stages_of_parts([0, block, block + 1, len(recipes)])
-    probe_run = RunShape(Topology(3), run.target, PROBE_MICRO_BATCHES, run.micro_batch_size)
+    probe_run = RunShape(Topology(3), run.target, PROBE_MICRO_BATCHES, run.micro_batch_size, grad_clip=run.grad_clip)
     return PipelineLayout(recipes, stages, [StagePlan()] * 3, schedule=schedule), probe_run
 
 
@@ -168,6 +168,8 @@ def measure_stage_prices(
         head_backward=timed[("1f1b", HEAD, "none")]["BackwardPass"],
         head_weight_grad=timed[("zb-h1", HEAD, "none")].get("BackwardWeight", 0.0),
         optimizer_per_param=plain["OptimizerStep"] / block_params,
+        load=timed[("1f1b", EMBEDDING, "none")]["LoadMicroBatch"],
+        reduce_grads_per_param=plain["ReduceGrads"] / block_params,
         transfer=transfer,
         link_bytes_per_s=link_bytes_per_s,
     )

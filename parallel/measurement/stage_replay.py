@@ -7,7 +7,7 @@ recompute and posted sends, each posted tensor held as long. Its work keeps what
 keeps in its buffers (parallel/measurement/in_process.py's LocalStageWork) on random micro-batches, its neighbours are
 in-process (`FakeNeighbours`: what they send is random tensors of the right shape), and its optimizer is torch's
 AdamW, which keeps two fp32 moments per parameter as DeepSpeed's fp32 optimizer does (fp32 only: DeepSpeed's bf16
-optimizer keeps other states).
+optimizer keeps other states), after clipping as DeepSpeed clips where the run does (RunShape.grad_clip).
 
 Checked against the real engine (2 CPU ranks, `bench/peak_memory_bench.py`'s first shape: none, selective,
 full(1), full(stage)): each stage's peak within 0.02 MiB of the real run's ~12-23 MiB.
@@ -63,6 +63,7 @@ class StageReplay:
             self.program.pipe_buffers,
             random_micro_batch,
             torch.optim.AdamW(stage.parameters(), lr=1e-4),
+            run.grad_clip,
         )
         self.interpreter = StageInterpreter(
             work=self.work,

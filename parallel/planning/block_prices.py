@@ -63,7 +63,13 @@ class MeasuredSeconds:
     head_weight_grad: float
     """The part of `head_backward` that is the LM head's weight-gradient matmul (0 under the fused loss)."""
     optimizer_per_param: float
-    """The optimizer step per parameter."""
+    """The optimizer step per parameter (with clipping's scaling of the gradients where the run clips)."""
+    load: float
+    """A LoadMicroBatch of the first or the last stage: the micro-batch's token ids or labels into its buffer."""
+    reduce_grads_per_param: float
+    """ReduceGrads' own work per parameter, which DeepSpeed 0.19.8 does at any data-parallel size (one included): every
+    gradient flattened into one buffer, all-reduced over the replicas, and copied back. The replicas' all-reduce itself
+    is priced by the links."""
     transfer: float | None
     """One micro-batch's hidden states between neighbouring stages; None where the links were not measured."""
     link_bytes_per_s: float | None

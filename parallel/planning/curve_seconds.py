@@ -227,6 +227,9 @@ def profile_seconds(profile: DeviceProfile, shape: Shape, target: Target) -> Mea
         # instruction_seconds.time_model).
         head_weight_grad=0.0 if shape.loss_chunk_tokens else profile.seconds("matmul", 2 * head),
         optimizer_per_param=profile.seconds("adamw", block_params) / block_params,
+        load=0.0,  # no curve times it: a copy of b x s token ids (measured, a thousandth of the tiny shape's step)
+        # flattening the gradients and copying them back: two passes, each priced as a residual add's
+        reduce_grads_per_param=2 * profile.seconds("add", block_params) / block_params,
         transfer=transfer,
         link_bytes_per_s=link_rate,
     )

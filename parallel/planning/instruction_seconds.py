@@ -39,6 +39,10 @@ DEFAULT_GPU = "H100"
 LINK_BYTES_PER_S = {"cuda": 50e9, "cpu": 2e9}
 ADAM_BYTES_PER_PARAM = 7 * FP32
 """AdamW reads the fp32 weight, gradient and two moments and writes back the weight and moments."""
+REDUCE_BYTES_PER_PARAM = 4 * FP32
+"""ReduceGrads' own work: each gradient read and written into the flat buffer, and read and written back."""
+TOKEN_BYTES = 8
+"""A token id or label (int64)."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,10 @@ class TimeModel:
     """Bytes of one parameter (its gradient travels in the same dtype)."""
     optimizer_per_param: float
     """Seconds of the optimizer step per parameter."""
+    load: float
+    """A LoadMicroBatch (first and last stage)."""
+    reduce_grads_per_param: float
+    """ReduceGrads' own work per parameter (the replicas' all-reduce is the links')."""
 
     def recompute_cost(self, plan: StagePlan, blocks_in: dict[tuple[int, int], int]) -> float:
         """The table's cost of a plan: each selective block's option, each segment's blocks. `blocks_in`:
@@ -123,13 +131,17 @@ class TimeModel:
             forward=forward,
             backward=backward,
             recompute=recompute_cost * self.seconds_per_cost,
-            send_activation=0.0 if last else self.transfer,
-            send_grad=0.0 if first else self.transfer,
+            # every link carries one micro-batch's hidden states: an end stage's receive is priced as its neighbour's
+            # send (the simulator's rendezvous lasts the shorter side's cost), the send it never runs is never read
+            send_activation=self.transfer,
+            send_grad=self.transfer,
             # Two ranks all-reduce the tied embedding's gradient: each sends and receives it once.
             reduce_tied=2 * self.tied_weight_bytes / link if stages > 1 and (first or last) else 0.0,
-            # A ring all-reduce moves 2 (dp - 1) / dp of the gradients through each rank.
-            reduce_grads=2 * (dp - 1) / dp * params * self.param_bytes / link,
+            # A ring all-reduce moves 2 (dp - 1) / dp of the gradients through each rank, after DeepSpeed has
+            # flattened them (at one replica too).
+            reduce_grads=params * (self.reduce_grads_per_param + 2 * (dp - 1) / dp * self.param_bytes / link),
             optimizer=params * self.optimizer_per_param,
+            load=self.load if first or last else 0.0,
             weight_grad=weight_grad,
         )
 
@@ -163,6 +175,8 @@ def analytic_seconds(shape: Shape, run: RunShape, table: BlockPrices, rates: Dev
         head_backward=(2 + bool(shape.loss_chunk_tokens)) * head + head_elementwise,
         head_weight_grad=head,
         optimizer_per_param=ADAM_BYTES_PER_PARAM / bandwidth,
+        load=tokens * TOKEN_BYTES / bandwidth,
+        reduce_grads_per_param=REDUCE_BYTES_PER_PARAM / bandwidth,
         transfer=None,
         link_bytes_per_s=None,
     )
@@ -197,6 +211,8 @@ def time_model(shape: Shape, run: RunShape, table: BlockPrices, rates: DeviceRat
         tied_weight_bytes=shape.vocab * shape.h * run.target.dtype_bytes if shape.tied else 0,  # untied: no reduce
         param_bytes=run.target.dtype_bytes,
         optimizer_per_param=seconds.optimizer_per_param,
+        load=seconds.load,
+        reduce_grads_per_param=seconds.reduce_grads_per_param,
     )
 
 

@@ -183,7 +183,9 @@ class StepTimeEstimate:
     """Which costs priced the plan: {kind: `profile` or `analytic`, path and created (UTC) of the device profile}."""
     stage_instruction_s: tuple[dict[str, float], ...] = ()
     """Per stage, the predicted seconds of each instruction its programme runs (per micro-batch; ReduceTiedGrads,
-    ReduceGrads and OptimizerStep once per step): what a traced step's instructions are compared with."""
+    ReduceGrads and OptimizerStep once per step), timed in the simulated step as a trace times it, from reaching the
+    instruction to its end (a blocking transfer's or a collective's wait included): what a traced step's instructions
+    are compared with."""
 
 
 @dataclass(frozen=True)

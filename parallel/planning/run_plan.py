@@ -6,6 +6,8 @@ back.
 `plan_run` returns a typed `RunPlan` (parallel/planning/plan_record.py: its JSON and the dry run's table).
 """
 
+import statistics
+
 from model import BLOCK_CLASSES, GPTConfig
 from parallel.planning.auto_recompute import StageBudget
 from parallel.planning.block_prices import analytic_prices
@@ -32,11 +34,10 @@ from parallel.planning.plan_record import (
     StepTimeEstimate,
 )
 from parallel.planning.schedule_choice import setting_prices
-from parallel.planning.schedules import train_schedule
 from parallel.planning.shapes import RunShape, Shape, Target, option_key
 from parallel.planning.stage_plan import plan_stage
 from parallel.planning.stage_price import StagePrice, StagePricing, price_stage, simulate_priced
-from parallel.planning.step_sim import StageCosts, lower_bound_s
+from parallel.planning.step_sim import Timeline, lower_bound_s
 
 COMPARED_MODES = {"none": NoRecompute(), "selective": SelectiveRecompute(), "full": FullRecompute()}
 """The uniform modes whose predicted step time plan.json gives beside the chosen plan's (their defaults)."""
@@ -176,7 +177,7 @@ def _step_time(layout: PipelineLayout, prices: list[StagePrice], model_flops: in
         schedule=layout.schedule,
         early_stages=tuple(s for s in stages if early[s]),
         lower_bound_s=lower_bound_s(costs, run.micro_batches, any(early)),
-        stage_instruction_s=tuple(_instruction_seconds(cost, layout, run, stage) for stage, cost in zip(stages, costs)),
+        stage_instruction_s=tuple(_instruction_seconds(timeline, stage) for stage in stages),
         by_schedule={
             o.schedule + ("+early" if o.early else ""): {
                 "step_time_s": o.step_time_s,
@@ -192,13 +193,14 @@ def _step_time(layout: PipelineLayout, prices: list[StagePrice], model_flops: in
     )
 
 
-def _instruction_seconds(costs: StageCosts, layout: PipelineLayout, run: RunShape, stage: int) -> dict[str, float]:
-    """The seconds of each instruction the stage's programme runs."""
-    plan, stages = layout.plans[stage], run.topology.pipeline_stages
-    early = plan.early and stage < stages - 1
-    program = train_schedule(layout.schedule, early, run.micro_batches, stages, stage, plan.deferred_weights)
-    names = {type(command).__name__ for command in program.commands()}
-    return {name: s for name, s in costs.by_instruction(early).items() if name in names}
+def _instruction_seconds(timeline: Timeline, stage: int) -> dict[str, float]:
+    """The mean simulated seconds of each instruction the stage's programme runs, from the stage reaching it to its
+    end: what a traced step times of it (a blocking transfer's or a collective's wait included, as the clipping
+    barrier's before an optimizer step)."""
+    spans: dict[str, list[float]] = {}
+    for interval in timeline.of_stage(stage):
+        spans.setdefault(interval.instruction.name, []).append(interval.end_s - interval.posted_s)
+    return {name: statistics.fmean(values) for name, values in spans.items()}
 
 
 def _budget_estimate(budget: StageBudget) -> BudgetEstimate:

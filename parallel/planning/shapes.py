@@ -88,6 +88,9 @@ class RunShape:
     """Per step and data-parallel rank."""
     micro_batch_size: int
     zero_stage: int = 0
+    grad_clip: float = 1.0
+    """train.grad_clip (0: no clipping). Clipping all-reduces the gradient norm over every stage inside the optimizer
+    step: no stage steps before the slowest has reached its own step (step_sim.simulate's `clip_barrier`)."""
 
     def tokens_per_step(self, seq_len: int) -> int:
         return self.micro_batches * self.micro_batch_size * seq_len * self.topology.data_parallel_size

@@ -79,11 +79,13 @@ def price_stage(pricing: StagePricing, stage: StageRange, plan: StagePlan, sched
 
 def simulate_priced(prices: Sequence[StagePrice]) -> Timeline:
     """The simulated step (parallel/planning/step_sim.py) of priced stages, under their schedule and their plans'
-    early recompute and ZB-H1 deferral."""
+    early recompute and ZB-H1 deferral, their optimizer steps a barrier when the run clips its gradients."""
+    run = prices[0].pricing.run
     return simulate_stages(
         [price.costs for price in prices],
-        prices[0].pricing.run.micro_batches,
+        run.micro_batches,
         prices[0].schedule,
         [price.plan.early for price in prices],
         [price.plan.deferred_weights for price in prices],
+        clip_barrier=run.grad_clip > 0,
     )

@@ -7,7 +7,10 @@ DeepSpeed 0.19.8's p2p uses torch.distributed send/recv, and on gloo a send bloc
 its recv (measured: docs/measurement.md), so a send of micro-batch m on stage s and the matching recv on
 its neighbour start together, when the later of the two arrives, and both are busy for the transfer.
 ReduceTiedGrads is a collective of the first and the last stage, which hold the tied embedding; elsewhere it
-does nothing.
+does nothing. Under gradient clipping (`clip_barrier`) the optimizer step is a barrier of every stage: DeepSpeed
+0.19.8 clips inside its optimizer step (engine.clip_fp32_gradients, and the bf16 and ZeRO optimizers alike), and the
+global norm is an all-reduce over the pipeline's stages (the grid's model-parallel group), so no stage updates its
+weights before the last has reached its own step.
 
 Micro-batches are not named in the instructions (they carry a buffer id, as DeepSpeed's do), but under 1F1B every
 stage runs each kind of per-micro-batch instruction in micro-batch order (so do ZB-H1 and early recompute),
@@ -148,8 +151,8 @@ ASYNC_SENDS = ("SendActivation", "SendGrad")
 ASYNC_RECVS = ("RecvActivation", "RecvGrad")
 
 
-def _meeting(ins: Instruction, stages: int) -> tuple | None:
-    """The rendezvous an instruction takes part in (the same key on both sides), or None when local."""
+def _meeting(ins: Instruction, stages: int, clip_barrier: bool) -> tuple | None:
+    """The rendezvous an instruction takes part in (the same key on every side), or None when local."""
     m = ins.micro_batch
     if ins.name == "SendActivation":
         return ("activation", ins.stage, m)
@@ -161,7 +164,13 @@ def _meeting(ins: Instruction, stages: int) -> tuple | None:
         return ("grad", ins.stage + 1, m)
     if ins.name == "ReduceTiedGrads" and stages > 1 and ins.stage in (0, stages - 1):
         return ("tied",)
+    if ins.name == "OptimizerStep" and clip_barrier and stages > 1:
+        return CLIP
     return None
+
+
+CLIP = ("clip",)
+"""The optimizer steps' barrier under clipping: every stage takes part, and each then runs its own step."""
 
 
 def simulate(
@@ -171,10 +180,13 @@ def simulate(
     schedule: str = "1f1b",
     early: bool | Sequence[bool] = False,
     deferred: Sequence[int | None] | None = None,
+    clip_barrier: bool = False,
 ) -> Timeline:
     """Replay `schedule` with `cost(instruction)` seconds per instruction; `early` (one for every stage, or
     one per stage) and `deferred` (per stage, zb-h1) as the stage plans say. A rendezvous lasts the shorter of
     its sides' costs: a measured blocking call includes its wait, and the side that arrived last waited least.
+    `clip_barrier` (the run clips its gradients): every stage's OptimizerStep starts when the last stage reaches its
+    own, and lasts its own cost (a traced run's OptimizerStep already holds that wait: replay it without).
 
     Under DeepSpeed's own 1F1B every send is a rendezvous (its p2p is a blocking send on gloo). The schedules
     of parallel/planning/schedules.py (zb-h1, or any stage early: `posts_sends`) run on an engine that posts its
@@ -196,7 +208,7 @@ def simulate(
         for s in range(stages):
             while pc[s] < len(programs[s]):
                 ins = programs[s][pc[s]]
-                key = _meeting(ins, stages)
+                key = _meeting(ins, stages, clip_barrier)
                 if key is None:
                     end = clock[s] + cost(ins)
                     intervals.append(Interval(ins, clock[s], clock[s], end))
@@ -217,11 +229,12 @@ def simulate(
                 parties = posted.setdefault(key, [])
                 if all(p.stage != s for p, _ in parties):
                     parties.append((ins, clock[s]))
-                if len(parties) < 2:
-                    break  # blocked until the peer arrives
+                if len(parties) < (stages if key == CLIP else 2):
+                    break  # blocked until the peers arrive
                 start = max(t for _, t in parties)
-                end = start + min(cost(p) for p, _ in parties)
+                shortest = min(cost(p) for p, _ in parties)
                 for p, t in parties:
+                    end = start + (cost(p) if key == CLIP else shortest)
                     intervals.append(Interval(p, t, start, end))
                     clock[p.stage], pc[p.stage] = end, pc[p.stage] + 1
                 del posted[key]
@@ -238,15 +251,18 @@ def simulate_stages(
     schedule: str = "1f1b",
     early: bool | Sequence[bool] = False,
     deferred: Sequence[int | None] | None = None,
+    clip_barrier: bool = False,
 ) -> Timeline:
     """The simulated step of stages with these costs. `early` (for all stages, or per stage): the stage runs
     its recompute as RecomputeEarly (never the last, which never waits for a gradient: it recomputes inside
-    its backward). `deferred`: each stage plan's `deferred_weights` (zb-h1)."""
+    its backward). `deferred`: each stage plan's `deferred_weights` (zb-h1). `clip_barrier`: see `simulate`."""
     last = len(costs) - 1
     early_of = [early] * len(costs) if isinstance(early, bool) else list(early)
     early_of = [e and s < last for s, e in enumerate(early_of)]
     seconds = [c.by_instruction(early_of[s]) for s, c in enumerate(costs)]
-    return simulate(micro_batches, len(costs), lambda ins: seconds[ins.stage][ins.name], schedule, early_of, deferred)
+    return simulate(
+        micro_batches, len(costs), lambda ins: seconds[ins.stage][ins.name], schedule, early_of, deferred, clip_barrier
+    )
 
 
 def lower_bound_s(costs: Sequence[StageCosts], micro_batches: int, early: bool = True) -> float:

@@ -13,7 +13,6 @@ from functools import partial
 
 from model import GPTConfig
 from parallel.planning.balanced_search import shortened_by_single_moves
-from parallel.planning.block_prices import analytic_prices
 from parallel.planning.config import AutoRecompute, RecomputeConfig
 from parallel.planning.layout import PipelineLayout
 from parallel.planning.partition import StageRange, stages_of_block_counts
@@ -49,10 +48,9 @@ def virtual_options(
     ranks = run.topology.pipeline_stages
     virtual_run = replace(run, topology=Topology(CHUNKS * ranks, run.topology.data_parallel_size))
     shape = Shape.of(model, run.micro_batch_size)
+    # the run's own prices (measured, curves or analytic: layout.timing.table), as the layout's stages were planned
     planner = StagePlanner(
-        StagePricing.of(layout.recipes, virtual_run, shape, layout.timing),
-        recompute,
-        analytic_prices(shape, run.target),
+        StagePricing.of(layout.recipes, virtual_run, shape, layout.timing), recompute, layout.timing.table
     )
     priced: dict[StageRange, StagePrice] = {}
 
