@@ -131,8 +131,8 @@ def test_a_three_stage_zb_h1_early_pipelines_measured_peak_is_the_plans():
 
 def test_the_replays_fixed_work_is_deepspeeds_reduce_grads_flat_buffer_and_clipping():
     """What the stage replay times beside the blocks is the engine's work: ReduceGrads holds one flat copy of every
-    gradient (DeepSpeed flattens them at one data-parallel replica too), and clipping is DeepSpeed's, whose norm only
-    the first stage adds to (the model-parallel group's rank 0), every stage scaling by the coefficient."""
+    gradient (DeepSpeed flattens them at one data-parallel replica too), and clipping is DeepSpeed's formula, every
+    stage adding up its own gradients' norms and scaling by the coefficient."""
     layout, run, _ = _layout(2)
     replay = StageReplay(layout, 1, run)
     replay.step()
@@ -148,10 +148,7 @@ def test_the_replays_fixed_work_is_deepspeeds_reduce_grads_flat_buffer_and_clipp
             p.grad = torch.full((3,), 2.0)
         return params
 
-    later = with_grads()
-    clip_as_deepspeed(later, 1.0, first=False)  # its norm is the first stage's: a coefficient of 1 here
-    assert all(torch.equal(p.grad, torch.full((3,), 2.0)) for p in later)
-    first, reference = with_grads(), with_grads()
-    clip_as_deepspeed(first, 1.0, first=True)
+    clipped, reference = with_grads(), with_grads()
+    clip_as_deepspeed(clipped, 1.0)
     torch.nn.utils.clip_grad_norm_(reference, 1.0)  # the same formula: max_norm / (norm + 1e-6), at most 1
-    assert all(torch.allclose(p.grad, r.grad) for p, r in zip(first, reference)) and first[0].grad[0] < 2.0
+    assert all(torch.allclose(p.grad, r.grad) for p, r in zip(clipped, reference)) and clipped[0].grad[0] < 2.0

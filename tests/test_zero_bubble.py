@@ -191,6 +191,17 @@ def test_every_schedule_early_and_recompute_trains_bit_identically(engine_runs, 
 
 
 @pytest.mark.multiproc
+@pytest.mark.parametrize("stages", [2, 4])
+def test_an_fp32_pipeline_clips_by_the_norm_of_every_stage(engine_runs, stages):
+    """DeepSpeed's clip_grad_norm_ (fp32 without ZeRO) adds up only the first stage's gradients unless the parameters
+    are marked model-parallel (parallel/runtime/engine.py's counted_on_every_stage): the norm it clipped by must be
+    that of every stage's gradients, the tied LM head's copy left out."""
+    for rank in _by_combination(engine_runs[f"stages-{stages}"])["1f1b/none"]:
+        assert len(rank["every_stage_norms"]) == len(rank["losses"]) >= 2
+        assert rank["grad_norms"] == pytest.approx(rank["every_stage_norms"], rel=1e-6)
+
+
+@pytest.mark.multiproc
 def test_zb_h1_with_data_parallel_zero1_trains_like_1f1b(engine_runs):
     runs = _by_combination(engine_runs["zero1"])
     assert sorted(r["stage"] for r in runs["1f1b/none"]) == [0, 0, 1, 1]

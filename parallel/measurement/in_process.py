@@ -154,20 +154,21 @@ class LocalStageWork:
     def optimizer_step(self) -> None:
         if self.optimizer is not None:
             if self.grad_clip > 0:
-                clip_as_deepspeed(list(self.stage.parameters()), self.grad_clip, self.first)
+                clip_as_deepspeed(list(self.stage.parameters()), self.grad_clip)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=False)  # DeepSpeed keeps its gradient buffers between steps
 
 
-def clip_as_deepspeed(params: Sequence[nn.Parameter], max_norm: float, first: bool) -> None:
-    """DeepSpeed 0.19.8's clip_grad_norm_ (runtime/utils.py) on one stage of one replica, its all-reduces over the
-    stages and the replicas left out: only the first stage (the model-parallel group's rank 0) adds up its gradients'
-    norms, one parameter at a time; every stage scales its gradients by the clipping coefficient."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norms = [grad.detach().float().norm(2) for grad in grads] if first else []
+def clip_as_deepspeed(params: Sequence[nn.Parameter], max_norm: float) -> None:
+    """DeepSpeed 0.19.8's clip_grad_norm_ (runtime/utils.py) on one stage of one replica as stagecheck's engine runs it
+    (every stage adds up its own gradients' norms: parallel/runtime/engine.py's `counted_on_every_stage`), its
+    all-reduces over the stages and the replicas left out: the norms one parameter at a time, then every gradient
+    scaled by the clipping coefficient."""
+    grads = [p.grad for p in params if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)]
+    norms = [grad.detach().float().norm(2) for grad in grads]
     total = torch.stack(norms).pow(2).sum() if norms else torch.zeros(())
     coefficient = torch.clamp(max_norm / (total.sqrt() + 1e-6), max=1.0)
-    for grad in grads:
+    for grad in (p.grad for p in params if p.grad is not None):
         grad.mul_(coefficient)
 
 

@@ -143,6 +143,7 @@ def build_engine(
         module = RecomputingPipelineModule(
             layout.recipes, layout.stages, layout.plans, parallel.partition_method, compile=compile
         )
+    counted_on_every_stage(module)
     weights = initial_weights(module) if initial_weights is not None else {}
     with torch.no_grad():
         for param, value in weights.items():
@@ -156,6 +157,18 @@ def build_engine(
     )
     _set_fp32_masters(engine.optimizer, weights)
     return zero_bubble(engine, layout)  # every schedule, 1f1b included, through the same engine class
+
+
+def counted_on_every_stage(module: nn.Module) -> None:
+    """Makes an fp32 run without ZeRO clip by the norm of every stage's gradients. DeepSpeed clips it with
+    runtime/utils.py's clip_grad_norm_, which, given the pipeline's grid, adds a parameter's gradient norm only on the
+    model-parallel group's rank 0 (the first stage) unless the parameter is marked model-parallel: the norm summed over
+    the stages was the first stage's alone, so each run clipped by a fraction of its norm. Every parameter but a tied
+    weight's later copies (`ds_pipe_replicated`, which ZeRO's and BF16_Optimizer's norms leave out too) is marked; the
+    mark changes nothing else at tensor-parallel size 1 (DeepSpeed reads it where a tensor-parallel rank is above 0)."""
+    for param in module.parameters():
+        if not getattr(param, "ds_pipe_replicated", False):
+            param.model_parallel = True
 
 
 def _set_fp32_masters(optimizer, weights: dict[nn.Parameter, torch.Tensor]) -> None:

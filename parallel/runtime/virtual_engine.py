@@ -39,7 +39,7 @@ from parallel.planning.virtual_support import virtual_refusal
 from parallel.runtime.boundary_links import BoundaryBatch
 from parallel.runtime.chunk_work import ChunkStageWork
 from parallel.runtime.ds_config import deepspeed_config
-from parallel.runtime.engine import DEEPSPEED_START_UP_LINES, dropping_lines, param_groups
+from parallel.runtime.engine import DEEPSPEED_START_UP_LINES, counted_on_every_stage, dropping_lines, param_groups
 from parallel.runtime.lr_schedule import warmup_cosine
 from parallel.runtime.planned_layers import PlannedLayers
 from parallel.runtime.stage_interpreter import StageInterpreter
@@ -228,6 +228,7 @@ def build_virtual_engine(
     stages = [placement.virtual_stage(grid.get_stage_id(), chunk) for chunk in range(chunks)]
     module = nn.ModuleList(PlannedLayers(layout.recipes, layout.stages[s], layout.plans[s], precision) for s in stages)
     tied = TiedCopies(layout, placement, grid, list(module), stages)
+    counted_on_every_stage(module)
     engine, _, _, _ = deepspeed.initialize(
         model=module,
         model_parameters=param_groups(module, train.weight_decay),
