@@ -76,8 +76,9 @@ def test_none_is_chosen_when_it_fits():
 
 
 def test_budget_boundaries_just_fit_and_just_do_not():
-    least, unnested = least_stage_bytes(4, TABLE, 3, NOTHING_ELSE)
+    least, unnested, exact, today = least_stage_bytes(4, TABLE, 3, NOTHING_ELSE)
     assert unnested > least  # the floor needs a nested segment
+    assert (exact, today) == (least, unnested)  # no stash in the table: compression was not allowed
     assert choose_stage(4, TABLE, 3, least, NOTHING_ELSE).nested
     assert not choose_stage(4, TABLE, 3, unnested, NOTHING_ELSE).nested
     assert choose_stage(4, TABLE, 3, least - 1, NOTHING_ELSE) is None

@@ -53,6 +53,14 @@ CASES = [
         ["+recompute=selective", "recompute.micro_batches=5", "train.micro_batches=4"],
         "recompute.micro_batches=5 exceeds train.micro_batches=4: it must be from 1 to 4, or null (all)",
     ),
+    (
+        ["+recompute=full", "recompute.compress=int4"],
+        "recompute.compress='int4' is unknown: allowed values are none, bf16, fp8",
+    ),
+    (
+        ["+recompute=auto", "recompute.compress=bf16", "train.precision=bf16"],
+        "recompute.compress=bf16 stores nothing less under train.precision=bf16: use recompute.compress=fp8 or none",
+    ),
 ]
 if not torch.cuda.is_available():  # the other CUDA refusals: tests/test_gpu_readiness.py
     CASES.append((["train.device=cuda"], "train.device='cuda' but no CUDA device is visible: use train.device=cpu"))

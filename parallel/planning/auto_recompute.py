@@ -33,6 +33,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from parallel.planning.block_prices import BlockOption, BlockPrices
 from parallel.planning.stage_plan import StagePlan
@@ -163,13 +164,33 @@ def _candidates(n: int, table: BlockPrices, ends_stage: bool):
                         yield options, frontiers[n - m], m, k, moment, k * stored, cost, nested, compressed
 
 
-def least_stage_bytes(n: int, table: BlockPrices, in_flight: int, working: StageWorking) -> tuple[int, int]:
-    """The smallest footprint any plan reaches, and any plan without nested segments: what the in-flight
-    micro-batches' blocks keep, and the backward's working set (working.bytes)."""
-    least = {False: math.inf, True: math.inf}
-    for _, frontier, _, _, moment, full_kept, _, nested, _ in _candidates(n, table, working.blocks_end_stage):
-        least[nested] = min(least[nested], working.bytes(full_kept + frontier[0][0], in_flight, moment))
-    return int(min(least.values())), int(least[False])
+class StageFloors(NamedTuple):
+    """The smallest footprint of a stage's plans, by what they may use: what the in-flight micro-batches' blocks
+    keep, and the backward's working set (StageWorking.bytes). Equal where a technique lowers nothing (compression
+    where the table has no stash: it was not allowed)."""
+
+    least: int
+    """Any plan."""
+    unnested: int
+    """Plans without nested segments (compressed ones too)."""
+    exact: int
+    """Plans without compressed stashes (nested ones too)."""
+    today: int
+    """Plans with neither."""
+
+
+def least_stage_bytes(n: int, table: BlockPrices, in_flight: int, working: StageWorking) -> StageFloors:
+    """The StageFloors of a stage of n blocks."""
+    least = {(nested, compressed): math.inf for nested in (False, True) for compressed in (False, True)}
+    for _, frontier, _, _, moment, full_kept, _, nested, compressed in _candidates(n, table, working.blocks_end_stage):
+        key = (nested, compressed)
+        least[key] = min(least[key], working.bytes(full_kept + frontier[0][0], in_flight, moment))
+    return StageFloors(
+        int(min(least.values())),
+        int(min(least[False, False], least[False, True])),
+        int(min(least[False, False], least[True, False])),
+        int(least[False, False]),
+    )
 
 
 def choose_stage(
@@ -287,6 +308,11 @@ class StageBudget:
     """The smallest peak any plan reaches on this stage."""
     least_bytes_unnested: int
     """The smallest peak a plan without nested segments reaches: above `least_bytes` where only nesting reaches it."""
+    least_bytes_exact: int
+    """The smallest peak a plan without compressed stashes reaches: above `least_bytes` where only
+    recompute.compress (lossy, when allowed) reaches it."""
+    least_bytes_today: int
+    """The smallest peak a plan with neither nesting nor compression reaches."""
 
     @property
     def predicted_peak_bytes(self) -> int | None:

@@ -106,12 +106,9 @@ class PipelineLayout:
                 plan += f" (segment inputs stored as {b.choice.compress}: lossy)"
             if b.choice.micro_batches is not None:
                 plan += f" for {b.choice.micro_batches} of them, none for the others"
-            floor = f"floor {b.least_bytes / GIB:.4f}"
-            if b.least_bytes < b.least_bytes_unnested:
-                floor += f" ({b.least_bytes_unnested / GIB:.4f} without nesting)"
             lines.append(
                 f"stage {b.stage}: {plan} | {b.in_flight} in flight | predicted peak "
-                f"{self.peak_bytes[b.stage] / GIB:.4f} of {usable:g} GiB | {floor} GiB"
+                f"{self.peak_bytes[b.stage] / GIB:.4f} of {usable:g} GiB | {_floor(b, auto.compress)} GiB"
             )
         return lines
 
@@ -190,6 +187,24 @@ def build_layout(
             raise BudgetTooSmall(recompute, budgets, priced)
     chosen, options = choose_schedule(planner, stages, plans, schedule, early)
     return PipelineLayout(recipes, stages, list(chosen.plans), budgets, timing, chosen.schedule, options, candidates)
+
+
+def _floor(budget: StageBudget, compress: str) -> str:
+    """The stage's floor, the smallest peak any plan auto may choose reaches, with the higher floors of the plans
+    without the techniques that lower it: the compressed stashes (when recompute.compress allows them) and nesting."""
+    if compress == "none":
+        restricted = [(budget.least_bytes_unnested, "without nesting")]
+    else:
+        restricted = [
+            (budget.least_bytes_exact, f"without {compress} stashes"),
+            (budget.least_bytes_today, f"without nesting or {compress} stashes"),
+        ]
+    shown, higher = budget.least_bytes, []
+    for floor, without in restricted:
+        if floor > shown:
+            higher.append(f"{floor / GIB:.4f} {without}")
+            shown = floor
+    return f"floor {budget.least_bytes / GIB:.4f}" + (f" ({', '.join(higher)})" if higher else "")
 
 
 def _blocks(recipes: list[LayerRecipe], stage: StageRange) -> int:

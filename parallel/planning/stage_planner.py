@@ -52,10 +52,8 @@ class StagePlanner:
             choice = choose_stage_micro_batches(n, self.table, in_flight, run.micro_batches, room, working)
         else:
             choice = choose_stage(n, self.table, in_flight, room, working)
-        least, unnested = (memory.fixed_bytes + b for b in least_stage_bytes(n, self.table, in_flight, working))
-        budget = StageBudget(
-            stage.stage, int(self.usable), in_flight, memory.fixed_bytes, working, choice, least, unnested
-        )
+        floors = (memory.fixed_bytes + b for b in least_stage_bytes(n, self.table, in_flight, working))
+        budget = StageBudget(stage.stage, int(self.usable), in_flight, memory.fixed_bytes, working, choice, *floors)
         return (to_stage_plan(choice, positions, self.table, memory.in_flight) if choice else StagePlan()), budget
 
     def _lowering(self, stage: StageRange, plan: StagePlan, plain: StageMemory) -> StagePlan:

@@ -13,8 +13,8 @@ d: the dtype's bytes, N = b s tokens, C = h, S = b a s^2 scores, c: the bytes th
 `math`, fp32 for SDPA's math backend).
 
 Llama blocks (model.arch=llama) get the same moments with their widths (k and v h g/a, the MLP f wide, three MLP
-matrices, RMSNorm's fp32 rstd): the analogue of each GPT-2 figure, derived, not yet held to the allocator's peak by a
-test as GPT-2's are (their kept bytes are: memory_model.llama_block_items).
+matrices, RMSNorm's fp32 rstd): the analogue of each GPT-2 figure, derived; the MLP moment, the SwiGLU backward's, is
+held to the allocator's peak by tests/test_nested_recompute.py (their kept bytes by memory_model.llama_block_items).
 """
 
 import functools
@@ -141,7 +141,8 @@ def block_backward_bytes(
     recompute, or with selective recompute of `modules`), with its output gradient, at each moment.
 
     - MLP: the gradient of the (N, 4C) input and the fresh gradients of the (4C, C) weight and C bias, d (4 N C + 4
-      C^2 + C); under `split_weights` (zb-h1's B, which defers the weight gradients to W) GELU's backward, 8 N C d,
+      C^2 + C) (Llama: the down projection's, or the SwiGLU backward's 3 N f d, whichever is larger); under
+      `split_weights` (zb-h1's B, which defers the weight gradients to W) GELU's backward, 8 N C d,
       on top of the second matmul's input and output gradient (kept for W), less the freed dropout mask; plus what
       the MLP's recompute remade: the GELU output (`mlp_act`), or everything the MLP keeps under `none` (`mlp`, with
       ln_2 under `layernorm`);
@@ -172,9 +173,14 @@ def block_backward_bytes(
     h, ffn = shape.h, shape.b * shape.s * shape.mlp_width * d
     mlp = ffn + shape.mlp_width * h * d + h * d
     if shape.arch == "llama":
-        # The down projection's input and weight gradients (no bias); under split_weights the SwiGLU backward's
-        # product, gate and up gradients on top of what W holds (the product and the output gradient).
-        mlp = bsh * d + 4 * ffn if split_weights else ffn + shape.mlp_width * h * d
+        # The down projection's input and weight gradients (no bias), then, the product freed with the down
+        # projection's backward and its weight gradient accumulated, the SwiGLU backward (model/llama_layers.py's
+        # _SwiGLUProduct): the product's gradient, gate's, silu(gate) remade and up's gradient, 3 f-wide tensors at
+        # its last multiply. The larger of the two: the SwiGLU's wherever 2 b s > h, where the allocator's peak was
+        # measured inside it (it was missing, and nested Llama stages were planned 15% low). Under split_weights
+        # the SwiGLU backward's product, gate and up gradients on top of what W holds (the product and the output
+        # gradient).
+        mlp = bsh * d + 4 * ffn if split_weights else max(ffn + shape.mlp_width * h * d, 3 * ffn)
     elif split_weights:
         # No weight gradient, but W holds the second matmul's input and output gradient, so GELU's backward (its
         # output's and input's gradients) comes on top of them; the MLP dropout's mask is freed by then.
