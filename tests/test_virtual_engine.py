@@ -1,6 +1,6 @@
 """Virtual-stage schedules on real ranks (parallel/runtime/virtual_engine.py): interleaved 1F1B, ZB-V and V-Half on
 2 ranks with 2 chunks each train bit-identically to DeepSpeed's 1F1B on 2 stages of the same model, seed and data,
-under no, full and selective recompute with dropout 0, alone and with 2 data-parallel replicas (also under ZeRO-1)
+under no, full and selective recompute with dropout 0.1, alone and with 2 data-parallel replicas (also under ZeRO-1)
 (tests/fixtures/virtual_runs.py, in the session's shared 2- and 4-rank engine launches): the same losses, the same
 gradient of every parameter at every step (both copies of the tied embedding), the same trained weights. And the
 runtime refuses, in one line, what it does not run yet."""
