@@ -160,23 +160,23 @@ class StageInterpreter:
         self._optimizer_step = 0
 
     @contextmanager
-    def training_step(self, step: int) -> Iterator[None]:
-        """Around one training step's instructions, after `step` optimizer steps (keys its dropout masks): zb-h1's
-        forwards run the Linear layers through the Function whose weight gradient B can defer."""
+    def training_step(self, optimizer_step: int) -> Iterator[None]:
+        """Around one training step's instructions, after `optimizer_step` optimizer steps (keys its dropout masks):
+        zb-h1's forwards run the Linear layers through the Function whose weight gradient B can defer."""
         self._counts = _Counts()
-        self._optimizer_step = step
+        self._optimizer_step = optimizer_step
         with split_backward(self.schedule == "zb-h1"):
             yield
 
     def run(
         self,
         program: schedules.StageProgram,
-        step: int,
+        optimizer_step: int,
         around: Callable[[schedules.Command], AbstractContextManager] | None = None,
     ) -> None:
-        """Every instruction of a training step's programme, after `step` optimizer steps; `around(command)` wraps each
-        one when given (the stage replay times them with it)."""
-        with self.training_step(step):
+        """Every instruction of a training step's programme, after `optimizer_step` optimizer steps; `around(command)`
+        wraps each one when given (the stage replay times them with it)."""
+        with self.training_step(optimizer_step):
             for step in program.steps:
                 self.step = step
                 for command in step:
