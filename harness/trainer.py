@@ -103,7 +103,8 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
         lr_segment=ctx.resume.lr_segment if ctx.resume is not None else None,
         compile=run.train.compile,
     )
-    # Dropout draws from this stream; every recompute mode consumes it identically.
+    # The rank's own stream, for whatever draws outside a training forward: dropout draws from states keyed by
+    # (seed, replica, step, micro-batch, layer) instead (parallel/runtime/dropout_keys.py).
     torch.manual_seed(run.seed * 1009 + rank)
     # Resume (weights, optimizer, scheduler, RNG states) or start fresh; checkpoints, preemption, NaN policy.
     control = RunControl(ctx, engine)

@@ -44,7 +44,7 @@ def loss_and_grad(recompute, early: bool = False) -> tuple[torch.Tensor, torch.T
     torch.manual_seed(5)  # the dropout stream
     registry = EarlyRecompute()
     with registry.registering() if early else torch.enable_grad():
-        loss = lm_loss(run_stage(model.forward_funcs, plan, idx), idx)
+        loss = lm_loss(run_stage(model.forward_funcs, plan, idx, first_layer=0), idx)
     if early:
         registry.recompute_next()
     loss.backward()

@@ -1,5 +1,6 @@
 """Every `recompute.modules` combination (and every full interval, nested or not) is bit-exact with no recompute:
-the same loss and the same gradients, dropout on, on the unpipelined GPT run through
+the same loss and the same gradients, dropout on (each layer's masks keyed by micro-batch and layer, as every
+pipeline draws them: parallel/runtime/dropout_keys.py), on the unpipelined GPT run through
 parallel.runtime.recompute.run_stage, for both attention kernels."""
 
 import pytest
@@ -9,6 +10,7 @@ from model import GPT, Block, GPTConfig, lm_loss
 from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.planning.memory_model import selective_combinations
 from parallel.planning.stage_plan import plan_stage
+from parallel.runtime.dropout_keys import DropoutKeys, keyed_forward
 from parallel.runtime.recompute import apply_plan, run_stage
 
 COMBOS = selective_combinations()
@@ -25,9 +27,9 @@ def loss_and_grads(recompute, attention: str, **model_options):
     apply_plan(model.forward_funcs, plan)
     idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     losses = []
-    torch.manual_seed(5)  # the dropout stream
-    for _ in range(2):  # two micro-batches: the RNG must advance identically across recomputes
-        loss = lm_loss(run_stage(model.forward_funcs, plan, idx), idx)
+    for micro_batch in range(2):  # a segment's recompute must redraw each of its layers' keyed masks
+        with keyed_forward(DropoutKeys(seed=5).micro_batch(0, micro_batch)):
+            loss = lm_loss(run_stage(model.forward_funcs, plan, idx, first_layer=0), idx)
         loss.backward()
         losses.append(loss.detach())
     return losses, [p.grad.clone() for p in model.parameters()]

@@ -51,7 +51,7 @@ def _loss_and_grads(recompute):
     apply_plan(model.forward_funcs, plan)
     idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(5)  # the dropout stream
-    loss = lm_loss(run_stage(model.forward_funcs, plan, idx), idx)
+    loss = lm_loss(run_stage(model.forward_funcs, plan, idx, first_layer=0), idx)
     loss.backward()
     return loss.detach(), [p.grad for p in model.parameters()]
 

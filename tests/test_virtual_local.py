@@ -1,11 +1,9 @@
 """Schedules with virtual stages run in one process (parallel/measurement/virtual_local.py): every rank's programme of
 interleaved 1F1B, ZB-V and V-Half through the one interpreter of a stage's programme, one per chunk, trains exactly as
 1F1B does (parallel/measurement/local_stages.py's LocalPipeline on the same blocks), bit for bit, under every fixed
-recompute mode, its chunks' plans applied chunk by chunk. No process group.
-
-Dropout is off here: each process draws its dropout masks from one random stream in the order its forwards run, and
-a rank of a virtual-stage schedule runs its chunks' forwards in another order than a 1F1B stage runs the same
-layers, so with dropout on the masks differ between the two schedules (the report of issue 34 says what it needs)."""
+recompute mode, its chunks' plans applied chunk by chunk, dropout on: each layer's masks are keyed by step,
+micro-batch and layer (parallel/runtime/dropout_keys.py), not drawn in the order a rank runs its forwards. No process
+group."""
 
 import pytest
 import torch
@@ -19,7 +17,7 @@ from parallel.planning.layout import build_layout
 from parallel.planning.shapes import RunShape, Target, Topology
 from parallel.runtime.stage_interpreter import StageInterpreter
 
-CFG = GPTConfig(n_layer=4, n_head=2, n_embd=32, seq_len=16, vocab_size=64, dropout=0.0)
+CFG = GPTConfig(n_layer=4, n_head=2, n_embd=32, seq_len=16, vocab_size=64, dropout=0.1)
 MICRO_BATCHES = 4
 MODES = {
     "none": NoRecompute(),
@@ -112,6 +110,7 @@ def test_a_rank_replay_runs_exactly_its_programme_through_its_chunks_interpreter
 def test_more_ranks_of_two_chunks_train_as_1f1b_stages_bit_for_bit(schedule, ranks, micro_batches, batches):
     """2 x `ranks` virtual stages of one block each (4 ranks, 8 micro-batches: the shape V-Half's memory is planned
     for; 3 ranks, 2 micro-batches: interleaved 1F1B runs both forwards of its last chunk before either backward)."""
+    # Dropout off: a block's last Linear then gets the received gradient itself, which a deferred W holds.
     model = GPTConfig(n_layer=2 * ranks, n_head=2, n_embd=32, seq_len=16, vocab_size=64, dropout=0.0)
 
     def layout_of(stages: int):

@@ -86,7 +86,7 @@ def two_micro_batches(model: GPT, plan, idx: torch.Tensor, early: bool, defer: b
     with split_backward(defer):
         for _ in range(2):
             with early_recompute.registering() if early else torch.enable_grad():
-                losses.append(lm_loss(run_stage(model.forward_funcs, plan, idx), idx))
+                losses.append(lm_loss(run_stage(model.forward_funcs, plan, idx, first_layer=0), idx))
             between()
         for loss in losses:
             if early:

@@ -103,7 +103,7 @@ class LocalStageWork:
         recompute = self.plan.recomputes_micro_batch(self.forwards)
         self.forwards += 1
         with self.stage.meter.record(stage_input=x) if self.measure else nullcontext():
-            output = run_stage(self.stage.funcs, self.plan, x, recompute)
+            output = run_stage(self.stage.funcs, self.plan, x, recompute, first_layer=self.stage.stage.start)
         self.outputs[buffer_id] = output
         if self.last:
             head_weight = head_module(self.stage.funcs[-1]).head_weight  # tied (the embedding's) or untied

@@ -20,6 +20,7 @@ from parallel.measurement.in_process import LinkedNeighbours, LocalStage, LocalS
 from parallel.planning import schedules
 from parallel.planning.layout import PipelineLayout
 from parallel.planning.shapes import TORCH_DTYPES
+from parallel.runtime.dropout_keys import DropoutKeys
 from parallel.runtime.stage_interpreter import StageInterpreter
 
 
@@ -32,6 +33,8 @@ class LocalPipeline:
         self.loss = HeadLoss.of(layout.recipes)
         self.head_weight = head_module(self.stages[-1].funcs[-1]).head_weight
         self.dtype = TORCH_DTYPES[precision]
+        self.steps = 0
+        """Training steps run (each the caller's optimizer step): the next one's dropout key."""
 
     def parameters(self):
         return [p for stage in self.stages for p in stage.parameters()]
@@ -58,13 +61,22 @@ class LocalPipeline:
             work.start_step()
             links = LinkedNeighbours(pipes, index)
             interpreter = StageInterpreter(
-                work, links, index, stages, count, layout.schedule, early, posted_sends=posted
+                work,
+                links,
+                index,
+                stages,
+                count,
+                layout.schedule,
+                early,
+                posted_sends=posted,
+                dropout=DropoutKeys(layout.seed),
             )
             runs.append((interpreter, links, deque(program.steps), deque()))
         with ExitStack() as stack:
             for interpreter, *_ in runs:
-                stack.enter_context(interpreter.training_step())
+                stack.enter_context(interpreter.training_step(self.steps))
             _run_until_done(runs)
+        self.steps += 1
         return torch.stack(runs[-1][0].work.losses).mean()
 
 

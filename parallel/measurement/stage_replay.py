@@ -25,6 +25,7 @@ from parallel.measurement.tensor_peak import TensorPeak, TensorPeakMeter, storag
 from parallel.planning.layout import PipelineLayout
 from parallel.planning.schedules import posts_sends, train_schedule
 from parallel.planning.shapes import RunShape
+from parallel.runtime.dropout_keys import DropoutKeys
 from parallel.runtime.stage_interpreter import StageInterpreter
 
 
@@ -74,12 +75,16 @@ class StageReplay:
             schedule=layout.schedule,
             early=self.early,
             posted_sends=posts_sends(layout.schedule, [p.early for p in layout.plans]),
+            dropout=DropoutKeys(layout.seed),
         )
+        self.steps = 0
+        """Training steps run: the next one's dropout key."""
 
     def step(self) -> None:
         """One training step: every instruction of the stage's programme."""
         self.work.start_step()
-        self.interpreter.run(self.program)
+        self.interpreter.run(self.program, self.steps)
+        self.steps += 1
 
     def timed_step(self) -> list[tuple[str, float]]:
         """One training step with each instruction timed on the host's clock (the replay runs on CPU, where an
@@ -93,7 +98,8 @@ class StageReplay:
             spans.append((type(command).__name__, time.perf_counter() - start))
 
         self.work.start_step()
-        self.interpreter.run(self.program, timed)
+        self.interpreter.run(self.program, self.steps, timed)
+        self.steps += 1
         return spans
 
     def measure_peak(self, steps: int = 2) -> TensorPeak:

@@ -22,6 +22,7 @@ from parallel.planning import schedules
 from parallel.planning.layout import PipelineLayout
 from parallel.planning.shapes import TORCH_DTYPES
 from parallel.planning.virtual_schedules import ChunkCommand, VirtualProgram, virtual_schedule
+from parallel.runtime.dropout_keys import DropoutKeys
 from parallel.runtime.stage_interpreter import Recv, StageInterpreter, Transport
 from parallel.runtime.virtual_rank import backward_kind, execute
 
@@ -35,6 +36,8 @@ class VirtualLocalPipeline:
         self.stages = [LocalStage(layout.recipes, s, p, precision) for s, p in zip(layout.stages, layout.plans)]
         self.loss = HeadLoss.of(layout.recipes)
         self.dtype = TORCH_DTYPES[precision]
+        self.steps = 0
+        """Training steps run (each the caller's optimizer step): the next one's dropout key."""
 
     def parameters(self):
         return [p for stage in self.stages for p in stage.parameters()]
@@ -53,8 +56,9 @@ class VirtualLocalPipeline:
             interpreter.work.measure = measure
         with ExitStack() as stack:
             for interpreter in interpreters:
-                stack.enter_context(interpreter.training_step())
+                stack.enter_context(interpreter.training_step(self.steps))
             _run_until_done(programs, interpreters)
+        self.steps += 1
         return torch.stack(interpreters[-1].work.losses).mean()
 
 
@@ -117,6 +121,7 @@ def chunk_interpreter(
         backward_kind(program),
         early=False,
         posted_sends=False,  # in-process links queue every send
+        dropout=DropoutKeys(pipe.layout.seed),
     )
 
 

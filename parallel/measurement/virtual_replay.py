@@ -47,6 +47,8 @@ class VirtualRankReplay:
             for i in range(len(pipe.stages))
         ]
         # The other ranks' chunks go with `pipe`: only this rank's stay alive, held by their interpreters.
+        self.steps = 0
+        """Training steps run: the next one's dropout key."""
 
     def step(self) -> None:
         """One training step: every instruction of the rank's programme."""
@@ -55,9 +57,10 @@ class VirtualRankReplay:
             interpreter.work.start_step()
         with ExitStack() as stack:
             for interpreter in chunks:
-                stack.enter_context(interpreter.training_step())
+                stack.enter_context(interpreter.training_step(self.steps))
             for command in self.program.commands():
                 execute(self.program, self.interpreters, command)
+        self.steps += 1
 
     def measure_peak(self, steps: int = 2) -> TensorPeak:
         """The peak of the last of `steps` steps (the earlier ones allocate the gradients)."""

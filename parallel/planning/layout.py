@@ -43,6 +43,9 @@ class PipelineLayout:
     partition_candidates: tuple[tuple[str, float | None], ...] = ()
     """`balanced` only: each partition it priced (its own block counts, then DeepSpeed's methods) with its
     simulated step under its fastest allowed schedule (None: it fits no plan in the budget); it runs the fastest."""
+    seed: int = 0
+    """The run seed (run.seed) the recipes were built with (each layer's initial weights); it keys the dropout masks
+    too (parallel/runtime/dropout_keys.py)."""
 
     @property
     def parts(self) -> list[int]:
@@ -186,7 +189,9 @@ def build_layout(
             priced = _priced_alternatives(model, recompute, run, partition_method, seed) if price_alternatives else []
             raise BudgetTooSmall(recompute, budgets, priced)
     chosen, options = choose_schedule(planner, stages, plans, schedule, early)
-    return PipelineLayout(recipes, stages, list(chosen.plans), budgets, timing, chosen.schedule, options, candidates)
+    return PipelineLayout(
+        recipes, stages, list(chosen.plans), budgets, timing, chosen.schedule, options, candidates, seed
+    )
 
 
 def _floor(budget: StageBudget, compress: str) -> str:

@@ -4,16 +4,7 @@ one refusal line naming the option to change, or None: pure, so that start-up ca
 from parallel.planning.config import AutoRecompute, RecomputeConfig
 
 
-def virtual_refusal(
-    schedule: str, dropout: float, recompute: RecomputeConfig, precision: str, zero_stage: int
-) -> str | None:
-    if dropout > 0:
-        # Each rank draws its masks from one random stream in the order its forwards run, and a rank of these
-        # schedules runs other layers in another order than a 1F1B stage: not the masks of the same run under 1F1B.
-        return (
-            f"model.dropout={dropout:g} is not supported with parallel.schedule={schedule}: use model.dropout=0 (the "
-            f"dropout stream is not yet keyed by layer and micro-batch)"
-        )
+def virtual_refusal(schedule: str, recompute: RecomputeConfig, precision: str, zero_stage: int) -> str | None:
     if isinstance(recompute, AutoRecompute) or recompute.early:
         return (
             f"parallel.schedule={schedule} runs +recompute=none, full or selective without recompute.early so far "

@@ -81,7 +81,8 @@ class ChunkStageWork:
         # A received activation (complete since its boundary's flush) becomes the leaf whose gradient SendGrad sends.
         x = self.inputs[buffer_id] if self.first else self.inputs[buffer_id].requires_grad_()
         # A chunk runs its micro-batches' forwards in order: the k-th forward of the step is micro-batch k's.
-        output = run_stage(self.chunk.funcs, plan, x, plan.recomputes_micro_batch(buffer_id))
+        recompute = plan.recomputes_micro_batch(buffer_id)
+        output = run_stage(self.chunk.funcs, plan, x, recompute, first_layer=self.chunk.stage.start)
         if self.first:  # no gradient goes back from the token ids
             self.inputs[buffer_id] = None
         if not self.last:

@@ -130,7 +130,8 @@ class RecomputingPipelineModule(PipelineModule):
         if self.training and torch.is_grad_enabled():
             recompute = self.stage_plan.recomputes_micro_batch(self._training_forwards)
             self._training_forwards += 1
-        return run_stage(self.forward_funcs, self.stage_plan, forward_input, recompute)
+        first_layer = int(self._local_start)  # DeepSpeed's partition may hold numpy integers
+        return run_stage(self.forward_funcs, self.stage_plan, forward_input, recompute, first_layer=first_layer)
 
     def built_layers(self) -> list[BuiltLayer]:
         """What DeepSpeed built on this stage, in the terms of a LayerRecipe."""

@@ -38,4 +38,4 @@ class PlannedLayers(nn.Module):
             compile_blocks(self.funcs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return run_stage(self.funcs, self.plan, x)
+        return run_stage(self.funcs, self.plan, x, first_layer=self.stage.start)

@@ -2,8 +2,9 @@
 
 A stage runs its local layers in order. The plan says which runs of consecutive blocks are
 checkpointed as one segment (full recompute) and, for the other blocks, which modules inside them
-are recomputed (selective). Everything recomputed is exact: non-reentrant checkpoints restore the RNG
-state, so dropout masks are redrawn identically, and the discarded outputs are deterministic.
+are recomputed (selective). Everything recomputed is exact: each layer of a keyed forward seeds its dropout stream
+as it starts (parallel/runtime/dropout_keys.py), inside the checkpointed function, and non-reentrant checkpoints
+restore the RNG state besides, so dropout masks are redrawn identically; the discarded outputs are deterministic.
 """
 
 from collections.abc import Callable, Sequence
@@ -18,6 +19,7 @@ from model import BLOCK_CLASSES, Block, LayerFn, LlamaBlock
 from parallel.planning.stage_plan import StagePlan
 from parallel.runtime import early_recompute
 from parallel.runtime.compressed_stash import CompressedStash
+from parallel.runtime.dropout_keys import keyed_layers
 from parallel.runtime.early_recompute import DiscardedOutput
 
 # Tensors kept for backward *outside* autograd's saved-tensor hooks: a non-reentrant checkpoint holds
@@ -130,9 +132,13 @@ def _without_recompute():
         _plain = previous
 
 
-def run_stage(funcs: Sequence[LayerFn], plan: StagePlan, x: torch.Tensor, recompute: bool = True) -> torch.Tensor:
-    """Run a stage's layers, checkpointing the plan's segments; with `recompute` false (a micro-batch the
-    plan leaves out), every layer runs as under `none`."""
+def run_stage(
+    funcs: Sequence[LayerFn], plan: StagePlan, x: torch.Tensor, recompute: bool = True, *, first_layer: int
+) -> torch.Tensor:
+    """Run a stage's layers (flat indices from `first_layer` on), checkpointing the plan's segments; with `recompute`
+    false (a micro-batch the plan leaves out), every layer runs as under `none`. In a keyed forward each layer draws
+    its dropout masks from its own key (parallel/runtime/dropout_keys.py)."""
+    funcs = keyed_layers(funcs, first_layer)
     if not recompute:
         with _without_recompute():
             return _run_range(funcs, x)

@@ -15,6 +15,9 @@ an activation send until the stage has received that micro-batch's gradient (the
 before it could send it), a gradient send until the previous stage has posted its receive
 (schedules.grad_sends_released), and whatever is left at ReduceTiedGrads (or at the end of an evaluation, whose
 sends must not outlive it). The memory model counts the gradients so held (parallel/planning/schedule_walk.py).
+
+It also keys each training forward's dropout masks by the step and the micro-batch (the k-th forward of a step is
+micro-batch k's; parallel/runtime/dropout_keys.py), so every runtime and every schedule draws the same masks.
 """
 
 from collections import deque
@@ -28,6 +31,7 @@ import torch.nn as nn
 
 from model.weight_grad import WeightGradStore, split_backward
 from parallel.planning import schedules
+from parallel.runtime.dropout_keys import DropoutKeys, keyed_forward
 from parallel.runtime.early_recompute import EarlyRecompute
 
 Send = Callable[[torch.Tensor, int], None]
@@ -113,6 +117,7 @@ class _Exchange:
 class _Counts:
     """Instructions of each kind run so far in this training step: the k-th is micro-batch k."""
 
+    forwards: int = 0
     sent_activations: int = 0
     received_activations: int = 0
     sent_grads: int = 0
@@ -137,6 +142,8 @@ class StageInterpreter:
     """The pipeline runs on posted sends (schedules.posts_sends); else every send is a rendezvous."""
     immediate_weights: Iterable[nn.Parameter] = ()
     """Weights whose gradient is never deferred (model/weight_grad.py's WeightGradStore)."""
+    dropout: DropoutKeys = DropoutKeys()
+    """The dropout stream of the stage's data-parallel replica (run seed, replica)."""
     weight_grads: WeightGradStore = field(init=False)
     early_recompute: EarlyRecompute = field(init=False)
     step: schedules.Step = ()
@@ -150,23 +157,26 @@ class StageInterpreter:
         self._grad_sends: deque[_Posted] = deque()
         self._exchange: _Exchange | None = None
         self._counts = _Counts()
+        self._optimizer_step = 0
 
     @contextmanager
-    def training_step(self) -> Iterator[None]:
-        """Around one training step's instructions: zb-h1's forwards run the Linear layers through the Function whose
-        weight gradient B can defer."""
+    def training_step(self, optimizer_step: int) -> Iterator[None]:
+        """Around one training step's instructions, after `optimizer_step` optimizer steps (keys its dropout masks):
+        zb-h1's forwards run the Linear layers through the Function whose weight gradient B can defer."""
         self._counts = _Counts()
+        self._optimizer_step = optimizer_step
         with split_backward(self.schedule == "zb-h1"):
             yield
 
     def run(
         self,
         program: schedules.StageProgram,
+        optimizer_step: int,
         around: Callable[[schedules.Command], AbstractContextManager] | None = None,
     ) -> None:
-        """Every instruction of a training step's programme; `around(command)` wraps each one when given (the stage
-        replay times them with it)."""
-        with self.training_step():
+        """Every instruction of a training step's programme, after `optimizer_step` optimizer steps; `around(command)`
+        wraps each one when given (the stage replay times them with it)."""
+        with self.training_step(optimizer_step):
             for step in program.steps:
                 self.step = step
                 for command in step:
@@ -189,8 +199,12 @@ class StageInterpreter:
         self.work.load_micro_batch(command.buffer_id)
 
     def _forward(self, command: schedules.ForwardPass) -> None:
-        registering = self.early and torch.is_grad_enabled()  # an evaluation registers nothing
-        with self.early_recompute.registering() if registering else nullcontext():
+        if not torch.is_grad_enabled():  # an evaluation: no dropout, nothing registered
+            self.work.forward(command.buffer_id)
+            return
+        key = self.dropout.micro_batch(self._optimizer_step, self._counts.forwards)
+        self._counts.forwards += 1
+        with keyed_forward(key), self.early_recompute.registering() if self.early else nullcontext():
             self.work.forward(command.buffer_id)
 
     def _backward(self, command: schedules.BackwardPass) -> None:

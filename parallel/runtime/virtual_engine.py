@@ -38,6 +38,7 @@ from parallel.planning.virtual_schedules import Placement, VirtualProgram, place
 from parallel.planning.virtual_support import virtual_refusal
 from parallel.runtime.boundary_links import BoundaryBatch
 from parallel.runtime.chunk_work import ChunkStageWork
+from parallel.runtime.dropout_keys import DropoutKeys
 from parallel.runtime.ds_config import deepspeed_config
 from parallel.runtime.engine import DEEPSPEED_START_UP_LINES, counted_on_every_stage, dropping_lines, param_groups
 from parallel.runtime.lr_schedule import warmup_cosine
@@ -120,6 +121,7 @@ class VirtualPipelineEngine:
         self.stages, self.hidden, self.dtype, self.tied = list(stages), hidden, dtype, tied
         self.rank = grid.get_stage_id()
         self.loss_fn = HeadLoss.of(layout.recipes)
+        self.dropout = DropoutKeys(layout.seed, grid.get_data_parallel_rank())
         self._programs: dict[int, VirtualProgram] = {}
 
     @property
@@ -153,10 +155,19 @@ class VirtualPipelineEngine:
                 self if last_chunk else None,  # the once-per-step work runs once, with the rank's last chunk's
             )
             interpreters[stage] = StageInterpreter(
-                work, batch.link(stage), stage, virtual, count, backward_kind(program), early=False, posted_sends=False
+                work,
+                batch.link(stage),
+                stage,
+                virtual,
+                count,
+                backward_kind(program),
+                early=False,
+                posted_sends=False,
+                dropout=self.dropout,
             )
         self.engine.module.train()
-        run_training_step(program, interpreters, batch)
+        # global_steps: the optimizer steps taken, restored with DeepSpeed's checkpoint (the dropout masks' key)
+        run_training_step(program, interpreters, batch, self.engine.global_steps)
         return self._mean_loss(interpreters[virtual - 1], self._holder_rank(virtual - 1), count)
 
     def _holder_rank(self, stage: int) -> int:
@@ -219,7 +230,7 @@ def build_virtual_engine(
     ranks = len(layout.stages) // chunks
     data_parallel = dist.get_world_size() // ranks
     config = layout.recipes[0].args[0]  # the token embedding's GPTConfig
-    refusal = virtual_refusal(schedule, config.dropout, recompute, precision, parallel.zero_stage)
+    refusal = virtual_refusal(schedule, recompute, precision, parallel.zero_stage)
     if refusal:
         raise ValueError(refusal)
     with dropping_lines(DEEPSPEED_START_UP_LINES):

@@ -30,14 +30,15 @@ def backward_kind(program: VirtualProgram) -> str:
 
 
 def run_training_step(
-    program: VirtualProgram, interpreters: Sequence[StageInterpreter | None], batch: BoundaryBatch
+    program: VirtualProgram, interpreters: Sequence[StageInterpreter | None], batch: BoundaryBatch, step: int
 ) -> None:
-    """Every instruction of the rank's `program`, each boundary's messages posted as one `batch`: flushed at the end
-    of each step and before the once-per-step instructions, which follow the last boundary's messages."""
+    """Every instruction of the rank's `program` for the training step after `step` optimizer steps, each boundary's
+    messages posted as one `batch`: flushed at the end of each step and before the once-per-step instructions, which
+    follow the last boundary's messages."""
     with ExitStack() as stack:
         for interpreter in interpreters:
             if interpreter is not None:
-                stack.enter_context(interpreter.training_step())
+                stack.enter_context(interpreter.training_step(step))
         for step in program.steps:
             for command in step:
                 if command.kind not in schedules.COMMUNICATION:

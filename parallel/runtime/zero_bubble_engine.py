@@ -33,6 +33,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from model.weight_grad import WeightGradStore
 from parallel.planning import schedules
 from parallel.planning.layout import PipelineLayout
+from parallel.runtime.dropout_keys import DropoutKeys
 from parallel.runtime.ds_schedule import DEEPSPEED_INSTRUCTION, deepspeed_schedule
 from parallel.runtime.stage_interpreter import Recv, Send, StageInterpreter, Work
 
@@ -77,7 +78,8 @@ class ZeroBubblePipelineEngine(PipelineEngine):
     """Set up by `zero_bubble(engine, layout)`; until then a plain PipelineEngine's attributes."""
 
     def train_batch(self, data_iter=None):
-        with self.interpreter.training_step():
+        # global_steps: the optimizer steps taken, restored with DeepSpeed's checkpoint (the dropout masks' key)
+        with self.interpreter.training_step(self.global_steps):
             return super().train_batch(data_iter)
 
     def eval_batch(self, *args, **kwargs):
@@ -199,5 +201,6 @@ def zero_bubble(engine: PipelineEngine, layout: PipelineLayout) -> ZeroBubblePip
         # both).
         posted_sends=schedules.posts_sends(layout.schedule, [p.early for p in layout.plans]),
         immediate_weights=[p for m in engine.module.tied_modules.values() for p in m.parameters()] if tied else (),
+        dropout=DropoutKeys(layout.seed, engine.grid.get_data_parallel_rank()),
     )
     return engine
