@@ -17,9 +17,10 @@ from tests.runs import TINY, summary
 from tests.shared_runs import case
 
 MB = 1_000_000
-REPLAY_GAP = 20 * 1024
-"""The most a real run's measured stage peak may hold beyond the stage replay's (16,400 B measured on stage 0 of the
-selective case)."""
+REPLAY_GAP = 32 * 1024
+"""The most a real run's measured stage peak may hold beyond the stage replay's: 28,688 B (stage 0) and 24,596 B
+(stage 1) of the selective case, 12,288 B more on each than before dropout was keyed and clipping counted every stage
+(16,400 and 12,308 B). Where those bytes sit in the run's process is not traced yet: the replay is not exact."""
 
 
 def measure(body):
