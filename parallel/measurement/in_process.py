@@ -26,12 +26,10 @@ import torch
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from model import LayerRecipe, head_module
+from model import head_module
 from model.fused_loss import HeadLoss
 from model.weight_grad import WeightGradStore
 from parallel.measurement.activation_meter import ActivationMeter
-from parallel.planning.partition import StageRange
-from parallel.planning.stage_plan import StagePlan
 from parallel.runtime.chunk_work import MicroBatchSource
 from parallel.runtime.planned_layers import PlannedLayers
 from parallel.runtime.recompute import run_stage
@@ -39,17 +37,11 @@ from parallel.runtime.stage_interpreter import Recv, Send, Work
 
 
 class LocalStage(PlannedLayers):
-    """A stage's planned layers (parallel/runtime/planned_layers.py), with the activation meter the replay reads."""
+    """A stage's planned layers (parallel/runtime/planned_layers.py: its arguments), with the activation meter the
+    replay reads."""
 
-    def __init__(
-        self,
-        recipes: Sequence[LayerRecipe],
-        stage: StageRange,
-        plan: StagePlan,
-        precision: str = "fp32",
-        compile: bool = False,
-    ):
-        super().__init__(recipes, stage, plan, precision, compile)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.meter = ActivationMeter(self.parameters)
 
 
