@@ -19,8 +19,9 @@ from tests.shared_runs import case
 MB = 1_000_000
 REPLAY_GAP = 32 * 1024
 """The most a real run's measured stage peak may hold beyond the stage replay's: 28,688 B (stage 0) and 24,596 B
-(stage 1) of the selective case, 12,288 B more on each than before dropout was keyed and clipping counted every stage
-(16,400 and 12,308 B). Where those bytes sit in the run's process is not traced yet: the replay is not exact."""
+(stage 1) of the selective case. 12,288 B of each came with every stage's parameters counted in DeepSpeed's clipping
+norm (parallel/runtime/engine.py's counted_on_every_stage; without it the run measures 16,400 and 12,308 B over the
+replay), which the replay's own clipping does not hold; the rest is not traced yet: the replay is not exact."""
 
 
 def measure(body):
