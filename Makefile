@@ -27,20 +27,24 @@ demo: venv
 
 # Every test: real deepspeed launches on gloo, Hydra, W&B offline, the local Slurm cluster; then the 25 slowest, so
 # the next regression shows. Multi-process runs share one launch per kind and world size (tests/shared_runs.py).
+# Two pytest-xdist workers, one per core: a launch's ranks wait on each other and on their start-up far more than
+# they compute, and the other worker's in-process tests fill those waits; each shared launch keeps to one worker
+# (its group, tests/xdist_groups.py).
+XDIST := -n 2 --dist loadscope
 test: venv
-	$(CPU_ENV) $(PY) -m pytest -q tests -m "not compile" --durations=25
+	$(CPU_ENV) $(PY) -m pytest -q tests -m "not compile" $(XDIST) --durations=25
 
 # The inner loop: every test that starts no process group (no `multiproc` or `slurm` marker). A test that starts
 # one without its marker fails under STAGECHECK_QUICK_TIER (tests/runs.py, tests/conftest.py).
 test-quick: venv
 	$(CPU_ENV) STAGECHECK_QUICK_TIER=1 $(PY) -m pytest -q tests -m "not multiproc and not slurm and not compile" \
-		--durations=10
+		$(XDIST) --durations=10
 
 # The compiled exactness matrix (train.compile: every accepted recompute mode, both families) and the planner's
 # compiled bytes against the meters (tests/test_compile_bytes.py), which make test leaves
 # out for its compile time (one representative compiled check stays in make test: tests/test_compile.py).
 test-compile: venv
-	$(CPU_ENV) $(PY) -m pytest -q tests -m compile --durations=10
+	$(CPU_ENV) $(PY) -m pytest -q tests -m compile $(XDIST) --durations=10
 
 # On a machine with CUDA: the GPU tests (tests/test_gpu.py), gpt2 per recompute mode on one GPU and, with two or
 # more, 2-stage NCCL runs under a timeout; writes docs/gpu_figures.md (docs/gpu.md). At most 10 minutes on one GPU.

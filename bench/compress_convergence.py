@@ -3,7 +3,7 @@ stored as bf16 and as fp8, against the same run stored exactly, on the embedded 
 Python's standard library, byte tokens), for 3 seeds; and the cosine between each compressed run's step-1 gradient and
 the exact one, per stage.
 
-    DS_ACCELERATOR=cpu nice -n 19 .venv/bin/python -m bench.compress_convergence [--steps 300] [--out DIR]
+    DS_ACCELERATOR=cpu nice -n 19 .venv/bin/python -m bench.compress_convergence [--steps 500] [--out DIR]
 
 The model is a 2-stage tiny Llama (untied head, so no tied weight is shared between stages) run in one process
 (parallel/measurement/local_stages.py: every stage's programme through the interpreter the engine runs), trained by
@@ -25,6 +25,7 @@ from parallel.measurement.local_stages import LocalPipeline
 from parallel.planning.config import FullRecompute
 from parallel.planning.layout import build_layout
 from parallel.planning.shapes import RunShape, Target, Topology
+from parallel.runtime.lr_schedule import lr_factor
 
 MODEL = GPTConfig(
     arch="llama", activation="silu", bias=False, dropout=0.0, tie_embeddings=False, attention="sdpa",
@@ -36,6 +37,10 @@ SEEDS = (0, 1, 2)
 VAL_BATCHES = 32
 TAIL = 50
 """The training loss is also given as its mean over the last TAIL steps: one step's loss is one batch's."""
+PEAK_LR, WARMUP_STEPS, MIN_LR_RATIO, GRAD_CLIP = 3e-3, 20, 0.1, 1.0
+"""Trained as train.py trains: linear warm-up, cosine decay to MIN_LR_RATIO of the peak, the gradient clipped to
+GRAD_CLIP (train.grad_clip's default); a run whose rate ends high is still falling steeply, and any perturbation of
+its trajectory (a rounding included) shows in the final loss as noise, not as the stash's bias."""
 
 
 def pipeline(compress: str, seed: int) -> LocalPipeline:
@@ -62,12 +67,15 @@ def val_loss(pipe: LocalPipeline, source, seed: int) -> float:
 
 def train(compress: str, seed: int, steps: int, source) -> dict:
     pipe = pipeline(compress, seed)
-    optimizer = torch.optim.AdamW(pipe.parameters(), lr=3e-3, weight_decay=0.1)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=PEAK_LR, weight_decay=0.1)
     losses, first_grads = [], None
     for step in range(1, steps + 1):
         losses.append(float(pipe.step(micro_batches(source, seed, step))))
         if step == 1:
             first_grads = stage_grads(pipe)
+        torch.nn.utils.clip_grad_norm_(pipe.parameters(), GRAD_CLIP)
+        for group in optimizer.param_groups:
+            group["lr"] = PEAK_LR * lr_factor(step, WARMUP_STEPS, steps, MIN_LR_RATIO)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     result = {"losses": losses, "val_loss": val_loss(pipe, source, seed), "first_grads": first_grads}
@@ -95,13 +103,16 @@ def plot(runs: dict, out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     torch.set_num_threads(1)  # a model this small gains nothing from a second thread, which fights for a busy core
     source = open_token_source(TextDataConfig(), MODEL.vocab_size)
     runs = {(c, s): train(c, s, args.steps, source) for s in SEEDS for c in VARIANTS}
-    print(f"{args.steps} steps of {RUN.micro_batches} x {RUN.micro_batch_size} x {MODEL.seq_len} tokens\n")
+    print(
+        f"{args.steps} steps of {RUN.micro_batches} x {RUN.micro_batch_size} x {MODEL.seq_len} tokens, lr {PEAK_LR} "
+        f"warmed up over {WARMUP_STEPS} steps, cosine to {MIN_LR_RATIO} x, clipped at {GRAD_CLIP}\n"
+    )
     print(
         f"| seed | stored | first loss | final loss | mean loss, last {TAIL} steps | val loss | val loss / exact | "
         "step-1 grad cosine per stage |"

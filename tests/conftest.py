@@ -1,6 +1,7 @@
 """Shared pytest set-up: the `slurm_cluster` fixture (a real two-node Slurm on this machine), one intra-op thread for
 in-process tests, no cached device profile, the environment restored after each test, the shared launches of
-tests/shared_runs.py, and the quick tier's guard."""
+tests/shared_runs.py, the quick tier's guard, and the scheduler that keeps each shared launch on one pytest-xdist
+worker."""
 
 import os
 
@@ -12,8 +13,14 @@ from harness.price_source import PRICE_CACHE_ENV
 from parallel.planning.device_profile_file import CACHE_ENV
 from tests.runs import QUICK_TIER, refuse_in_quick_tier
 from tests.shared_runs import SharedRuns, shared_runs_of
+from tests.xdist_groups import LaunchGroupScheduling
 
 pytest_plugins = ["tests.slurm_cluster"]
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`make test`'s two workers: each shared launch, and the Slurm cluster, on one of them (tests/xdist_groups.py)."""
+    return LaunchGroupScheduling(config, log)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -2,11 +2,8 @@
 on the unpipelined GPT every recompute mode, early and deferred, gives the gradients of no recompute; real
 pipelines of 2 and 4 stages give 1F1B-without-recompute's losses, gradient norms and trained weights under every
 schedule x early x recompute combination (tests/fixtures/zero_bubble_runs.py, in the session's shared engine
-launches of 2 and 4 ranks), also with 2-way data parallelism and ZeRO-1; a zb-h1 run resumes bit-exactly and
-traces B, W and RecomputeEarly; and what an early recompute holds until backward is what the memory model
-predicts."""
-
-import json
+launches of 2 and 4 ranks), also with 2-way data parallelism and ZeRO-1; and what an early recompute holds until
+backward is what the memory model predicts. (A zb-h1 train.py run's trace and resume: tests/test_zero_bubble_run.py.)"""
 
 import pytest
 import torch
@@ -20,8 +17,7 @@ from parallel.planning.shapes import Shape, Target
 from parallel.planning.stage_plan import StagePlan, plan_stage
 from parallel.runtime.early_recompute import EarlyRecompute
 from parallel.runtime.recompute import apply_plan, run_stage
-from tests.runs import TINY, metrics
-from tests.shared_runs import EngineRun, case
+from tests.shared_runs import EngineRun
 
 ENGINE_RUNS = {
     "stages-2": EngineRun("zero_bubble_runs", {"stages": 2, "zero_stage": 0, "combos": "all"}, nproc=2),
@@ -220,39 +216,3 @@ def test_zb_h1_without_dropout_trains_like_1f1b(engine_runs):
     into the held buffer lands before the W depends on timing: this run did not fail without the fresh buffer.)"""
     runs = _by_combination(engine_runs["no-dropout"])
     assert _same_training(runs["zb-h1/none"], runs["1f1b/none"])
-
-
-ZB_EARLY_FULL = [
-    *TINY,
-    "model.seq_len=64",
-    "train.steps=4",
-    "train.micro_batches=4",
-    "train.save_every=2",
-    "train.trace_step=3",
-    "logger=none",
-    "parallel.schedule=zb-h1",
-    "+recompute=full",
-    "recompute.early=true",
-]
-CASES = {
-    "straight": case(*ZB_EARLY_FULL),
-    # a later job of the same launch: it resumes from the straight run's step-2 checkpoint
-    "resumed": case(*ZB_EARLY_FULL, "train.resume={runs}/zero_bubble-straight/checkpoints/step_00000002"),
-}
-
-
-@pytest.mark.multiproc
-def test_zb_h1_early_run_traces_b_w_and_early_recompute_and_resumes_bit_exactly(case_runs, shared_runs):
-    straight, resumed = case_runs["straight"], case_runs["resumed"]
-    events = json.loads((straight / "trace.json").read_text())["traceEvents"]
-    spans = [e for e in events if e.get("ph") == "X"]
-    for stage in (0, 1):
-        names = [e["name"] for e in spans if e["pid"] == stage]
-        assert names.count("BackwardInput") == names.count("BackwardWeight") == 4 and "BackwardPass" not in names
-        assert names.count("RecomputeEarly") == (4 if stage == 0 else 0)  # the last stage recomputes inside B
-    first = sorted((e for e in spans if e["pid"] == 0), key=lambda e: e["ts"])
-    order = [e["name"] for e in first if e["name"] in ("RecomputeEarly", "RecvGrad")]
-    assert order == ["RecomputeEarly", "RecvGrad"] * 4  # each micro-batch's recompute right before its wait
-
-    assert f"resuming from {straight / 'checkpoints' / 'step_00000002'} after step 2" in shared_runs.case_output()
-    assert [r["loss"] for r in metrics(resumed)] == [r["loss"] for r in metrics(straight)][2:]
