@@ -9,13 +9,16 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from model import FIRST_BLOCK_INDEX, GPTConfig, gpt_layers
+from parallel.measurement.compiled_bytes import compiled_options
 from parallel.measurement.tensor_peak import live_storages
 from parallel.planning import working_set
+from parallel.planning.block_prices import analytic_prices
 from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute
+from parallel.planning.layout import build_layout
 from parallel.planning.memory_model import block_kept_items, stage_activations
-from parallel.planning.shapes import CompiledBlocks, Shape, Target
+from parallel.planning.shapes import CompiledBlocks, RunShape, Shape, Target, Topology, option_key
 from parallel.planning.stage_plan import StagePlan
-from parallel.runtime.compile_blocks import compile_refusal
+from parallel.runtime.compile_blocks import compile_refusal, compiled_auto
 from tests.compiled_runs import assert_bit_identical, compiled_steps
 from tests.runs import TINY, summary
 from tests.shared_runs import case
@@ -43,7 +46,12 @@ CASES = {"compiled-full": case(*COMPILED, "+recompute=full")}
 
 REFUSED = [
     ("zb-h1", FullRecompute(interval="1"), "train.compile=true needs parallel.schedule=1f1b, not zb-h1"),
-    ("1f1b", AutoRecompute(), "train.compile=true cannot run +recompute=auto"),
+    ("1f1b", AutoRecompute(early=True), "train.compile=true cannot run recompute.early=true"),
+    (
+        "1f1b",
+        AutoRecompute(compress="bf16"),
+        "train.compile=true cannot run recompute.nested=true or recompute.compress",
+    ),
     ("1f1b", FullRecompute(interval="1", early=True), "train.compile=true cannot run recompute.early=true"),
     (
         "1f1b",
@@ -65,6 +73,7 @@ def test_a_combination_that_cannot_compile_is_refused_with_its_reason(schedule, 
         FullRecompute(interval="stage", micro_batches=1),
         SelectiveRecompute(modules=["core_attn", "mlp"]),
         SelectiveRecompute(modules=["core_attn", "mlp_act"]),
+        AutoRecompute(per_micro_batch=True),
     ],
 )
 def test_what_compiles_is_accepted(recompute):
@@ -92,6 +101,32 @@ def test_a_compiled_blocks_bytes_are_read_only_where_they_were_measured():
         block_kept_items(Shape.of(GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=16, vocab_size=64), 2), target)
     with pytest.raises(ValueError, match="compiled blocks were measured at"):
         block_kept_items(shape, Target("cpu", "bf16", blocks))
+
+
+def test_auto_under_compile_weighs_only_the_options_a_compiled_block_was_measured_with():
+    """+recompute=auto under train.compile measures every selective option compiled blocks can run and weighs exactly
+    those, from their measured bytes (made-up figures here; tests/test_compile_bytes.py measures real ones): never
+    `layernorm`, never a nested segment, never an early recompute (each refused under compile)."""
+    config = GPTConfig(n_layer=4, n_head=2, n_embd=32, seq_len=16, vocab_size=64, dropout=0.1)
+    shape = Shape.of(config, 2)
+    options = compiled_options(AutoRecompute())
+    assert options == ((), ("core_attn",), ("mlp_act",), ("mlp",), ("core_attn", "mlp_act"), ("core_attn", "mlp"))
+    kept, working = (77312, 68120, 60928, 40000, 52000, 30000), (20096, 35840, 41088, 45000, 50000, 52000)
+    blocks = CompiledBlocks(shape, "fp32", tuple(zip(options, kept)), tuple(zip(options, working)))
+    compiled = Target("cpu", "fp32", blocks)
+    table = analytic_prices(shape, compiled)
+    assert [(o.modules, o.kept_bytes, o.working_bytes) for o in table.options] == list(zip(options, kept, working))
+    assert not table.nesting
+    eager = analytic_prices(shape, Target("cpu", "fp32"))
+    assert eager.nesting and any("layernorm" in o.modules for o in eager.options)
+    chosen = set()
+    for budget_gb in (0.00055, 0.0006, 0.0007, 0.0008, 0.0009, 0.001):
+        auto = AutoRecompute(budget_gb=budget_gb, reserve_gb=0)
+        layout = build_layout(config, auto, RunShape(Topology(2), compiled, 4, 2), "type:Block", 0)
+        assert not any(plan.nested for plan in layout.plans)
+        chosen |= {option_key(modules) for plan in layout.plans for modules in plan.selective.values()}
+    assert chosen and chosen <= set(options)
+    assert compiled_auto(AutoRecompute()).early is False
 
 
 def test_compiled_recompute_is_bit_identical_to_compiled_none_without_recompiles():

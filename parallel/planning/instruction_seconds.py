@@ -14,7 +14,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from model import BLOCK_CLASSES, LayerRecipe
-from parallel.planning.block_prices import MACHINE_BALANCE, SELECTIVE_PARTS, BlockPrices, MeasuredSeconds
+from parallel.planning.block_prices import (
+    MACHINE_BALANCE,
+    SELECTIVE_PARTS,
+    BlockPrices,
+    MeasuredSeconds,
+    analytic_cost,
+)
 from parallel.planning.flops import (
     attention_core_forward_flops,
     block_forward_flops,
@@ -159,9 +165,9 @@ def analytic_seconds(shape: Shape, run: RunShape, table: BlockPrices, rates: Dev
     # Head: final LayerNorm, the (h x V) matmul, then softmax and cross-entropy over fp32 logits.
     head_elementwise = (4 * bsh * d + 3 * tokens * shape.vocab * FP32) / bandwidth
     head = head_forward_flops(shape) / flops
-    per_option = {frozenset(o.modules): o.cost / flops for o in table.options}
     return MeasuredSeconds(
-        **{part: per_option[frozenset((part,))] for part in SELECTIVE_PARTS},
+        # every part, whether or not the table offers it (a compiled run's table holds only its measured options)
+        **{part: analytic_cost(shape, run.target, (part,)) / flops for part in SELECTIVE_PARTS},
         block_recompute=block,
         block_forward=block,
         block_backward=block + block_forward_flops(shape) / flops,
