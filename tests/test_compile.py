@@ -41,8 +41,13 @@ COMPILED = [
     "logger=none",
 ]
 # Full recompute: its plan needs one compiled block measured (`none`'s bytes), where selective needs two, and each
-# costs a compile at start-up; selective inside compiled blocks is checked in process below.
-CASES = {"compiled-full": case(*COMPILED, "+recompute=full")}
+# costs a compile at start-up; selective inside compiled blocks is checked in process below. Auto measures the six
+# options it weighs (minutes at start-up on this CPU); at this budget (its compiled plan's peak on stage 0) it runs
+# selective core_attn+mlp on stage 0 and mlp_act on stage 1.
+CASES = {
+    "compiled-full": case(*COMPILED, "+recompute=full"),
+    "compiled-auto": case(*COMPILED, "+recompute=auto", "recompute.budget_gb=0.0006", "recompute.reserve_gb=0"),
+}
 
 REFUSED = [
     ("zb-h1", FullRecompute(interval="1"), "train.compile=true needs parallel.schedule=1f1b, not zb-h1"),
@@ -146,10 +151,11 @@ def test_compiled_recompute_is_bit_identical_to_compiled_none_without_recompiles
 
 
 @pytest.mark.multiproc
-def test_a_compiled_two_stage_run_counts_no_graph_break_and_no_recompile(case_runs, shared_runs):
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_compiled_two_stage_run_counts_no_graph_break_and_no_recompile(case_runs, shared_runs, name):
     """Through the deepspeed launcher: both stages compile in the first step (and its evaluation) and never again, and
     start-up says what compiling cost."""
-    run = summary(case_runs["compiled-full"])
+    run = summary(case_runs[name])
     assert len(run["losses"]) == len(run["val_losses"]) == 3
     per_rank = run["compile_per_rank"]
     assert len(per_rank) == 2
@@ -162,3 +168,16 @@ def test_a_compiled_two_stage_run_counts_no_graph_break_and_no_recompile(case_ru
     assert "stagecheck: train.compile: the plan counts what a compiled block keeps per micro-batch, none " in output
     assert run["activation_bytes_per_stage"] == run["planned_activation_bytes_per_stage"]
     assert "stagecheck: train.compile: the first step compiled " in output
+
+
+@pytest.mark.multiproc
+def test_auto_under_compile_plans_from_compiled_bytes_and_matches_compiled_full_bit_for_bit(case_runs, shared_runs):
+    """+recompute=auto compiled: its start-up measured every option it weighs, its plan recomputes selectively on both
+    stages with options only compiled blocks' bytes make fit, and its losses are the compiled full run's bit for bit
+    (every compiled mode is compiled none's: tests/test_compile_matrix.py)."""
+    auto, full = summary(case_runs["compiled-auto"]), summary(case_runs["compiled-full"])
+    assert [stage["choices"] for stage in auto["layout"]] == [["selective:core_attn+mlp"], ["selective:mlp_act"]]
+    assert auto["recompute_config"]["early"] is False  # null resolves to false under compile
+    output = shared_runs.case_output()
+    assert ", core_attn+mlp_act " in output and "measured now by compiling one block per option: 6 option(s)" in output
+    assert auto["losses"] == full["losses"] and auto["val_losses"] == full["val_losses"]

@@ -154,6 +154,10 @@ class BlockPrices:
     seconds)."""
     source: CostSource = ANALYTIC
     """Which costs these are: a device profile (its path and date) or analytic."""
+    selective_costs: tuple[tuple[tuple[str, ...], float], ...] = ()
+    """(modules sorted by option_key, the recompute's price) of every selective combination, whether or not a plan may
+    choose it (under train.compile `options` holds only the measured ones): the step-time model prices any plan it is
+    given, the uniform modes plan.json compares with too."""
     nesting: bool = True
     """Auto may nest a full segment's blocks (StagePlan.nested); not under train.compile, which refuses nested
     segments (parallel/runtime/compile_blocks.py's compile_refusal)."""
@@ -161,6 +165,10 @@ class BlockPrices:
     """The lossy storage auto may use (recompute.compress): its format and the bytes a segment input keeps stored in
     it; None: every plan stores exactly. Its (de)compression is not priced: auto uses it wherever it lets a stage
     recompute less, ties going to exact storage."""
+
+    def selective_cost(self, modules: Iterable[str]) -> float:
+        """The price of recomputing these selective parts of one block."""
+        return dict(self.selective_costs)[option_key(modules)]
 
     @property
     def unit(self) -> str:
@@ -184,23 +192,19 @@ def _elementwise_bytes(shape: Shape, target: Target, modules: Sequence[str]) -> 
     return traffic
 
 
-def analytic_cost(shape: Shape, target: Target, modules: Sequence[str]) -> float:
-    """The FLOP-equivalents of recomputing `modules` of one block: the matmul FLOPs it redoes plus its elementwise
-    bytes at the device's machine balance."""
-    kernel = attention_kernel(shape, target)
-    return selective_recompute_flops(shape, modules, kernel) + MACHINE_BALANCE[target.device] * _elementwise_bytes(
-        shape, target, modules
-    )
-
-
 def analytic_prices(shape: Shape, target: Target) -> BlockPrices:
-    """Prices in FLOP-equivalents (analytic_cost), a full segment's block its forward's matmuls and elementwise
-    bytes."""
+    """Prices in FLOP-equivalents: the matmul FLOPs a recompute redoes plus its elementwise bytes at the device's
+    machine balance."""
+    kernel = attention_kernel(shape, target)
     balance = MACHINE_BALANCE[target.device]
+
+    def cost(modules: Sequence[str]) -> float:
+        return selective_recompute_flops(shape, modules, kernel) + balance * _elementwise_bytes(shape, target, modules)
+
     return _table(
         shape,
         target,
-        lambda modules: analytic_cost(shape, target, modules),
+        cost,
         full_block_cost=block_forward_flops(shape)
         + balance
         * (
@@ -242,6 +246,7 @@ def _table(
         float(segment_discount),
         measured,
         source,
+        tuple((option_key(combo), float(cost(combo))) for combo in selective_combinations()),
         nesting=target.compiled is None,
     )
 
