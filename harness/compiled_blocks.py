@@ -5,7 +5,9 @@ run's Target, so every byte the planner counts for a block is the compiled block
 Measured once per shape, options and device, like the stage prices: local rank 0 compiles the probe before any process
 group exists, into a file beside the measured prices, while the other ranks wait for it, and every rank plans from
 that one file's bytes (harness/price_source.py's measure_once); a later run at that shape reads it without compiling.
-Bytes, not seconds: the load changes nothing, so ranks on several nodes measure alike.
+Bytes, not seconds: the load changes nothing, so ranks on several nodes measure alike. +recompute=auto needs every
+option it weighs (parallel/measurement/compiled_bytes.py's compiled_options: six compiles), and is refused without
+them rather than planned from eager bytes.
 """
 
 import json
