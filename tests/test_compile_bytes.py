@@ -42,7 +42,7 @@ FAMILIES = {
     ),
     # auto (its budget: tests/compiled_runs.py's auto_between) weighing all six compiled options, 2 blocks a stage
     "gpt2-auto": (
-        GPTConfig(n_layer=4, n_head=2, n_embd=24, seq_len=28, vocab_size=80, dropout=0.1),
+        GPTConfig(n_layer=4, n_head=2, n_embd=40, seq_len=28, vocab_size=80, dropout=0.1),
         AutoRecompute(),
         2,
     ),
