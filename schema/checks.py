@@ -14,7 +14,7 @@ from parallel.planning.compression import check_compress
 from parallel.planning.config import AutoRecompute, NoRecompute
 from parallel.planning.shapes import RunShape, Target, Topology
 from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES
-from parallel.runtime.compile_blocks import compile_refusal
+from parallel.runtime.compile_blocks import compile_refusal, compiled_auto
 from parallel.runtime.dist_env import cuda_device_index
 from schema.run import RunConfig
 from schema.training import resolve_device
@@ -44,6 +44,8 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
     refusal = compile_refusal(run.parallel.schedule, run.recompute) if run.train.compile else None
     if refusal:
         raise ValueError(refusal)
+    if run.train.compile and isinstance(run.recompute, AutoRecompute):
+        run.recompute = compiled_auto(run.recompute)
     k = getattr(run.recompute, "micro_batches", None)
     if k is not None and k > run.train.micro_batches:
         raise ValueError(

@@ -48,10 +48,11 @@ class TrainConfig(OptimConfig):
     compile: bool = False
     """Compile each transformer block with torch.compile (inductor, fullgraph), as torchtitan does; the embeddings,
     the final norm and the loss stay eager. The plan counts what a compiled block keeps, measured at start-up by
-    compiling one block at the run's shape per option the plan runs (cached per shape, like the measured prices).
-    Off by default on every device: on CPU compiling costs tens of seconds and ran slower than eager here, and on
-    CUDA, where it usually pays, no compiled run was measured yet (docs/compile.md). Runs with 1f1b and
-    +recompute=none, full, or selective with core_attn, mlp_act and mlp; other combinations are refused at start-up
+    compiling one block at the run's shape per option the plan runs (every option auto weighs: six) (cached per
+    shape, like the measured prices). Off by default on every device: on CPU compiling costs tens of seconds and ran
+    slower than eager here, and on CUDA, where it usually pays, no compiled run was measured yet (docs/compile.md).
+    Runs with 1f1b and +recompute=none, full, selective with core_attn, mlp_act and mlp, or auto (which then chooses
+    among those, never nests, and takes recompute.early=null as false); other combinations are refused at start-up
     with the reason."""
     log_every: int = 1
     """Steps between progress lines (every step is written to metrics.jsonl and W&B)."""

@@ -3,15 +3,21 @@ a layout in this process, each block compiled, two steps on fixed micro-batches.
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from model import GPTConfig
 from parallel.measurement.compile_counters import CompileCount
 from parallel.measurement.local_stages import LocalPipeline
+from parallel.planning.budget_refusal import BudgetTooSmall
+from parallel.planning.config import AutoRecompute, NoRecompute
 from parallel.planning.layout import build_layout
-from parallel.planning.shapes import RunShape, Target, Topology
+from parallel.planning.shapes import GIB, RunShape, Target, Topology
+from parallel.planning.stage_plan import StagePlan
 
 MICRO_BATCHES, MICRO_BATCH_SIZE = 2, 2
+EAGER = Target("cpu", "fp32")
+"""What the plans are made for unless a test gives what a compiled block keeps."""
 
 
 @dataclass
@@ -24,16 +30,25 @@ class CompiledSteps:
     """What the first step compiled (from nothing: every run compiles its own graphs)."""
     later: CompileCount
     """What the second step compiled (other micro-batches, every stage): a recompile unless zero."""
+    plans: list[StagePlan]
+    """Each stage's recompute plan."""
 
 
-def compiled_steps(config: GPTConfig, recompute, stages: int = 2, compile: bool = True) -> CompiledSteps:
-    """Two steps of `config` under `recompute` on `stages` stages in this process. Dynamo forgets what earlier runs
-    compiled first: the blocks of every model share nn.Module's one call code, whose compiled graphs dynamo caches up
-    to a limit (torch._dynamo.config.recompile_limit) and past it would run eagerly without a word."""
+def partition(config: GPTConfig) -> str:
+    """parallel.partition_method: the blocks spread evenly over the stages."""
+    return f"type:{'Block' if config.arch == 'gpt2' else 'LlamaBlock'}"
+
+
+def compiled_steps(
+    config: GPTConfig, recompute, stages: int = 2, compile: bool = True, target: Target = EAGER
+) -> CompiledSteps:
+    """Two steps of `config` under `recompute` on `stages` stages in this process, planned for `target` (with what a
+    compiled block keeps, for +recompute=auto). Dynamo forgets what earlier runs compiled first: the blocks of every
+    model share nn.Module's one call code, whose compiled graphs dynamo caches up to a limit
+    (torch._dynamo.config.recompile_limit) and past it would run eagerly without a word."""
     torch._dynamo.reset()
-    run = RunShape(Topology(stages), Target("cpu", "fp32"), MICRO_BATCHES, MICRO_BATCH_SIZE)
-    block = "Block" if config.arch == "gpt2" else "LlamaBlock"
-    layout = build_layout(config, recompute, run, f"type:{block}", 0)
+    run = RunShape(Topology(stages), target, MICRO_BATCHES, MICRO_BATCH_SIZE)
+    layout = build_layout(config, recompute, run, partition(config), 0)
     pipe = LocalPipeline(layout, compile=compile)
     data = torch.Generator().manual_seed(1)
 
@@ -51,7 +66,20 @@ def compiled_steps(config: GPTConfig, recompute, stages: int = 2, compile: bool 
         [p.grad for p in pipe.parameters()],
         after_first - start,
         CompileCount.now() - after_first,
+        list(layout.plans),
     )
+
+
+def auto_between(config: GPTConfig, run: RunShape) -> AutoRecompute:
+    """+recompute=auto with its budget halfway between the least any of its plans holds on `run` and none's peak there:
+    a plan that recomputes, but not everything."""
+    with pytest.raises(BudgetTooSmall) as refused:  # it names the least budget any plan fits
+        build_layout(
+            config, AutoRecompute(budget_gb=1e-9, reserve_gb=0), run, partition(config), 0, price_alternatives=False
+        )
+    least = refused.value.smallest_gb
+    none = max(build_layout(config, NoRecompute(), run, partition(config), 0).peak_bytes) / GIB
+    return AutoRecompute(budget_gb=(least + none) / 2, reserve_gb=0, early=False)
 
 
 def assert_bit_identical(run: CompiledSteps, reference: CompiledSteps) -> None:

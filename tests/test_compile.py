@@ -9,13 +9,16 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from model import FIRST_BLOCK_INDEX, GPTConfig, gpt_layers
+from parallel.measurement.compiled_bytes import compiled_options
 from parallel.measurement.tensor_peak import live_storages
 from parallel.planning import working_set
+from parallel.planning.block_prices import analytic_prices
 from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute
+from parallel.planning.layout import build_layout
 from parallel.planning.memory_model import block_kept_items, stage_activations
-from parallel.planning.shapes import CompiledBlocks, Shape, Target
+from parallel.planning.shapes import CompiledBlocks, RunShape, Shape, Target, Topology, option_key
 from parallel.planning.stage_plan import StagePlan
-from parallel.runtime.compile_blocks import compile_refusal
+from parallel.runtime.compile_blocks import compile_refusal, compiled_auto
 from tests.compiled_runs import assert_bit_identical, compiled_steps
 from tests.runs import TINY, summary
 from tests.shared_runs import case
@@ -38,12 +41,22 @@ COMPILED = [
     "logger=none",
 ]
 # Full recompute: its plan needs one compiled block measured (`none`'s bytes), where selective needs two, and each
-# costs a compile at start-up; selective inside compiled blocks is checked in process below.
-CASES = {"compiled-full": case(*COMPILED, "+recompute=full")}
+# costs a compile at start-up; selective inside compiled blocks is checked in process below. Auto measures the six
+# options it weighs (minutes at start-up on this CPU); at this budget (its compiled plan's peak on stage 0) it runs
+# selective core_attn+mlp on stage 0 and mlp_act on stage 1.
+CASES = {
+    "compiled-full": case(*COMPILED, "+recompute=full"),
+    "compiled-auto": case(*COMPILED, "+recompute=auto", "recompute.budget_gb=0.0006", "recompute.reserve_gb=0"),
+}
 
 REFUSED = [
     ("zb-h1", FullRecompute(interval="1"), "train.compile=true needs parallel.schedule=1f1b, not zb-h1"),
-    ("1f1b", AutoRecompute(), "train.compile=true cannot run +recompute=auto"),
+    ("1f1b", AutoRecompute(early=True), "train.compile=true cannot run recompute.early=true"),
+    (
+        "1f1b",
+        AutoRecompute(compress="bf16"),
+        "train.compile=true cannot run recompute.nested=true or recompute.compress",
+    ),
     ("1f1b", FullRecompute(interval="1", early=True), "train.compile=true cannot run recompute.early=true"),
     (
         "1f1b",
@@ -65,6 +78,7 @@ def test_a_combination_that_cannot_compile_is_refused_with_its_reason(schedule, 
         FullRecompute(interval="stage", micro_batches=1),
         SelectiveRecompute(modules=["core_attn", "mlp"]),
         SelectiveRecompute(modules=["core_attn", "mlp_act"]),
+        AutoRecompute(per_micro_batch=True),
     ],
 )
 def test_what_compiles_is_accepted(recompute):
@@ -94,6 +108,32 @@ def test_a_compiled_blocks_bytes_are_read_only_where_they_were_measured():
         block_kept_items(shape, Target("cpu", "bf16", blocks))
 
 
+def test_auto_under_compile_weighs_only_the_options_a_compiled_block_was_measured_with():
+    """+recompute=auto under train.compile measures every selective option compiled blocks can run and weighs exactly
+    those, from their measured bytes (made-up figures here; tests/test_compile_bytes.py measures real ones): never
+    `layernorm`, never a nested segment, never an early recompute (each refused under compile)."""
+    config = GPTConfig(n_layer=4, n_head=2, n_embd=32, seq_len=16, vocab_size=64, dropout=0.1)
+    shape = Shape.of(config, 2)
+    options = compiled_options(AutoRecompute())
+    assert options == ((), ("core_attn",), ("mlp_act",), ("mlp",), ("core_attn", "mlp_act"), ("core_attn", "mlp"))
+    kept, working = (77312, 68120, 60928, 40000, 52000, 30000), (20096, 35840, 41088, 45000, 50000, 52000)
+    blocks = CompiledBlocks(shape, "fp32", tuple(zip(options, kept)), tuple(zip(options, working)))
+    compiled = Target("cpu", "fp32", blocks)
+    table = analytic_prices(shape, compiled)
+    assert [(o.modules, o.kept_bytes, o.working_bytes) for o in table.options] == list(zip(options, kept, working))
+    assert not table.nesting
+    eager = analytic_prices(shape, Target("cpu", "fp32"))
+    assert eager.nesting and any("layernorm" in o.modules for o in eager.options)
+    chosen = set()
+    for budget_gb in (0.00055, 0.0006, 0.0007, 0.0008, 0.0009, 0.001):
+        auto = AutoRecompute(budget_gb=budget_gb, reserve_gb=0)
+        layout = build_layout(config, auto, RunShape(Topology(2), compiled, 4, 2), "type:Block", 0)
+        assert not any(plan.nested for plan in layout.plans)
+        chosen |= {option_key(modules) for plan in layout.plans for modules in plan.selective.values()}
+    assert chosen and chosen <= set(options)
+    assert compiled_auto(AutoRecompute()).early is False
+
+
 def test_compiled_recompute_is_bit_identical_to_compiled_none_without_recompiles():
     """Dropout on, two stages in this process: selective checkpoints traced inside the compiled blocks give the
     compiled `none` run's losses and gradients, and the second step (other micro-batches, both stages) compiles
@@ -111,10 +151,11 @@ def test_compiled_recompute_is_bit_identical_to_compiled_none_without_recompiles
 
 
 @pytest.mark.multiproc
-def test_a_compiled_two_stage_run_counts_no_graph_break_and_no_recompile(case_runs, shared_runs):
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_compiled_two_stage_run_counts_no_graph_break_and_no_recompile(case_runs, shared_runs, name):
     """Through the deepspeed launcher: both stages compile in the first step (and its evaluation) and never again, and
     start-up says what compiling cost."""
-    run = summary(case_runs["compiled-full"])
+    run = summary(case_runs[name])
     assert len(run["losses"]) == len(run["val_losses"]) == 3
     per_rank = run["compile_per_rank"]
     assert len(per_rank) == 2
@@ -127,3 +168,16 @@ def test_a_compiled_two_stage_run_counts_no_graph_break_and_no_recompile(case_ru
     assert "stagecheck: train.compile: the plan counts what a compiled block keeps per micro-batch, none " in output
     assert run["activation_bytes_per_stage"] == run["planned_activation_bytes_per_stage"]
     assert "stagecheck: train.compile: the first step compiled " in output
+
+
+@pytest.mark.multiproc
+def test_auto_under_compile_plans_from_compiled_bytes_and_matches_compiled_full_bit_for_bit(case_runs, shared_runs):
+    """+recompute=auto compiled: its start-up measured every option it weighs, its plan recomputes selectively on both
+    stages with options only compiled blocks' bytes make fit, and its losses are the compiled full run's bit for bit
+    (every compiled mode is compiled none's: tests/test_compile_matrix.py)."""
+    auto, full = summary(case_runs["compiled-auto"]), summary(case_runs["compiled-full"])
+    assert [stage["choices"] for stage in auto["layout"]] == [["selective:core_attn+mlp"], ["selective:mlp_act"]]
+    assert auto["recompute_config"]["early"] is False  # null resolves to false under compile
+    output = shared_runs.case_output()
+    assert ", core_attn+mlp_act " in output and "measured now by compiling one block per option: 6 option(s)" in output
+    assert auto["losses"] == full["losses"] and auto["val_losses"] == full["val_losses"]

@@ -1,8 +1,11 @@
-"""The planner's compiled bytes against the meter, at shapes no test tunes to, for both families (`make test-compile`):
-one block compiled per option the plan runs (parallel/measurement/compiled_bytes.py), the plan made from those bytes,
-and the compiled stages' own meters: each stage's activation bytes per micro-batch equal the plan's to the byte, and
-each stage's peak (the stage replay, compiled) is within PEAK_TOLERANCE of the plan's, whose parts outside the blocks
-(the loss's and the embedding's working sets, the optimizer step) stay the analytic ones, as in eager."""
+"""The planner's compiled bytes against the meter, at shapes no test tunes to, for both families and for
++recompute=auto (`make test-compile`): one block compiled per option the plan runs or auto weighs
+(parallel/measurement/compiled_bytes.py), the plan made from those bytes, and the compiled stages' own meters: each
+stage's activation bytes per micro-batch equal the plan's to the byte, and each stage's peak (the stage replay,
+compiled) is within PEAK_TOLERANCE of the plan's, whose parts outside the blocks (the loss's and the embedding's working
+sets, the optimizer step) stay the analytic ones, as in eager."""
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,10 +16,11 @@ from parallel.measurement.compiled_bytes import compiled_options, measure_compil
 from parallel.measurement.local_stages import LocalPipeline
 from parallel.measurement.stage_prices import measure_stage_prices
 from parallel.measurement.stage_replay import StageReplay
-from parallel.planning.config import SelectiveRecompute
+from parallel.planning.config import AutoRecompute, SelectiveRecompute
 from parallel.planning.layout import build_layout
 from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import RunShape, Target, Topology
+from tests.compiled_runs import auto_between
 
 pytestmark = pytest.mark.compile
 
@@ -36,6 +40,12 @@ FAMILIES = {
         SelectiveRecompute(modules=["mlp_act"]),
         2,
     ),
+    # auto (its budget: tests/compiled_runs.py's auto_between) weighing all six compiled options, 2 blocks a stage
+    "gpt2-auto": (
+        GPTConfig(n_layer=4, n_head=2, n_embd=40, seq_len=28, vocab_size=80, dropout=0.1),
+        AutoRecompute(),
+        2,
+    ),
 }  # fmt: skip
 MICRO_BATCHES = 3
 PEAK_TOLERANCE = 0.02
@@ -45,16 +55,20 @@ COMPILED_PROBE_GRAPHS = 5
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def planned(request):
-    """{compiled?: (model, run, layout, plan)}, eager and compiled, of one family on 2 stages."""
+    """{compiled?: (model, run, layout, plan)}, eager and compiled, of one family on 2 stages; under auto, whose plans
+    are made for the compiled bytes (an eager plan at its budget may not fit), eager is the compiled layout's plans
+    counted by eager autograd."""
     model, recompute, micro_batch_size = FAMILIES[request.param]
-    eager = Target("cpu", "fp32")
-    blocks = measure_compiled_blocks(model, micro_batch_size, eager, compiled_options(recompute))
-    plans = {}
-    for target in (eager, Target("cpu", "fp32", blocks)):
-        run = RunShape(Topology(2), target, MICRO_BATCHES, micro_batch_size)
-        layout = build_layout(model, recompute, run, f"type:{'Block' if model.arch == 'gpt2' else 'LlamaBlock'}", 0)
-        plans[target.compiled is not None] = (model, run, layout, plan_run(model, recompute, layout, run))
-    return plans
+    blocks = measure_compiled_blocks(model, micro_batch_size, Target("cpu", "fp32"), compiled_options(recompute))
+    compiled = RunShape(Topology(2), Target("cpu", "fp32", blocks), MICRO_BATCHES, micro_batch_size)
+    runs = {False: replace(compiled, target=Target("cpu", "fp32")), True: compiled}
+    partition = f"type:{'Block' if model.arch == 'gpt2' else 'LlamaBlock'}"
+    if isinstance(recompute, AutoRecompute):
+        recompute = auto_between(model, compiled)
+        layouts = dict.fromkeys(runs, build_layout(model, recompute, compiled, partition, 0))
+    else:
+        layouts = {key: build_layout(model, recompute, run, partition, 0) for key, run in runs.items()}
+    return {key: (model, run, layouts[key], plan_run(model, recompute, layouts[key], run)) for key, run in runs.items()}
 
 
 def test_each_compiled_stage_keeps_the_bytes_the_plan_counts(planned):

@@ -1,13 +1,22 @@
 """The compiled exactness matrix (`make test-compile`, left out of `make test` for its compile time): every recompute
-mode train.compile accepts, for both model families, packed dropout masks and either loss (fused or not), is
-bit-identical to the compiled `none` run with dropout on, with no graph break and nothing compiled after the first
-step."""
+mode train.compile accepts (+recompute=auto planned from compiled bytes too), for both model families, packed dropout
+masks and either loss (fused or not), is bit-identical to the compiled `none` run with dropout on, with no graph break
+and nothing compiled after the first step."""
 
 import pytest
 
 from model import GPTConfig
-from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
-from tests.compiled_runs import assert_bit_identical, compiled_steps
+from parallel.measurement.compiled_bytes import compiled_options, measure_compiled_blocks
+from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute
+from parallel.planning.shapes import RunShape, Target, Topology
+from tests.compiled_runs import (
+    EAGER,
+    MICRO_BATCH_SIZE,
+    MICRO_BATCHES,
+    assert_bit_identical,
+    auto_between,
+    compiled_steps,
+)
 
 pytestmark = pytest.mark.compile
 
@@ -48,6 +57,22 @@ def test_every_accepted_mode_compiled_is_bit_identical_to_compiled_none(family, 
     assert run.first.graph_breaks == run.later.graph_breaks == 0
     assert run.first.graphs >= 1  # compiled indeed
     assert run.later.graphs == 0  # the second step's micro-batches and both stages reuse the first step's graphs
+
+
+def test_auto_compiled_is_bit_identical_to_compiled_none(family):
+    """+recompute=auto planned from what a compiled block keeps under each option it weighs (measured, as start-up
+    measures it), at a budget between its floor and none's peak: its plan recomputes, and runs compiled none's losses
+    and gradients bit for bit."""
+    config, reference = family
+    blocks = measure_compiled_blocks(config, MICRO_BATCH_SIZE, EAGER, compiled_options(AutoRecompute()))
+    compiled = Target("cpu", "fp32", blocks)
+    auto = auto_between(config, RunShape(Topology(2), compiled, MICRO_BATCHES, MICRO_BATCH_SIZE))
+    run = compiled_steps(config, auto, target=compiled)
+    assert any(plan.selective or plan.segments for plan in run.plans)
+    assert not any(plan.nested or plan.early for plan in run.plans)
+    assert_bit_identical(run, reference)
+    assert run.first.graph_breaks == run.later.graph_breaks == 0
+    assert run.first.graphs >= 1 and run.later.graphs == 0
 
 
 def test_compiled_none_against_eager_none(family):

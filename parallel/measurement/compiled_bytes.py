@@ -27,18 +27,23 @@ import torch
 from model import BLOCK_CLASSES, GPTConfig, gpt_layers
 from parallel.measurement.in_process import LocalStage
 from parallel.measurement.tensor_peak import TensorPeakMeter, live_storages
-from parallel.planning.config import SelectiveRecompute
+from parallel.planning.config import AutoRecompute, SelectiveRecompute
+from parallel.planning.memory_model import selective_combinations
 from parallel.planning.partition import stages_of_parts
 from parallel.planning.shapes import CompiledBlocks, Shape, Target, option_key
 from parallel.planning.stage_plan import StagePlan
+from parallel.runtime.compile_blocks import compilable_selective
 
 
 def compiled_options(recompute) -> tuple[tuple[str, ...], ...]:
     """The block options a compiled run's plan needs (`recompute`: the recompute group's config): none (every block
     under none and full, whose segments recompute compiled blocks, and the micro-batches recompute.micro_batches leaves
-    plain) and its selective modules."""
+    plain) and its selective modules; under +recompute=auto every selective combination compiled blocks can run (auto
+    weighs each: without `layernorm`, which compile_refusal refuses)."""
     if isinstance(recompute, SelectiveRecompute):
         return ((), option_key(recompute.modules))
+    if isinstance(recompute, AutoRecompute):
+        return ((), *(option_key(combo) for combo in selective_combinations() if compilable_selective(combo)))
     return ((),)
 
 

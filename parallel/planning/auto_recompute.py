@@ -15,8 +15,9 @@ comes once the micro-batch's blocks are freed): parallel/planning/working_set.py
 
 Algorithm (exact for this model). Blocks of a stage are identical, so a plan is characterised by m, the
 blocks under full recompute, split into k segments (nested or not: nesting costs a forward of each segment's blocks
-but its last, and is a candidate only where it lowers the segments' working set), and the multiset of per-block
-choices of the other n - m blocks. Memory and cost are additive over blocks, so for every (m, k) we need the
+but its last, and is a candidate only where it lowers the segments' working set and BlockPrices.nesting allows it),
+and the multiset of per-block choices of the other n - m blocks (BlockPrices.options: under train.compile only the
+options a compiled block was measured with). Memory and cost are additive over blocks, so for every (m, k) we need the
 cheapest multiset of n - m per-block choices whose kept bytes stay under what is left. A dynamic programme over the
 number of blocks builds the Pareto frontier (kept bytes, cost) of those multisets (each frontier is at most a
 few hundred points here); each (m, k) then takes the frontier's cheapest point that fits (a binary
@@ -155,7 +156,7 @@ def _candidates(n: int, table: BlockPrices, ends_stage: bool):
                 size = math.ceil(m / k) if m else 0
                 for compressed, stored in stashes if m else stashes[:1]:
                     plain = _segments_moment(table, m, k, False, compressed, ends_stage)
-                    for nested in (False, True):
+                    for nested in (False, True) if table.nesting else (False,):
                         segment = _segments_moment(table, m, k, nested, compressed, ends_stage)
                         if nested and (size < 2 or segment >= plain):  # nesting only where it lowers the peak
                             continue

@@ -14,7 +14,7 @@ not a silent fall-back to the analytic model where it is read.
 """
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 from parallel.planning.device_profile_file import ANALYTIC, CostSource
 from parallel.planning.flops import block_forward_flops, mlp_output_matmul_flops, selective_recompute_flops
@@ -115,28 +115,24 @@ class BlockOption:
 
 
 def block_options(shape: Shape, target: Target, cost: Callable[[tuple[str, ...]], float]) -> list[BlockOption]:
-    """`none`, then every selective combination, with the bytes each keeps (under train.compile a compiled block's,
-    measured: Target.compiled), `cost(modules)`, its working set and the FLOPs it redoes."""
+    """`none`, then every selective combination, with the bytes each keeps, `cost(modules)`, its working set and the
+    FLOPs it redoes. Under train.compile (Target.compiled) only the combinations a compiled block was measured with,
+    with its measured bytes: the others' bytes are unknown (AOTAutograd's partitioner chooses what a compiled block
+    keeps), so no plan may choose them."""
     kernel = attention_kernel(shape, target)
-
-    def counted_on(combo: tuple[str, ...]) -> Target:
-        # train.compile measures only the options its plan runs (compiling a block costs tens of seconds on a CPU);
-        # the others, which no compiled run plans (+recompute=auto is refused there), keep eager autograd's figures
-        # for the step-time model's costs
-        if target.compiled is None or option_key(combo) in target.compiled.options:
-            return target
-        return replace(target, compiled=None)
-
+    combos = selective_combinations()
+    if target.compiled is not None:
+        combos = [combo for combo in combos if option_key(combo) in target.compiled.options]
     return [
         BlockOption(
             "selective:" + "+".join(combo) if combo else "none",
             combo,
-            total(block_kept_items(shape, counted_on(combo), combo)),
+            total(block_kept_items(shape, target, combo)),
             float(cost(combo)) if combo else 0.0,
-            max(block_backward_bytes(shape, counted_on(combo), combo).values()),
+            max(block_backward_bytes(shape, target, combo).values()),
             selective_recompute_flops(shape, combo, kernel),
         )
-        for combo in [(), *selective_combinations()]
+        for combo in [(), *combos]
     ]
 
 
@@ -158,10 +154,21 @@ class BlockPrices:
     seconds)."""
     source: CostSource = ANALYTIC
     """Which costs these are: a device profile (its path and date) or analytic."""
+    selective_costs: tuple[tuple[tuple[str, ...], float], ...] = ()
+    """(modules sorted by option_key, the recompute's price) of every selective combination, whether or not a plan may
+    choose it (under train.compile `options` holds only the measured ones): the step-time model prices any plan it is
+    given, the uniform modes plan.json compares with too."""
+    nesting: bool = True
+    """Auto may nest a full segment's blocks (StagePlan.nested); not under train.compile, which refuses nested
+    segments (parallel/runtime/compile_blocks.py's compile_refusal)."""
     stash: tuple[str, int] | None = None
     """The lossy storage auto may use (recompute.compress): its format and the bytes a segment input keeps stored in
     it; None: every plan stores exactly. Its (de)compression is not priced: auto uses it wherever it lets a stage
     recompute less, ties going to exact storage."""
+
+    def selective_cost(self, modules: Iterable[str]) -> float:
+        """The price of recomputing these selective parts of one block."""
+        return dict(self.selective_costs)[option_key(modules)]
 
     @property
     def unit(self) -> str:
@@ -239,6 +246,8 @@ def _table(
         float(segment_discount),
         measured,
         source,
+        tuple((option_key(combo), float(cost(combo))) for combo in selective_combinations()),
+        nesting=target.compiled is None,
     )
 
 

@@ -107,8 +107,7 @@ class TimeModel:
     def recompute_cost(self, plan: StagePlan, blocks_in: dict[tuple[int, int], int]) -> float:
         """The table's cost of a plan: each selective block's option, each segment's blocks. `blocks_in`:
         blocks inside each of the plan's segments."""
-        by_modules = {frozenset(o.modules): o.cost for o in self.table.options}
-        cost = sum(by_modules[frozenset(modules)] for modules in plan.selective.values())
+        cost = sum(self.table.selective_cost(modules) for modules in plan.selective.values())
         full, discount = self.table.full_block_cost, self.table.segment_discount
         for segment in plan.segments:
             blocks = blocks_in[segment]
@@ -159,9 +158,8 @@ def analytic_seconds(shape: Shape, run: RunShape, table: BlockPrices, rates: Dev
     # Head: final LayerNorm, the (h x V) matmul, then softmax and cross-entropy over fp32 logits.
     head_elementwise = (4 * bsh * d + 3 * tokens * shape.vocab * FP32) / bandwidth
     head = head_forward_flops(shape) / flops
-    per_option = {frozenset(o.modules): o.cost / flops for o in table.options}
     return MeasuredSeconds(
-        **{part: per_option[frozenset((part,))] for part in SELECTIVE_PARTS},
+        **{part: table.selective_cost((part,)) / flops for part in SELECTIVE_PARTS},
         block_recompute=block,
         block_forward=block,
         block_backward=block + block_forward_flops(shape) / flops,

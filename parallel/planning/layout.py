@@ -248,7 +248,7 @@ def _priced_alternatives(
     lossy fp8 storage where the run does not allow it yet."""
     priced = []
     settings = [(setting, auto, other_run) for setting, other_run in alternatives(model, run)]
-    if auto.compress == "none":
+    if auto.compress == "none" and run.target.compiled is None:  # train.compile refuses compressed stashes
         settings.append(("recompute.compress=fp8 (lossy)", replace(auto, compress="fp8"), run))
     for setting, other_auto, other_run in settings:
         try:

@@ -138,6 +138,8 @@ def _bubble_advice(
     lines = [f"bubble: the stages idle {idle} of the predicted step"]
     chosen = st.predicted_step_time_s
     barred = [(name, o) for name, o in st.by_schedule.items() if not o["allowed"] and o["fits"]]
+    if run.target.compiled is not None:  # train.compile runs 1f1b without early recompute: the others are refused
+        barred = []
     if barred:
         name, option = min(barred, key=lambda item: item[1]["step_time_s"])
         if option["step_time_s"] < chosen:

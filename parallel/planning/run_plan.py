@@ -34,7 +34,7 @@ from parallel.planning.plan_record import (
     StepTimeEstimate,
 )
 from parallel.planning.schedule_choice import setting_prices
-from parallel.planning.shapes import RunShape, Shape, Target, option_key
+from parallel.planning.shapes import RunShape, Shape, Target
 from parallel.planning.stage_plan import plan_stage
 from parallel.planning.stage_price import StagePrice, StagePricing, price_stage, simulate_priced
 from parallel.planning.step_sim import Timeline, lower_bound_s
@@ -52,9 +52,7 @@ def block_choices(shape: Shape, target: Target) -> dict[str, ChoiceEstimate]:
     prices = analytic_prices(shape, target)
     none = prices.block_bytes
     figures = {"none": (none, 0), "full": (prices.segment_input_bytes, segment_recompute_flops(shape, 1))}
-    measured = target.compiled.options if target.compiled else None  # train.compile: the choices it measured
-    options = [o for o in prices.options[1:] if measured is None or option_key(o.modules) in measured]
-    figures.update({o.choice: (o.kept_bytes, o.recompute_flops) for o in options})
+    figures.update({o.choice: (o.kept_bytes, o.recompute_flops) for o in prices.options[1:]})
     return {name: ChoiceEstimate(kept, none - kept, flops) for name, (kept, flops) in figures.items()}
 
 

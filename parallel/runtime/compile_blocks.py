@@ -9,8 +9,11 @@ blocks from outside: its recompute calls the compiled blocks again, with the RNG
 of inductor's own generator are drawn again identically. `fullgraph=True` makes a graph break an error at the first
 step rather than a silent fall back to eager; `dynamic=False`: the micro-batch shape never changes within a run.
 
-What cannot be compiled is refused at start-up (`compile_refusal`), never dropped silently.
+What cannot be compiled is refused at start-up (`compile_refusal`), never dropped silently; +recompute=auto chooses
+only among what compiles (`compiled_auto`).
 """
+
+from dataclasses import replace
 
 from model import BLOCK_CLASSES
 from parallel.planning.config import AutoRecompute, SelectiveRecompute
@@ -25,16 +28,11 @@ def compile_refusal(schedule: str, recompute) -> str | None:
             f"Linear's weight gradient from Python inside backward, which a compiled backward graph cannot do "
             f"(PyTorch refuses compiled zero-bubble stages too); use parallel.schedule=1f1b or train.compile=false"
         )
-    if isinstance(recompute, AutoRecompute):
-        return (
-            "train.compile=true cannot run +recompute=auto: auto weighs every block option, and a compiled block's "
-            "bytes are measured only for the options a fixed plan runs (each a compile at start-up); use "
-            "+recompute=none, full or selective (modules core_attn, mlp_act, mlp), or train.compile=false"
-        )
     if getattr(recompute, "early", False):
         return (
             "train.compile=true cannot run recompute.early=true: an early recompute is a Python autograd Function "
-            "holding its segment, which dynamo cannot trace; set recompute.early=false or train.compile=false"
+            "holding its segment, which dynamo cannot trace; set recompute.early=false (+recompute=auto: or null, "
+            "which under compile never recomputes early) or train.compile=false"
         )
     if getattr(recompute, "nested", False) or getattr(recompute, "compress", "none") != "none":
         # Neither has been run with compiled blocks: their exactness and their bytes under compile are unmeasured.
@@ -61,3 +59,15 @@ def compile_blocks(funcs: list) -> None:
     for block in funcs:
         if isinstance(block, BLOCK_CLASSES):
             block.compile(fullgraph=True, dynamic=False)
+
+
+def compiled_auto(recompute: AutoRecompute) -> AutoRecompute:
+    """+recompute=auto under train.compile: recompute.early=null resolves to false (an early recompute cannot compile:
+    compile_refusal). Auto's other choices are held to what compiles by its prices (parallel/planning/block_prices.py:
+    only the selective options a compiled block was measured with, and no nested segment)."""
+    return replace(recompute, early=False) if recompute.early is None else recompute
+
+
+def compilable_selective(modules) -> bool:
+    """Whether compiled blocks can run selective recompute of `modules` (compile_refusal's rule)."""
+    return compile_refusal("1f1b", SelectiveRecompute(modules=list(modules))) is None
