@@ -1,6 +1,6 @@
-"""The layout a run trains with: partition and each stage's recompute plan, built at start-up with the prices
-train.prices and train.device_profile name (harness/price_source.py), and checked to be every rank's once the process
-group exists."""
+"""The layout a run trains with (partition and each stage's recompute plan, built at start-up with the prices
+train.prices and train.device_profile name: harness/price_source.py; checked to be every rank's once the process group
+exists) and the run plan of that layout."""
 
 import torch.distributed as dist
 
@@ -10,6 +10,11 @@ from parallel.planning.block_prices import BlockPrices
 from parallel.planning.config import NoRecompute
 from parallel.planning.instruction_seconds import DeviceRates, analytic_rates
 from parallel.planning.layout import PipelineLayout, build_layout
+from parallel.planning.plan_record import RunPlan
+from parallel.planning.run_plan import plan_run
+from parallel.planning.virtual_layout import virtual_layout, virtual_plan, virtual_shape, with_virtual_plan
+from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES
+from parallel.planning.virtual_support import CHUNKS
 
 
 def layout_of(ctx: RunContext) -> PipelineLayout:
@@ -22,6 +27,22 @@ def layout_of(ctx: RunContext) -> PipelineLayout:
     if ctx.env.rank == 0:
         print(f"stagecheck: {line}", flush=True)
     parallel = run.parallel
+    if parallel.schedule in VIRTUAL_SCHEDULES:  # ranks x 2 virtual stages (parallel/planning/virtual_layout.py)
+        resume = ctx.resume
+        held = None
+        if resume is not None and "parallel.partition_method" not in resume.changed:
+            held = resume.saved_partition
+        return virtual_layout(
+            run.model,
+            run.recompute,
+            ctx.shape,
+            parallel.partition_method,
+            run.seed,
+            parallel.schedule,
+            costs,
+            run_rates(ctx),
+            held,
+        )
     return build_layout(
         run.model,
         run.recompute,
@@ -75,3 +96,18 @@ def check_same_layout(layout: PipelineLayout) -> None:
             f"ranks {others} planned another layout than rank 0 (their prices differed: the start-up line `costs: ...` "
             f"says which each used); train.prices=curves or analytic plans every rank alike"
         )
+
+
+def is_virtual(ctx: RunContext) -> bool:
+    return ctx.run.parallel.schedule in VIRTUAL_SCHEDULES
+
+
+def run_plan(ctx: RunContext, layout: PipelineLayout) -> RunPlan:
+    """The plan of the run (plan.json, summary.json's planned figures): under a virtual-stage schedule, one estimate
+    per virtual stage and each rank's peak and simulated step (parallel/planning/virtual_layout.py)."""
+    run = ctx.run
+    if not is_virtual(ctx):
+        return plan_run(run.model, run.recompute, layout, ctx.shape)
+    plan = plan_run(run.model, run.recompute, layout, virtual_shape(ctx.shape, CHUNKS))
+    virtual = virtual_plan(run.model, layout, ctx.shape, run.parallel.schedule, CHUNKS)
+    return with_virtual_plan(plan, virtual, ctx.shape)

@@ -22,8 +22,7 @@ from parallel.planning.stage_price import StagePrice, StagePricing
 from parallel.planning.virtual_memory import one_chunk_peaks, virtual_peaks
 from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES, virtual_schedule
 from parallel.planning.virtual_sim import simulate_virtual
-
-CHUNKS = 2
+from parallel.planning.virtual_support import CHUNKS
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,66 @@
+"""A run under a schedule with virtual stages, as start-up plans it (no process group): its layout of ranks x 2
+virtual stages, each rank's planned peak and simulated step, and the start-up refusals (what the engine does not run,
+a resume that would move layers to other ranks), each one line."""
+
+import pytest
+
+from model import BLOCK_CLASSES, GPTConfig
+from parallel.planning.config import AutoRecompute, NoRecompute, SelectiveRecompute
+from parallel.planning.plan_record import VirtualPlan
+from parallel.planning.run_plan import plan_run
+from parallel.planning.shapes import RunShape, Target, Topology
+from parallel.planning.virtual_layout import virtual_layout, virtual_plan, virtual_shape, with_virtual_plan
+from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES
+from parallel.planning.virtual_support import schedule_change_refusal, virtual_run_refusal
+
+MODEL = GPTConfig(n_layer=8, n_head=4, n_embd=64, seq_len=32, vocab_size=256, dropout=0.1)
+RUN = RunShape(Topology(2, 1), Target("cpu", "fp32"), 4, 2)
+
+
+@pytest.mark.parametrize("schedule", VIRTUAL_SCHEDULES)
+@pytest.mark.parametrize("method", ["balanced", "type:Block"])
+def test_a_virtual_run_plans_ranks_times_two_virtual_stages_and_each_ranks_peak(schedule, method):
+    layout = virtual_layout(MODEL, SelectiveRecompute(), RUN, method, 0, schedule, None, None, None)
+    assert len(layout.stages) == 4 and layout.parts[0] == 0 and layout.parts[-1] == len(layout.recipes)
+    assert all(any(layout.recipes[i].module_class in BLOCK_CLASSES for i in s.layers) for s in layout.stages)
+    virtual = virtual_plan(MODEL, layout, RUN, schedule)
+    placed = [[0, 2], [1, 3]] if schedule == "interleaved-1f1b" else [[0, 3], [1, 2]]
+    assert [list(stages) for stages in virtual.virtual_stages_per_rank] == placed
+    assert all(b > 0 for b in virtual.activation_bytes_per_rank) and virtual.predicted_step_time_s > 0
+    plan = with_virtual_plan(plan_run(MODEL, SelectiveRecompute(), layout, virtual_shape(RUN)), virtual, RUN)
+    assert (plan.pipeline_stages, plan.world_size, len(plan.stages)) == (2, 2, 4)
+    assert plan.step_time is None  # 1F1B over the virtual stages is not the schedule's step
+    assert VirtualPlan.from_json(plan.to_json()["virtual"]) == virtual
+    assert len(virtual.lines()) == 3
+
+
+def test_a_resumed_layout_keeps_the_checkpoints_chunk_boundaries():
+    held = [0, 3, 5, 6, 11]
+    layout = virtual_layout(MODEL, NoRecompute(), RUN, "balanced", 0, "zb-v", None, None, held)
+    assert layout.parts == held
+
+
+def test_a_resume_may_change_the_schedule_only_where_the_layers_stay_on_their_ranks():
+    assert schedule_change_refusal("1f1b", "zb-h1") is None
+    assert schedule_change_refusal("zb-v", "v-half") is None
+    assert schedule_change_refusal("auto", "1f1b") is None
+    for saved, new in [("1f1b", "interleaved-1f1b"), ("zb-v", "interleaved-1f1b"), ("v-half", "1f1b")]:
+        line = schedule_change_refusal(saved, new)
+        assert line and "\n" not in line and f"parallel.schedule={new}" in line and saved in line
+
+
+def test_what_train_py_does_not_run_under_a_virtual_schedule_is_refused_in_one_line():
+    def refusal(schedule="zb-v", recompute=None, precision="fp32", micro_batches=4, ranks=2, blocks=8):
+        return virtual_run_refusal(schedule, recompute or NoRecompute(), precision, 0, micro_batches, ranks, blocks)
+
+    assert refusal() is None and refusal(schedule="interleaved-1f1b", micro_batches=4) is None
+    refusals = {
+        "+recompute=auto": refusal(recompute=AutoRecompute()),
+        "train.precision=bf16": refusal(precision="bf16"),
+        "model.n_layer=3": refusal(blocks=3),
+        "train.micro_batches=5": refusal(schedule="interleaved-1f1b", micro_batches=5),
+    }
+    for option, line in refusals.items():
+        assert line and "\n" not in line, option
+    assert "model.n_layer=3" in refusals["model.n_layer=3"]
+    assert "train.micro_batches=5" in refusals["train.micro_batches=5"]
