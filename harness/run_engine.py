@@ -19,10 +19,10 @@ def build_run_engine(ctx: RunContext, layout: PipelineLayout):
         "lr_segment": ctx.resume.lr_segment if ctx.resume is not None else None,
         "compile": run.train.compile,
     }
-    if is_virtual(ctx):
+    if is_virtual(layout):
         return build_virtual_engine(
             layout,
-            run.parallel.schedule,
+            layout.virtual_schedule,
             CHUNKS,
             run.train,
             run.parallel,

@@ -121,8 +121,7 @@ def validate(cfg: DictConfig, run_dir: Path, env: DistEnv, job: JobHooks) -> Run
     resume = None
     if point is not None:  # everything that shapes the weights, the tokens or the partition must match
         resume = check_resume(point, run, resolved, shape, run_dir, command)
-        saved_schedule = point.meta.get("config", {}).get("parallel", {}).get("schedule", "1f1b")
-        refusal = schedule_change_refusal(saved_schedule, run.parallel.schedule)
+        refusal = schedule_change_refusal(resume.saved_schedule, run.parallel.schedule)
         if refusal:
             raise ValueError(refusal)
     in_place = point is not None and point.inside(run_dir)

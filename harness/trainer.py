@@ -101,7 +101,7 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
     control = RunControl(ctx, engine)
     # Activation bytes (metered on train.measure_step only), in-flight micro-batches, FLOP/s, MFU, peak memory.
     plan = run_plan(ctx, layout)
-    virtual = is_virtual(ctx)
+    virtual = is_virtual(layout)
     accounting = (RankAccounting if virtual else Accounting)(ctx, plan, engine)
     # Per-instruction timings of train.trace_step on every rank (trace.json, timeline.png, bubbles per stage); the
     # virtual engine's instructions are not traced yet.
@@ -205,7 +205,7 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
             "recompute_config": vars(run.recompute),
             "lossy": lossy_note(layout.plans),
             "layout": layout.as_dict(),  # under a virtual-stage schedule: its virtual stages
-            "schedule": run.parallel.schedule if virtual else layout.schedule,
+            "schedule": layout.virtual_schedule or layout.schedule,  # the schedule it ran (auto's choice)
             "virtual": asdict(plan.virtual) if virtual else None,  # each rank's chunks, planned peak and step
             **topology.as_dict(),
             "micro_batches": t.micro_batches,

@@ -11,7 +11,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from data import check_data_files, check_vocab, data_has_val
 from parallel.planning.compression import check_compress
-from parallel.planning.config import AutoRecompute, NoRecompute
+from parallel.planning.config import NoRecompute
 from parallel.planning.shapes import RunShape, Target, Topology
 from parallel.runtime.compile_blocks import compile_refusal
 from parallel.runtime.dist_env import cuda_device_index
@@ -29,11 +29,6 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
         raise ValueError(str(cause).split("\n    full_key:")[0]) from None
     if run.recompute is None:
         run.recompute = NoRecompute()
-    if run.parallel.schedule == "auto" and not isinstance(run.recompute, AutoRecompute):
-        raise ValueError(
-            f"parallel.schedule='auto' needs +recompute=auto (the planner chooses the schedule within its budget); "
-            f"with +recompute={run.recompute.mode} use parallel.schedule=1f1b or zb-h1"
-        )
     refusal = compile_refusal(run.parallel.schedule, run.recompute) if run.train.compile else None
     if refusal:
         raise ValueError(refusal)

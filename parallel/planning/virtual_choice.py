@@ -4,8 +4,9 @@
 and walked for its activation bytes (parallel/planning/virtual_memory.py). The chunk boundaries are chosen per
 schedule: the even split of the blocks, then single-block moves while the simulated step gets shorter.
 
-The engine does not run these schedules yet: the dry run shows what they would give. `auto` is not planned per
-chunk here (its budget is a rank's, shared by the rank's chunks): the dry run says so.
+`parallel.schedule=NAME` trains one (parallel/planning/virtual_layout.py), and `parallel.schedule=auto` under a fixed
+mode picks one where it simulates faster than 1f1b and zb-h1. `auto` recompute is not planned per chunk here (its
+budget is a rank's, shared by the rank's chunks): the dry run says so.
 """
 
 from dataclasses import dataclass, replace
@@ -107,7 +108,7 @@ def virtual_lines(model: GPTConfig, recompute: RecomputeConfig, layout: Pipeline
     peaks = one_chunk_peaks(layout.recipes, layout.stages, layout.plans, "1f1b", run.micro_batches, shape, run.target)
     one_f_one_b = max(peak.bytes for peak in peaks)
     lines = [
-        "virtual stages (2 chunks per rank; planned, not run by the engine yet):",
+        "virtual stages (2 chunks per rank; parallel.schedule=<schedule> trains one):",
         f"{'schedule':>16} {'step (s)':>9} {'activations GiB':>15} {'x 1f1b':>7} {'states GiB':>10}  blocks per chunk",
     ]
     for option in virtual_options(model, recompute, layout, run):

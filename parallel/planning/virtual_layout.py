@@ -20,9 +20,9 @@ from parallel.planning.shapes import RunShape, Shape, Topology
 from parallel.planning.stage_price import StagePricing, price_stage
 from parallel.planning.virtual_choice import virtual_options
 from parallel.planning.virtual_memory import virtual_peaks
-from parallel.planning.virtual_schedules import placement_of, virtual_schedule
+from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES, placement_of, virtual_schedule
 from parallel.planning.virtual_sim import simulate_virtual
-from parallel.planning.virtual_support import CHUNKS
+from parallel.planning.virtual_support import CHUNKS, virtual_run_refusal
 
 
 def virtual_shape(run: RunShape, chunks: int = CHUNKS) -> RunShape:
@@ -49,7 +49,35 @@ def virtual_layout(
         held_parts = [s.start for s in stages_of_block_counts(one_chunk.recipes, list(option.blocks))]
         held_parts.append(len(one_chunk.recipes))
     method = "uniform" if partition_method == "balanced" else partition_method  # too few blocks for every chunk
-    return build_layout(model, recompute, virtual_shape(run), method, seed, costs, rates, held_parts=held_parts)
+    layout = build_layout(model, recompute, virtual_shape(run), method, seed, costs, rates, held_parts=held_parts)
+    return replace(layout, virtual_schedule=schedule)
+
+
+def faster_virtual_schedule(
+    model: GPTConfig, recompute: RecomputeConfig, one_chunk: PipelineLayout, run: RunShape, zero_stage: int
+) -> str | None:
+    """parallel.schedule=auto's choice beyond `one_chunk`'s (the fastest of 1f1b and zb-h1 on one stage per rank):
+    the schedule with virtual stages whose simulated step (on its own chunk boundaries, as the dry run prices it) is
+    the shortest and shorter than `one_chunk`'s, among those the run can run (virtual_support.virtual_run_refusal:
+    no +recompute=auto, no early recompute, fp32, ...); None when none is."""
+    if one_chunk.timing is None:
+        return None
+    ranks = run.topology.pipeline_stages
+    runnable = {
+        schedule
+        for schedule in VIRTUAL_SCHEDULES
+        if virtual_run_refusal(
+            schedule, recompute, run.target.precision, zero_stage, run.micro_batches, ranks, model.n_layer
+        )
+        is None
+    }
+    if not runnable:
+        return None
+    options = [o for o in virtual_options(model, recompute, one_chunk, run) if o.schedule in runnable]
+    early = any(p.early for p in one_chunk.plans)
+    chosen = next(o for o in one_chunk.schedule_options if o.schedule == one_chunk.schedule and o.early == early)
+    fastest = min(options, key=lambda o: o.step_time_s, default=None)
+    return fastest.schedule if fastest is not None and fastest.step_time_s < chosen.step_time_s else None
 
 
 def virtual_plan(

@@ -56,9 +56,10 @@ def placement_name(schedule: str) -> str:
 
 
 def schedule_change_refusal(saved: str, new: str) -> str | None:
-    """A resume that changes parallel.schedule from `saved` to `new`: allowed when the layers stay on their ranks
-    (DeepSpeed saved each rank's weights and optimizer state as that rank held them), else one line."""
-    if placement_name(saved) == placement_name(new):
+    """A resume that changes parallel.schedule from `saved` (the schedule the checkpoint ran) to `new`: allowed when
+    the layers stay on their ranks (DeepSpeed saved each rank's weights and optimizer state as that rank held them),
+    else one line. `auto` keeps the checkpoint's placement (harness/run_layout.py)."""
+    if new == "auto" or placement_name(saved) == placement_name(new):
         return None
     return (
         f"parallel.schedule={new} cannot resume a checkpoint trained under parallel.schedule={saved}: it places the "

@@ -168,6 +168,7 @@ class VirtualPipelineEngine:
         micro_batches: int,
     ):
         self.engine, self.grid, self.schedule, self.placement = engine, grid, schedule, placement
+        self.schedule_kind = schedule  # as the zero-bubble engine names the schedule it runs (checkpoint metadata)
         self.stages, self.hidden, self.dtype, self.tied = list(stages), hidden, dtype, tied
         self.micro_batches = micro_batches
         self.stage_id = grid.get_stage_id()
