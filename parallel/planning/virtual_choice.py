@@ -68,7 +68,7 @@ def virtual_options(
         placement = programs[0].placement
         mine = [[placement.virtual_stage(rank, chunk) for chunk in range(CHUNKS)] for rank in range(ranks)]
 
-        step_s = partial(_step_s, programs, mine, price, layout.recipes)
+        step_s = partial(_step_s, programs, mine, price, layout.recipes, run.grad_clip > 0)
         counts = _chunk_counts(model.n_layer, CHUNKS * ranks, step_s)
         stages = stages_of_block_counts(layout.recipes, counts)
         prices = [price(stage) for stage in stages]
@@ -79,10 +79,12 @@ def virtual_options(
     return out
 
 
-def _step_s(programs, mine, price, recipes, counts: list[int]) -> float:
-    """The simulated step of `programs` with `counts` blocks per virtual stage (`mine[rank]`: its virtual stages)."""
+def _step_s(programs, mine, price, recipes, clip: bool, counts: list[int]) -> float:
+    """The simulated step of `programs` with `counts` blocks per virtual stage (`mine[rank]`: its virtual stages),
+    with the optimizer steps' barrier where the run clips (`clip`: virtual_sim's `clip_barrier`)."""
     prices = [price(stage) for stage in stages_of_block_counts(recipes, counts)]
-    return simulate_virtual(programs, [[prices[v].costs for v in stages] for stages in mine]).step_time_s
+    costs = [[prices[v].costs for v in stages] for stages in mine]
+    return simulate_virtual(programs, costs, clip_barrier=clip).step_time_s
 
 
 def _chunk_counts(blocks: int, chunks: int, step_s) -> list[int]:

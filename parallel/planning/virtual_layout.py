@@ -96,7 +96,8 @@ def virtual_plan(
     step = None
     if layout.timing is not None:
         programs = virtual_schedule(schedule, run.micro_batches, ranks, chunks)
-        step = simulate_virtual(programs, [[prices[v].costs for v in stages] for stages in mine]).step_time_s
+        costs = [[prices[v].costs for v in stages] for stages in mine]
+        step = simulate_virtual(programs, costs, clip_barrier=run.grad_clip > 0).step_time_s
     return VirtualPlan(
         schedule,
         chunks,
