@@ -1,9 +1,13 @@
 """The model chunks one rank of a virtual-stage schedule holds (parallel/runtime/virtual_engine.py), as the one module
 DeepSpeed's engine optimizes and checkpoints: what the trainer reads of DeepSpeed's PipelineModule on a 1F1B stage
-(`parts`, `local_layers`, `tied_weight_digest`, `loss_fn`) for the rank's chunks."""
+(`parts`, `local_layers`, `tied_weight_digest`, `loss_fn`) for the rank's chunks, and its checkpoint layout: one
+`layer_NN-model_states.pt` per layer that runs as a module (NN its flat index; a tied LM head has none, the embedding's
+file holds the one tied weight), so generate.py and export_hf.py (harness/consolidate.py) read a checkpoint of any
+schedule alike."""
 
 import hashlib
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -30,6 +34,25 @@ class RankChunks(nn.ModuleList):
         reads them)."""
         return [(flat, head_module(fn)) for chunk in self for flat, fn in zip(chunk.stage.layers, chunk.funcs)]
 
+    def save_layer_files(self, directory: str, checkpoint_engine, data_parallel_rank: int) -> None:
+        """Each layer's state dict into `directory`, as PipelineModule.save_state_dict writes it (data-parallel rank 0
+        writes, its replicas hold the same weights)."""
+        if data_parallel_rank != 0:
+            return
+        checkpoint_engine.makedirs(directory, exist_ok=True)
+        for chunk in self:
+            for flat, fn in zip(chunk.stage.layers, chunk.funcs):
+                if isinstance(fn, nn.Module):  # a tied LM head runs as a function of its embedding: no file
+                    checkpoint_engine.save(state_dict=fn.state_dict(), path=str(layer_file(directory, flat)))
+
+    def load_layer_files(self, directory: str, checkpoint_engine) -> None:
+        """Every layer's weights from `directory`; a tied LM head's copy from the first tied layer's file."""
+        for chunk in self:
+            for flat, fn in zip(chunk.stage.layers, chunk.funcs):
+                source = flat if isinstance(fn, nn.Module) else min(self.tied_layers)
+                state = checkpoint_engine.load(str(layer_file(directory, source)), map_location="cpu")
+                head_module(fn).load_state_dict(state)
+
     def tied_weight_digest(self) -> str | None:
         """SHA-256 of the tied embedding/LM-head weight this rank holds (a V's rank 0 holds both copies, equal after
         each step: the first), as PipelineModule's; None where it holds none."""
@@ -39,3 +62,8 @@ class RankChunks(nn.ModuleList):
                     weight = head_module(fn).head_weight.detach().cpu().contiguous()
                     return hashlib.sha256(weight.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
         return None
+
+
+def layer_file(directory: str, flat_index: int) -> Path:
+    """PipelineModule.ckpt_layer_path's name for layer `flat_index` (harness/consolidate.py reads it)."""
+    return Path(directory) / f"layer_{flat_index:02d}-model_states.pt"

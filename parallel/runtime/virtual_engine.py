@@ -19,6 +19,7 @@ sum), interleaved ranks 0 and p - 1 all-reduce over a group of the two. The LM h
 `ds_pipe_replicated`, as PipelineModule marks a tied weight's later copies, so clipping counts the weight once.
 """
 
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
@@ -308,6 +309,34 @@ class VirtualPipelineEngine:
             self.engine.set_gradient_accumulation_boundary(False)
 
 
+def _checkpoint_by_layer(engine: deepspeed.DeepSpeedEngine, grid: PipelineParallelGrid) -> None:
+    """DeepSpeed's engine saves the module's state dict into each rank's model-states file; DeepSpeed's PipelineEngine
+    instead has its module write one file per layer (and loads them back), which harness/consolidate.py reads. The
+    rank's chunks do the same here, as PipelineEngine overrides these two methods."""
+    module: RankChunks = engine.module
+
+    def module_state_dict(exclude_frozen_parameters: bool = False) -> None:
+        module.save_layer_files(engine._curr_ckpt_path, engine.checkpoint_engine, grid.get_data_parallel_rank())
+        return None
+
+    def load_module_state_dict(checkpoint: dict, strict: bool = True, **_) -> None:
+        module.load_layer_files(engine._curr_ckpt_path, engine.checkpoint_engine)
+
+    # DeepSpeed sets the path a load reads for a PipelineModule only: here, around every load.
+    load_checkpoint = engine._load_checkpoint
+
+    def load_checkpoint_at(load_dir: str, tag: str, *args, **kwargs):
+        engine._curr_ckpt_path = os.path.join(load_dir, str(tag))
+        try:
+            return load_checkpoint(load_dir, tag, *args, **kwargs)
+        finally:
+            engine._curr_ckpt_path = None
+
+    engine.module_state_dict = module_state_dict
+    engine.load_module_state_dict = load_module_state_dict
+    engine._load_checkpoint = load_checkpoint_at
+
+
 def _no_data(micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     raise RuntimeError(f"micro-batch {micro_batch} loaded on a rank given no data (it holds neither end)")
 
@@ -363,6 +392,7 @@ def build_virtual_engine(
     # As DeepSpeed's PipelineEngine: gradients are reduced at ReduceGrads, never by a backward's epilogue.
     engine.enable_backward_allreduce = False
     tied.count_once_in_clipping(engine)
+    _checkpoint_by_layer(engine, grid)
     hidden = (train.micro_batch_size, config.seq_len, config.n_embd)
     return VirtualPipelineEngine(
         engine,
