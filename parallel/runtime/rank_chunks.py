@@ -6,11 +6,14 @@ file holds the one tied weight), so generate.py and export_hf.py (harness/consol
 schedule alike."""
 
 import hashlib
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 import torch.nn as nn
+from deepspeed import DeepSpeedEngine
+from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 
 from model import head_module
 from model.fused_loss import HeadLoss
@@ -67,3 +70,31 @@ class RankChunks(nn.ModuleList):
 def layer_file(directory: str, flat_index: int) -> Path:
     """PipelineModule.ckpt_layer_path's name for layer `flat_index` (harness/consolidate.py reads it)."""
     return Path(directory) / f"layer_{flat_index:02d}-model_states.pt"
+
+
+def checkpoint_by_layer(engine: DeepSpeedEngine, grid: PipelineParallelGrid) -> None:
+    """DeepSpeed's engine saves the module's state dict into each rank's model-states file; DeepSpeed's PipelineEngine
+    instead has its module write one file per layer (and loads them back), which harness/consolidate.py reads. The
+    rank's chunks do the same here, as PipelineEngine overrides these two methods."""
+    module: RankChunks = engine.module
+
+    def module_state_dict(exclude_frozen_parameters: bool = False) -> None:
+        module.save_layer_files(engine._curr_ckpt_path, engine.checkpoint_engine, grid.get_data_parallel_rank())
+        return None
+
+    def load_module_state_dict(checkpoint: dict, strict: bool = True, **_) -> None:
+        module.load_layer_files(engine._curr_ckpt_path, engine.checkpoint_engine)
+
+    # DeepSpeed sets the path a load reads for a PipelineModule only: here, around every load.
+    load_checkpoint = engine._load_checkpoint
+
+    def load_checkpoint_at(load_dir: str, tag: str, *args, **kwargs):
+        engine._curr_ckpt_path = os.path.join(load_dir, str(tag))
+        try:
+            return load_checkpoint(load_dir, tag, *args, **kwargs)
+        finally:
+            engine._curr_ckpt_path = None
+
+    engine.module_state_dict = module_state_dict
+    engine.load_module_state_dict = load_module_state_dict
+    engine._load_checkpoint = load_checkpoint_at

@@ -13,13 +13,10 @@ no backward reduces them (`enable_backward_allreduce` off), and the engine is at
 while the programme's ReduceGrads and OptimizerStep run its `allreduce_gradients` and `step` (the programme counts the
 micro-batches, not the engine).
 
-The tied embedding: the token embedding's copy (virtual stage 0) and the LM head's (the last) get the sum of both
-gradients, as DeepSpeed's ReduceTiedGrads sums them over the stages that hold them: a V's rank 0 holds both (a local
-sum), interleaved ranks 0 and p - 1 all-reduce over a group of the two. The LM head's copy is marked
-`ds_pipe_replicated`, as PipelineModule marks a tied weight's later copies, so clipping counts the weight once.
+The tied embedding's copies: parallel/runtime/tied_copies.py; the chunks as one module, with PipelineModule's
+checkpoint files: parallel/runtime/rank_chunks.py; the forward-only pass: parallel/runtime/virtual_eval.py.
 """
 
-import os
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
@@ -27,11 +24,8 @@ from functools import partial
 import deepspeed
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipelineParallelGrid
-from deepspeed.runtime.utils import clip_grad_norm_
 
-from model import head_module
 from model.fused_loss import HeadLoss
 from parallel.planning.config import OptimConfig, ParallelConfig, RecomputeConfig
 from parallel.planning.layout import PipelineLayout
@@ -51,85 +45,11 @@ from parallel.runtime.engine import (
 )
 from parallel.runtime.lr_schedule import CosineSegment, warmup_cosine
 from parallel.runtime.planned_layers import PlannedLayers
-from parallel.runtime.rank_chunks import RankChunks
+from parallel.runtime.rank_chunks import RankChunks, checkpoint_by_layer
 from parallel.runtime.stage_interpreter import StageInterpreter
+from parallel.runtime.tied_copies import TiedCopies
 from parallel.runtime.virtual_eval import forward_losses
 from parallel.runtime.virtual_rank import backward_kind, run_training_step
-
-
-class TiedCopies:
-    """The copies of each tied weight this rank holds (in virtual-stage order) and the group it sums them over with
-    the other ranks that hold one (None: this rank holds them all). Every rank builds every group, as
-    `dist.new_group` asks."""
-
-    def __init__(
-        self,
-        layout: PipelineLayout,
-        placement: Placement,
-        grid: PipelineParallelGrid,
-        chunks: Sequence[PlannedLayers],
-        stages: Sequence[int],
-    ):
-        self.copies: dict[str, list[nn.Parameter]] = {}
-        self.groups: dict[str, dist.ProcessGroup | None] = {}
-        keys = sorted({r.tie_key for r in layout.recipes if r.tie_key is not None})
-        for key in keys:
-            holders = [s.stage for s in layout.stages if any(layout.recipes[f].tie_key == key for f in s.layers)]
-            ranks = sorted({placement.holder(stage)[0] for stage in holders})
-            self.groups[key] = None
-            for data in range(grid.get_data_parallel_world_size()) if len(ranks) > 1 else ():
-                members = [grid.topology().get_rank(pipe=rank, data=data) for rank in ranks]
-                group = dist.new_group(ranks=members)
-                if dist.get_rank() in members:
-                    self.groups[key] = group
-            self.copies[key] = []
-            for chunk, stage in sorted(zip(chunks, stages), key=lambda pair: pair[1]):
-                if stage in holders:
-                    weight = _tied_weight(layout, chunk, key)
-                    weight.ds_pipe_replicated = stage != holders[0]
-                    self.copies[key].append(weight)
-
-    def count_once_in_clipping(self, engine: deepspeed.DeepSpeedEngine) -> None:
-        """An fp32 run without ZeRO clips with DeepSpeed's `clip_grad_norm_`, which counts every parameter on the
-        model-parallel group's rank 0 (ZeRO's norm leaves `ds_pipe_replicated` copies out itself): a V's rank 0 holds
-        both copies of the tied weight, so that norm counted it twice where 1F1B counts it once. Its clipping then
-        leaves the later copies out of the norm and gives them the first copy's clipped gradient (both held the same
-        sum: the same result as clipping them)."""
-        pairs = [(copies[0], later) for copies in self.copies.values() for later in copies[1:]]
-        if not pairs or engine.zero_optimization() or engine.fp16_enabled() or engine.bfloat16_enabled():
-            return
-        later_copies = {id(later) for _, later in pairs}
-
-        def clip_fp32_gradients() -> None:
-            counted = [p for p in engine.module.parameters() if id(p) not in later_copies]
-            clip_grad_norm_(parameters=counted, max_norm=engine.gradient_clipping(), mpu=engine.mpu)
-            for first, later in pairs:
-                later.grad.copy_(first.grad)
-
-        engine.clip_fp32_gradients = clip_fp32_gradients
-
-    def reduce(self) -> None:
-        """Every copy's gradient becomes the sum of all copies' gradients."""
-        for key, copies in self.copies.items():
-            if not copies:
-                continue
-            total = copies[0].grad
-            for copy in copies[1:]:
-                total = total + copy.grad
-            if self.groups[key] is not None:
-                dist.all_reduce(total, group=self.groups[key])
-            for copy in copies:
-                if copy.grad is not total:
-                    copy.grad.copy_(total)
-
-
-def _tied_weight(layout: PipelineLayout, chunk: PlannedLayers, key: str) -> nn.Parameter:
-    """The chunk's copy of the tied weight `key` (a chunk with both ends builds the module once)."""
-    (module,) = {
-        head_module(fn) for flat, fn in zip(chunk.stage.layers, chunk.funcs) if layout.recipes[flat].tie_key == key
-    }
-    return module.head_weight
-
 
 DEEPSPEED_SURFACE = frozenset(
     {
@@ -309,34 +229,6 @@ class VirtualPipelineEngine:
             self.engine.set_gradient_accumulation_boundary(False)
 
 
-def _checkpoint_by_layer(engine: deepspeed.DeepSpeedEngine, grid: PipelineParallelGrid) -> None:
-    """DeepSpeed's engine saves the module's state dict into each rank's model-states file; DeepSpeed's PipelineEngine
-    instead has its module write one file per layer (and loads them back), which harness/consolidate.py reads. The
-    rank's chunks do the same here, as PipelineEngine overrides these two methods."""
-    module: RankChunks = engine.module
-
-    def module_state_dict(exclude_frozen_parameters: bool = False) -> None:
-        module.save_layer_files(engine._curr_ckpt_path, engine.checkpoint_engine, grid.get_data_parallel_rank())
-        return None
-
-    def load_module_state_dict(checkpoint: dict, strict: bool = True, **_) -> None:
-        module.load_layer_files(engine._curr_ckpt_path, engine.checkpoint_engine)
-
-    # DeepSpeed sets the path a load reads for a PipelineModule only: here, around every load.
-    load_checkpoint = engine._load_checkpoint
-
-    def load_checkpoint_at(load_dir: str, tag: str, *args, **kwargs):
-        engine._curr_ckpt_path = os.path.join(load_dir, str(tag))
-        try:
-            return load_checkpoint(load_dir, tag, *args, **kwargs)
-        finally:
-            engine._curr_ckpt_path = None
-
-    engine.module_state_dict = module_state_dict
-    engine.load_module_state_dict = load_module_state_dict
-    engine._load_checkpoint = load_checkpoint_at
-
-
 def _no_data(micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     raise RuntimeError(f"micro-batch {micro_batch} loaded on a rank given no data (it holds neither end)")
 
@@ -392,7 +284,7 @@ def build_virtual_engine(
     # As DeepSpeed's PipelineEngine: gradients are reduced at ReduceGrads, never by a backward's epilogue.
     engine.enable_backward_allreduce = False
     tied.count_once_in_clipping(engine)
-    _checkpoint_by_layer(engine, grid)
+    checkpoint_by_layer(engine, grid)
     hidden = (train.micro_batch_size, config.seq_len, config.n_embd)
     return VirtualPipelineEngine(
         engine,
