@@ -100,7 +100,9 @@ def run_stagecheck(cfg: GPTConfig, variant: Variant, steps: int, run_dir: Path, 
         return run
     result = read_result(variant, round_, run_dir, cpu_s, wall_s)
     run.step_s, run.launch_cpu_s, run.launch_wall_s = result.step_times, cpu_s, wall_s
-    run.peak_bytes = result.summary["measured_peak_tensor_bytes_per_stage"]
+    summary = result.summary  # per rank under a schedule with virtual stages (2 stages per rank), else per stage
+    per_rank = summary.get("measured_peak_tensor_bytes_per_rank")
+    run.peak_bytes = per_rank or summary["measured_peak_tensor_bytes_per_stage"]
     run.loss, run.load = result.summary["losses"][-1], os.getloadavg()[0]
     return run
 

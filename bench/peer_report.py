@@ -84,6 +84,43 @@ def _against_peers(runs: list[Run], peers: list[str], of_peer: dict[str, str]) -
     return out
 
 
+VIRTUAL_PEERS = ("torch interleaved", "torch zbv")
+"""torch.distributed.pipelining's schedules with 2 stages per rank, without checkpointing: issue 34's comparison."""
+VIRTUAL_ROWS = ("stagecheck interleaved-1f1b", "stagecheck zb-v", "stagecheck v-half")
+
+
+def _virtual_against(runs: list[Run]) -> dict[str, dict]:
+    """For each of VIRTUAL_PEERS: stagecheck's fastest schedule with virtual stages (median tokens/s) whose largest
+    rank's peak is within the peer's, per round against it."""
+    print("## stagecheck's schedules with virtual stages against torch's interleaved 1F1B and ZBV, at <= their peak\n")
+    print("| peer | peer tokens/s | peer peak MiB | stagecheck run | tokens/s | per round | median | peak MiB |")
+    print("|---|---:|---:|---|---:|---|---:|---:|")
+    rows = [name for name in dict.fromkeys(r.name for r in runs) if name.startswith(VIRTUAL_ROWS) and _of(runs, name)]
+    out = {}
+    for peer in VIRTUAL_PEERS:
+        p = _of(runs, peer)
+        if not p:
+            continue
+        peer_peak = max(r.peak for r in p.values())
+        within = [name for name in rows if max(r.peak for r in _of(runs, name).values()) <= peer_peak]
+        if not within:
+            print(f"| {peer} | {_median_tps(runs, peer):.0f} | {peer_peak / MIB:.1f} | none within its peak | | | | |")
+            out[peer] = {"ratio": None}
+            continue
+        best = max(within, key=lambda name: _median_tps(runs, name))
+        ratios = _ratios(runs, best, peer)
+        peak = max(r.peak for r in _of(runs, best).values())
+        out[peer] = {"run": best, "ratios": ratios, "ratio": statistics.median(ratios) if ratios else None}
+        out[peer] |= {"auto_peak": peak, "peer_peak": peer_peak, "within_peak": True}
+        median = f"{out[peer]['ratio']:.3f}" if ratios else "-"
+        print(
+            f"| {peer} | {_median_tps(runs, peer):.0f} | {peer_peak / MIB:.1f} | {best} "
+            f"| {_median_tps(runs, best):.0f} | {', '.join(f'{x:.3f}' for x in ratios)} | {median} | {peak / MIB:.1f} |"
+        )
+    print()
+    return out
+
+
 def _target(label: str, entry: dict | None, goal: float) -> str:
     if not entry or entry.get("ratio") is None:
         return f"- {label}: no figure (a run failed or was refused)"
@@ -101,6 +138,7 @@ def report(runs: list[Run], peers: list[str], of_peer: dict[str, str], rounds: i
     """Prints the tables and the targets; returns the figures."""
     _configurations(runs)
     against = _against_peers(runs, peers, of_peer)
+    virtual = _virtual_against(runs)
     torch_peers = [p for p in peers if p.startswith("torch") and _of(runs, p)]
     fastest = max(torch_peers, key=lambda p: _median_tps(runs, p), default=None)
     hidden = "stagecheck full(stage) zb-h1 early", "stagecheck full(stage) 1f1b"
@@ -109,6 +147,7 @@ def report(runs: list[Run], peers: list[str], of_peer: dict[str, str], rounds: i
         "vs DeepSpeed interval=1": against.get("DeepSpeed interval=1"),
         f"vs fastest torch ({fastest})": against.get(fastest) if fastest else None,
         "zb-h1 early / 1f1b, full(stage)": {"ratios": zb, "ratio": statistics.median(zb)} if zb else None,
+        **{f"virtual vs {peer}": virtual.get(peer) for peer in VIRTUAL_PEERS},
     }
     print("## Targets\n")
     print(
@@ -130,6 +169,9 @@ def report(runs: list[Run], peers: list[str], of_peer: dict[str, str], rounds: i
             1.10,
         )
     )
+    for peer in VIRTUAL_PEERS:  # issue 34
+        label = f"stagecheck's fastest virtual-stage schedule within its peak / {peer}"
+        print(_target(label, figures[f"virtual vs {peer}"], 1.03))
     for num, den in (("stagecheck full(1)", "DeepSpeed interval=1"), ("stagecheck selective", "DeepSpeed interval=0")):
         ratios = _ratios(runs, num, den)
         if ratios:

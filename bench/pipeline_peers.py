@@ -10,13 +10,16 @@ synthetic batches and 4 micro-batches of one sequence, with AdamW and gradient c
 - torch.distributed.pipelining (bench/peers_torch.py): Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble,
   each without and with per-block checkpoint_wrapper;
 - stagecheck (`train.py`): full(1), selective, full(stage) under DeepSpeed's 1F1B and under zb-h1 + early recompute,
-  and `+recompute=auto parallel.schedule=auto recompute.early=null` at a budget equal to each peer's measured peak
+  its schedules with virtual stages (`parallel.schedule=interleaved-1f1b`, `zb-v`, `v-half`: 2 chunks per rank, as the
+  torch peers' interleaved 1F1B and ZBV hold them) without recompute and with selective recompute, and
+  `+recompute=auto parallel.schedule=auto recompute.early=null` at a budget equal to each peer's measured peak
   (its largest rank's, in round 1; peers whose budgets give one plan, by the dry run, share one auto run).
 Configurations are interleaved in rounds (every one once per round, the order rotated from round to round), so a ratio
 within one round compares runs that saw the same machine state. For each: tokens/s (median timed step), measured peak
 tensor bytes per rank (parallel/measurement/tensor_peak.py, parameters and optimizer state included), the launch's CPU
 and wall time and the load average. `--smoke` checks the plumbing only: a tiny shape, one round, one DeepSpeed peer, one
-torch.distributed.pipelining peer and stagecheck's auto at the first peer's peak. Not a test of figures: they depend on
+torch.distributed.pipelining peer, stagecheck's zb-v and stagecheck's auto at the first peer's peak (4 blocks: one per
+virtual stage). Not a test of figures: they depend on
 the machine; docs/pipeline_peers.md holds a run.
 
 `--frontier PNG` sweeps the budget too: after round 1, stagecheck's auto also runs at `--budgets` budgets evenly from
@@ -33,7 +36,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -42,8 +45,9 @@ from bench.peer_frontier import draw_frontier, frontier_table, sweep_budgets
 from bench.peer_launch import Peer, Run, run_peer, run_stagecheck
 from bench.peer_report import report
 from bench.real_runs import REPO, STAGES, TRACE_STEP, Variant, launch_env, model_config, train_args
-from parallel.planning.config import AutoRecompute, FullRecompute, SelectiveRecompute
+from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.planning.shapes import GIB
+from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES
 
 DS_PEERS = (
     Peer("DeepSpeed interval=1", "deepspeed", "interval=1"),
@@ -74,6 +78,25 @@ def fixed_variants(micro_batches: int) -> list[Variant]:
             "parallel.schedule=zb-h1",
             "recompute.early=true",
         ),
+    ]
+
+
+def virtual_variants(micro_batches: int, modes: tuple[str, ...] = ("none", "selective")) -> list[Variant]:
+    """stagecheck's schedules with virtual stages under `modes`, 2 chunks per rank under `type:Block` (the blocks
+    split evenly over the 4 virtual stages, as the torch peers split theirs): the rows the issue-34 targets compare
+    with torch's interleaved 1F1B and ZBV."""
+    recompute = {"none": (NoRecompute(), ()), "selective": (SelectiveRecompute(), ("+recompute=selective",))}
+    return [
+        Variant(
+            f"stagecheck {schedule} {mode}",
+            micro_batches,
+            recompute[mode][0],
+            "type:Block",
+            (*recompute[mode][1], f"parallel.schedule={schedule}"),
+            (),
+        )
+        for schedule in VIRTUAL_SCHEDULES
+        for mode in modes
     ]
 
 
@@ -161,7 +184,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6, help="steps per launch: 1 warm-up, 1 metered, the rest timed")
     parser.add_argument("--micro-batches", type=int, default=4)
-    parser.add_argument("--smoke", action="store_true", help="plumbing only: tiny shape, 1 round, 3 steps, 3 launches")
+    parser.add_argument("--smoke", action="store_true", help="plumbing only: tiny shape, 1 round, 3 steps, 4 launches")
     parser.add_argument("--json", type=Path, help="also write every run's figures here (after each run)")
     parser.add_argument("--from-json", type=Path, help="print the tables of an earlier run's --json file; run nothing")
     parser.add_argument("--frontier", type=Path, help="sweep auto's budget too, and draw the frontier into this PNG")
@@ -174,8 +197,13 @@ def main(argv=None) -> int:
     rounds, steps = (1, 3) if args.smoke else (args.rounds, args.steps)
     torch.set_num_threads(1)
     cfg = model_config(args.smoke)
+    if args.smoke:  # one block per virtual stage of the virtual-stage row (2 ranks x 2 chunks)
+        cfg = replace(cfg, n_layer=4)
     peers = [DS_PEERS[0], TORCH_PEERS[1]] if args.smoke else [*DS_PEERS, *TORCH_PEERS]
-    fixed = [] if args.smoke else fixed_variants(args.micro_batches)
+    if args.smoke:
+        fixed = [v for v in virtual_variants(args.micro_batches, ("none",)) if "zb-v" in v.name]
+    else:
+        fixed = fixed_variants(args.micro_batches) + virtual_variants(args.micro_batches)
     print(
         f"torch {torch.__version__}; L={cfg.n_layer} h={cfg.n_embd} a={cfg.n_head} s={cfg.seq_len} b=1 "
         f"m={args.micro_batches} dropout={cfg.dropout} fp32 {cfg.attention} attention; 2 ranks on CPU "

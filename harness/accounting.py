@@ -71,9 +71,8 @@ class Accounting:
         self.measure_step = ctx.run.train.measure_step
         self.measured_step: int | None = None
         self.meter = ActivationMeter(engine.module.parameters)
-        attach_to_pipeline(engine.module, self.meter)
         self.plan = plan
-        self.stage_plan = plan.stages[engine.stage_id]
+        self._attach_meter()
         self.peak_tflops = peak_tflops(ctx.run.train.peak_tflops, ctx.target.device, ctx.target.precision)
         self.step_times: list[float] = []
         self.tensor_meter = TensorPeakMeter(self.device)  # live tensor bytes of the metered step
@@ -89,15 +88,23 @@ class Accounting:
             torch.cuda.reset_peak_memory_stats()
         if self.meter.armed:
             self.tensor_meter.start()
-        # What each early recompute and each B (zb-h1) holds until its backward or W, on the metered step only.
+        self._meter_engine(self.meter.armed)
+
+    def _attach_meter(self) -> None:
+        """The stage's forwards and loss through the activation meter, and the stage's plan."""
+        attach_to_pipeline(self.engine.module, self.meter)
+        self.stage_plan = self.plan.stages[self.engine.stage_id]
+
+    def _meter_engine(self, armed: bool) -> None:
+        """What each early recompute and each B (zb-h1) holds until its backward or W, on the metered step only."""
         interpreter = self.engine.interpreter
-        interpreter.early_recompute.measure = interpreter.weight_grads.measure = self.meter.armed
+        interpreter.early_recompute.measure = interpreter.weight_grads.measure = armed
 
     def after_step(self, step: int, step_time: float) -> None:
         if self.meter.armed:
             self.tensor_peak = self.tensor_meter.stop()
-            interpreter = self.engine.interpreter
-            self.meter.armed = interpreter.early_recompute.measure = interpreter.weight_grads.measure = False
+            self.meter.armed = False
+            self._meter_engine(False)
             self.measured_step = step
         self.step_times.append(step_time)
         if self.device == "cuda":

@@ -12,7 +12,7 @@ Layout of <run dir>/checkpoints/:
                                         (harness/hf/source.py)
         stagecheck.json                 ours, written by rank 0 once every rank has finished: the step,
                                         the data position, the W&B run id, the topology, the model config,
-                                        precision, partition, learning-rate decay and the whole resolved
+                                        precision, partition, schedule, learning-rate decay and the whole resolved
                                         config (what a resume is checked against)
 
 DeepSpeed keeps no data position and no RNG state. The data position is the step: a batch is a pure
@@ -255,6 +255,7 @@ class Checkpointer:
             "data_parallel_size": self.topology.data_parallel_size,
             "precision": self.precision,
             "partition": [int(p) for p in self.engine.module.parts],  # each stage's first layer, then the end
+            "schedule": self.engine.schedule_kind,  # the one it ran (auto's choice): a resume keeps its placement
             "lr_schedule": asdict(self.lr_segment),  # the decay a re-stretching resume continues
             # updates applied (the steps less those skipped): the scheduler's count, which a re-stretch starts from
             "applied_updates": int(self.engine.lr_scheduler.last_epoch),

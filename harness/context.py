@@ -26,6 +26,9 @@ class Resume:
     """The learning-rate decay from here on (parallel/runtime/lr_schedule.py)."""
     saved_partition: list[int] | None = None
     """The checkpoint's stage boundaries (each stage's first layer, then one past the last); None: not recorded."""
+    saved_schedule: str = "1f1b"
+    """The schedule the checkpoint was trained with (parallel.schedule=auto's choice; older checkpoints: its
+    config's parallel.schedule)."""
 
 
 @dataclass(frozen=True)

@@ -12,23 +12,25 @@ import os
 from harness.context import RunContext
 from harness.files import atomic_write_json
 from harness.price_source import ranks_on_node, run_profile
-from harness.run_layout import run_rates
+from harness.run_layout import run_plan, run_rates
 from parallel.planning.config import AutoRecompute
 from parallel.planning.layout import PipelineLayout
 from parallel.planning.plan_record import RunPlan
 from parallel.planning.plan_verdict import GPU_MEMORY_GIB, Replanner, verdict_lines
-from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import GIB
 from parallel.planning.virtual_choice import virtual_lines
 
 
 def dry_run(ctx: RunContext, layout: PipelineLayout) -> RunPlan:
     run = ctx.run
-    plan = plan_run(run.model, run.recompute, layout, ctx.shape)
+    plan = run_plan(ctx, layout)
     lines = layout.describe() + layout.empty_stage_warnings() + plan.lines()
     if layout.budgets is not None:
         lines += layout.describe_budgets(run.recompute)
-    lines += virtual_lines(run.model, run.recompute, layout, ctx.shape)
+    if plan.virtual is not None:  # the layout's stages are virtual stages: each rank's chunks together
+        lines += plan.virtual.lines()
+    else:
+        lines += virtual_lines(run.model, run.recompute, layout, ctx.shape)
     if ctx.env.rank == 0:
         memory_bytes, memory_name = memory_target(ctx)
         profile, _ = run_profile(ctx)

@@ -188,8 +188,8 @@ def install_nan_injection(engine, steps: list[int]) -> None:
     module = engine.module
     real_loss = module.loss_fn
 
-    def loss_fn(outputs, labels):
-        loss = real_loss(outputs, labels)
+    def loss_fn(*args):  # (outputs, labels); a virtual-stage rank's adds the LM head's weight
+        loss = real_loss(*args)
         # global_steps counts finished optimizer steps (restored on resume): this is step +1.
         return loss * float("nan") if engine.global_steps + 1 in wanted else loss
 

@@ -171,6 +171,7 @@ def check_resume(
         {k: v for k, v in differing.items() if known and may_change(k) and k not in NOT_RECORDED},
         segment.stretched(applied, run.train.warmup_steps, run.train.steps),
         point.meta.get("partition"),
+        point.meta.get("schedule") or saved.get("parallel", {}).get("schedule", "1f1b"),
     )
 
 

@@ -1,6 +1,6 @@
-"""The layout a run trains with: partition and each stage's recompute plan, built at start-up with the prices
-train.prices and train.device_profile name (harness/price_source.py), and checked to be every rank's once the process
-group exists."""
+"""The layout a run trains with (partition and each stage's recompute plan, built at start-up with the prices
+train.prices and train.device_profile name: harness/price_source.py; checked to be every rank's once the process group
+exists) and the run plan of that layout."""
 
 import torch.distributed as dist
 
@@ -10,6 +10,17 @@ from parallel.planning.block_prices import BlockPrices
 from parallel.planning.config import NoRecompute
 from parallel.planning.instruction_seconds import DeviceRates, analytic_rates
 from parallel.planning.layout import PipelineLayout, build_layout
+from parallel.planning.plan_record import RunPlan
+from parallel.planning.run_plan import plan_run
+from parallel.planning.virtual_layout import (
+    faster_virtual_schedule,
+    virtual_layout,
+    virtual_plan,
+    virtual_shape,
+    with_virtual_plan,
+)
+from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES
+from parallel.planning.virtual_support import CHUNKS
 
 
 def layout_of(ctx: RunContext) -> PipelineLayout:
@@ -22,17 +33,42 @@ def layout_of(ctx: RunContext) -> PipelineLayout:
     if ctx.env.rank == 0:
         print(f"stagecheck: {line}", flush=True)
     parallel = run.parallel
-    return build_layout(
-        run.model,
-        run.recompute,
-        ctx.shape,
-        parallel.partition_method,
-        run.seed,
-        costs,
-        run_rates(ctx),
-        parallel.schedule,
-        held_parts=held_parts(ctx, costs),
+    virtual = resumed_or_named_virtual(ctx)
+    if virtual is None:
+        layout = build_layout(
+            run.model,
+            run.recompute,
+            ctx.shape,
+            parallel.partition_method,
+            run.seed,
+            costs,
+            run_rates(ctx),
+            parallel.schedule,
+            held_parts=held_parts(ctx, costs),
+        )
+        if parallel.schedule != "auto" or ctx.resume is not None:  # a resume keeps its checkpoint's placement
+            return layout
+        # parallel.schedule=auto: a schedule with virtual stages where one simulates faster and the run can run it
+        virtual = faster_virtual_schedule(run.model, run.recompute, layout, ctx.shape, parallel.zero_stage)
+        if virtual is None:
+            return layout
+    resume = ctx.resume
+    held = None  # ranks x 2 virtual stages (parallel/planning/virtual_layout.py): a resume's, else chosen
+    if resume is not None and "parallel.partition_method" not in resume.changed:
+        held = resume.saved_partition
+    return virtual_layout(
+        run.model, run.recompute, ctx.shape, parallel.partition_method, run.seed, virtual, costs, run_rates(ctx), held
     )
+
+
+def resumed_or_named_virtual(ctx: RunContext) -> str | None:
+    """The schedule with virtual stages the run names (parallel.schedule), or under `auto` the one its checkpoint was
+    trained with (a resume keeps the layers on their ranks); None: one stage per rank, or auto's choice."""
+    schedule = ctx.run.parallel.schedule
+    if schedule in VIRTUAL_SCHEDULES:
+        return schedule
+    saved = ctx.resume.saved_schedule if ctx.resume is not None else None
+    return saved if schedule == "auto" and saved in VIRTUAL_SCHEDULES else None
 
 
 def held_parts(ctx: RunContext, costs: BlockPrices | None) -> list[int] | None:
@@ -66,7 +102,7 @@ def check_same_layout(layout: PipelineLayout) -> None:
     """Once the process group exists: every rank planned the same layout, or the run ends here with one message. Ranks
     plan before the group exists, each on its own, from prices that must be one set (harness/price_source.py); ranks
     whose plans differed would otherwise wait for each other's mismatched sends forever."""
-    mine = repr((layout.parts, layout.plans, layout.schedule))
+    mine = repr((layout.parts, layout.plans, layout.schedule, layout.virtual_schedule))
     every: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     others = [rank for rank, theirs in enumerate(every) if theirs != every[0]]
@@ -75,3 +111,19 @@ def check_same_layout(layout: PipelineLayout) -> None:
             f"ranks {others} planned another layout than rank 0 (their prices differed: the start-up line `costs: ...` "
             f"says which each used); train.prices=curves or analytic plans every rank alike"
         )
+
+
+def is_virtual(layout: PipelineLayout) -> bool:
+    """The layout's stages are the virtual stages of a schedule with virtual stages."""
+    return layout.virtual_schedule is not None
+
+
+def run_plan(ctx: RunContext, layout: PipelineLayout) -> RunPlan:
+    """The plan of the run (plan.json, summary.json's planned figures): under a virtual-stage schedule, one estimate
+    per virtual stage and each rank's peak and simulated step (parallel/planning/virtual_layout.py)."""
+    run = ctx.run
+    if not is_virtual(layout):
+        return plan_run(run.model, run.recompute, layout, ctx.shape)
+    plan = plan_run(run.model, run.recompute, layout, virtual_shape(ctx.shape, CHUNKS))
+    virtual = virtual_plan(run.model, layout, ctx.shape, layout.virtual_schedule, CHUNKS)
+    return with_virtual_plan(plan, virtual, ctx.shape)

@@ -25,15 +25,19 @@ def _mib(value: int | None) -> str:
 
 def done_line(summary: dict, run_dir: Path, sync_command: str | None) -> str:
     """One line from summary.json's values: final train loss, final val loss (eval on), median tokens/s, the
-    measured peak activation bytes per stage (n/a where train.measure_step metered nothing), the run directory
-    and the W&B upload command."""
+    measured peak activation bytes per stage (per rank under a virtual-stage schedule; n/a where train.measure_step
+    metered nothing), the run directory and the W&B upload command."""
     losses = summary["losses"]
     parts = ["stagecheck: done", f"loss {losses[-1]:.4f}" if losses else "loss n/a"]
     if "val_loss" in summary:
         parts.append(f"val {summary['val_loss']:.4f}")
     parts.append(f"{summary['tokens_per_s']:,.0f} tok/s (median)")
-    peaks = summary.get("peak_activation_bytes_per_stage") or []
-    parts.append("peak activations per stage " + " / ".join(_mib(b) for b in peaks))
+    if "measured_activation_bytes_per_rank" in summary:  # a schedule with virtual stages: per rank
+        peaks = summary["measured_activation_bytes_per_rank"]
+        parts.append("peak activations per rank " + " / ".join(_mib(b) for b in peaks))
+    else:
+        peaks = summary.get("peak_activation_bytes_per_stage") or []
+        parts.append("peak activations per stage " + " / ".join(_mib(b) for b in peaks))
     parts.append(f"run dir {run_dir}")
     if sync_command:
         parts.append(sync_command)

@@ -22,6 +22,8 @@ from harness.resume_check import ResumeCommand, absolute_paths, check_partition,
 from harness.run_dir import check_run_dir, remove_if_empty, starts_again
 from harness.run_layout import layout_of
 from model import gpt_layers, model_param_count
+from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES
+from parallel.planning.virtual_support import schedule_change_refusal, virtual_run_refusal
 from parallel.runtime.accelerator import use_accelerator
 from parallel.runtime.dist_env import DistEnv, read_dist_env
 from parallel.runtime.threads import set_threads_per_rank
@@ -102,11 +104,26 @@ def validate(cfg: DictConfig, run_dir: Path, env: DistEnv, job: JobHooks) -> Run
         except ValueError as error:
             raise RankError(str(error)) from None
     check_data(run)
+    if run.parallel.schedule in VIRTUAL_SCHEDULES:  # what the virtual engine does not run yet, in one line
+        refusal = virtual_run_refusal(
+            run.parallel.schedule,
+            run.recompute,
+            shape.target.precision,
+            run.parallel.zero_stage,
+            run.train.micro_batches,
+            shape.topology.pipeline_stages,
+            run.model.n_layer,
+        )
+        if refusal:
+            raise ValueError(refusal)
     resolved = absolute_paths(OmegaConf.to_container(cfg, resolve=True))  # recorded as the run used them
     command = typed_command(world_size)
     resume = None
     if point is not None:  # everything that shapes the weights, the tokens or the partition must match
         resume = check_resume(point, run, resolved, shape, run_dir, command)
+        refusal = schedule_change_refusal(resume.saved_schedule, run.parallel.schedule)
+        if refusal:
+            raise ValueError(refusal)
     in_place = point is not None and point.inside(run_dir)
     again = starts_again(run.train.resume, run.train.overwrite, point is not None, run_dir)
     check_run_dir(run_dir, continuing=in_place or again, overwrite=run.train.overwrite)

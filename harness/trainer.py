@@ -2,6 +2,7 @@
 
 import time
 import warnings
+from dataclasses import asdict
 
 import torch
 from omegaconf import OmegaConf
@@ -11,25 +12,25 @@ from harness.accounting import Accounting
 from harness.context import RunContext
 from harness.evaluation import Evaluator, val_summary
 from harness.files import atomic_write_text
-from harness.hf.init_from import hf_initial_weights
 from harness.hf.source import record_hf_source
 from harness.metrics import MetricsLog, median_after_warmup
 from harness.prediction_check import learn_residuals, prediction_record, prediction_warning
 from harness.run_control import RunControl
 from harness.run_dir import set_aside_earlier_attempt, starts_again
-from harness.run_layout import check_same_layout
+from harness.run_engine import build_run_engine
+from harness.run_layout import check_same_layout, is_virtual, run_plan
 from harness.run_summary import done_line, wandb_sync_command
 from harness.timeline import publish_trace
+from harness.virtual_accounting import RankAccounting
 from harness.wandb_logger import open_wandb
 from parallel.measurement.compile_counters import CompileWatch
 from parallel.measurement.sdpa_backend import check_planned_backend, sdpa_backend
 from parallel.measurement.trace import StepTracer
 from parallel.planning.compression import lossy_note
 from parallel.planning.layout import PipelineLayout
-from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import Shape
 from parallel.runtime.dist_env import node_name
-from parallel.runtime.engine import build_engine, init_process_group
+from parallel.runtime.engine import init_process_group
 from schema.training import TrainConfig
 
 # DeepSpeed's pipeline sends activations with c10d broadcasts inside autograd; torch warns once per
@@ -92,27 +93,22 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
     if layout.budgets is not None and rank == 0:
         for line in layout.describe_budgets(run.recompute):
             print("stagecheck: " + line, flush=True)
-    engine = build_engine(
-        layout,
-        run.train,
-        run.parallel,
-        topology.data_parallel_size,
-        target.precision,
-        target.device,
-        initial_weights=hf_initial_weights(ctx),  # model.init_from, unless resuming
-        lr_segment=ctx.resume.lr_segment if ctx.resume is not None else None,
-        compile=run.train.compile,
-    )
+    engine = build_run_engine(ctx, layout)  # the schedule's: DeepSpeed's PipelineEngine or the virtual engine
     # The rank's own stream, for whatever draws outside a training forward: dropout draws from states keyed by
     # (seed, replica, step, micro-batch, layer) instead (parallel/runtime/dropout_keys.py).
     torch.manual_seed(run.seed * 1009 + rank)
     # Resume (weights, optimizer, scheduler, RNG states) or start fresh; checkpoints, preemption, NaN policy.
     control = RunControl(ctx, engine)
     # Activation bytes (metered on train.measure_step only), in-flight micro-batches, FLOP/s, MFU, peak memory.
-    plan = plan_run(run.model, run.recompute, layout, ctx.shape)
-    accounting = Accounting(ctx, plan, engine)
-    # Per-instruction timings of train.trace_step on every rank (trace.json, timeline.png, bubbles per stage).
-    tracer = StepTracer(engine, traced_step(run.train, control.start_step), target.device)
+    plan = run_plan(ctx, layout)
+    virtual = is_virtual(layout)
+    accounting = (RankAccounting if virtual else Accounting)(ctx, plan, engine)
+    # Per-instruction timings of train.trace_step on every rank (trace.json, timeline.png, bubbles per stage); the
+    # virtual engine's instructions are not traced yet.
+    tracer = StepTracer(engine, None if virtual else traced_step(run.train, control.start_step), target.device)
+    if virtual and rank == 0:
+        for line in plan.virtual.lines() + ["train.trace_step: no step is traced under this schedule yet"]:
+            print("stagecheck: " + line, flush=True)
 
     dp_rank = engine.grid.get_data_parallel_rank()
     needs_data = engine.is_first_stage() or engine.is_last_stage()
@@ -208,7 +204,9 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
             "recompute": run.recompute.mode,
             "recompute_config": vars(run.recompute),
             "lossy": lossy_note(layout.plans),
-            "layout": layout.as_dict(),
+            "layout": layout.as_dict(),  # under a virtual-stage schedule: its virtual stages
+            "schedule": layout.virtual_schedule or layout.schedule,  # the schedule it ran (auto's choice)
+            "virtual": asdict(plan.virtual) if virtual else None,  # each rank's chunks, planned peak and step
             **topology.as_dict(),
             "micro_batches": t.micro_batches,
             "micro_batch_size": t.micro_batch_size,

@@ -13,7 +13,6 @@ from data import check_data_files, check_vocab, data_has_val
 from parallel.planning.compression import check_compress
 from parallel.planning.config import AutoRecompute, NoRecompute
 from parallel.planning.shapes import RunShape, Target, Topology
-from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES
 from parallel.runtime.compile_blocks import compile_refusal, compiled_auto
 from parallel.runtime.dist_env import cuda_device_index
 from schema.run import RunConfig
@@ -30,17 +29,6 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
         raise ValueError(str(cause).split("\n    full_key:")[0]) from None
     if run.recompute is None:
         run.recompute = NoRecompute()
-    if run.parallel.schedule == "auto" and not isinstance(run.recompute, AutoRecompute):
-        raise ValueError(
-            f"parallel.schedule='auto' needs +recompute=auto (the planner chooses the schedule within its budget); "
-            f"with +recompute={run.recompute.mode} use parallel.schedule=1f1b or zb-h1"
-        )
-    if run.parallel.schedule in VIRTUAL_SCHEDULES:
-        raise ValueError(
-            f"parallel.schedule={run.parallel.schedule} is not run by train.py yet (its engine, "
-            f"parallel/runtime/virtual_engine.py, has no evaluation, trace, accounting or checkpoints yet): use "
-            f"1f1b, zb-h1 or auto; dry_run=true prices it beside the layout's schedule"
-        )
     refusal = compile_refusal(run.parallel.schedule, run.recompute) if run.train.compile else None
     if refusal:
         raise ValueError(refusal)

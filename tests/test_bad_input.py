@@ -39,12 +39,14 @@ CASES = [
         ["+recompute=none", "recompute.early=true"],
         "recompute.early=true is invalid with +recompute=none: nothing is recomputed under +recompute=none",
     ),
-    (["+recompute=full", "parallel.schedule=auto"], "parallel.schedule='auto' needs +recompute=auto"),
     (
         ["train.compile=true", "+recompute=full", "parallel.schedule=zb-h1"],
         "train.compile=true needs parallel.schedule=1f1b, not zb-h1: zb-h1's split backward defers",
     ),
-    (["parallel.schedule=auto"], "parallel.schedule='auto' needs +recompute=auto"),
+    (
+        ["parallel.schedule=zb-v", "model.n_layer=1"],
+        "parallel.schedule=zb-v splits the model into 2 chunks per rank, 2 in all: model.n_layer=1 is fewer blocks",
+    ),
     (
         ["+recompute=full", "recompute.micro_batches=0"],
         "recompute.micro_batches=0 is invalid: it must be from 1 to train.micro_batches, or null (all)",

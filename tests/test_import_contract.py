@@ -52,8 +52,8 @@ PLANNING = [
         "parallel.planning.schedule_walk",
         "parallel.planning.step_sim",
         "parallel.planning.virtual_schedules",  # v chunks per rank: interleaved 1F1B, ZB-V, V-Half
-        "parallel.planning.virtual_support",  # what their multi-rank runtime runs so far
     },
+    {"parallel.planning.virtual_support"},  # what their multi-rank runtime runs so far, which resumes keep placement
     {"parallel.planning.compression"},  # compressed stashes: the bytes a stored segment input keeps, the lossy note
     {
         "parallel.planning.memory_model",
@@ -74,6 +74,7 @@ PLANNING = [
     {"parallel.planning.balanced_search", "parallel.planning.schedule_choice", "parallel.planning.budget_refusal"},
     {"parallel.planning.layout", "parallel.planning.plan_record"},
     {"parallel.planning.virtual_choice"},  # the virtual-stage schedules priced on a layout's ranks, for the dry run
+    {"parallel.planning.virtual_layout"},  # a run under one: its virtual stages, each rank's peak and step
     {"parallel.planning.run_plan"},
     {"parallel.planning.plan_verdict"},  # the dry run's verdict: each change it weighs planned again
 ]

@@ -1,6 +1,7 @@
 """The peer benchmark's plumbing (python -m bench.pipeline_peers --smoke), not its figures: a plain DeepSpeed
-pipeline, a torch.distributed.pipelining schedule and stagecheck's auto at the DeepSpeed peer's measured peak, each
-a real 2-rank launch on a tiny shape, one round; the tables and the saved runs come out, the budget is the peak."""
+pipeline, a torch.distributed.pipelining schedule, stagecheck's zb-v (a row of its schedules with virtual stages) and
+stagecheck's auto at the DeepSpeed peer's measured peak, each a real 2-rank launch on a tiny shape, one round; the
+tables and the saved runs come out, the budget is the peak."""
 
 import json
 import subprocess
@@ -28,15 +29,16 @@ def test_the_smoke_run_measures_every_kind_of_peer_and_plans_auto_at_a_peers_pea
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     record = json.loads(saved.read_text())
     runs = {r["name"]: r for r in record["runs"]}
-    ds, torch_1f1b = runs["DeepSpeed interval=1"], runs["torch 1f1b + ckpt"]
+    ds, torch_1f1b, zb_v = runs["DeepSpeed interval=1"], runs["torch 1f1b + ckpt"], runs["stagecheck zb-v none"]
     auto = runs[record["auto_of_peer"]["DeepSpeed interval=1"]]  # at most the peer's peak, rounded down
-    for run in (ds, torch_1f1b, auto):
+    for run in (ds, torch_1f1b, zb_v, auto):  # zb-v: each rank's peak over its 2 chunks
         assert run["error"] is None and len(run["peak_bytes"]) == 2 and all(b > 0 for b in run["peak_bytes"])
         assert len(run["step_s"]) >= 1 and run["loss"] > 0
     budget = budget_gb(max(ds["peak_bytes"]))
     assert budget <= max(ds["peak_bytes"]) / 2**30 < budget + 1e-6
     assert float(auto["name"].split("@ ")[1].removesuffix(" GiB")) <= budget
     assert "## Targets" in done.stdout and "| DeepSpeed interval=1 |" in done.stdout
+    assert "| stagecheck zb-v none |" in done.stdout
     replay = subprocess.run(
         [sys.executable, "-m", "bench.pipeline_peers", "--from-json", str(saved)],
         cwd=REPO,

@@ -1,11 +1,14 @@
 """Real 2-rank runs through the deepspeed launcher: every recompute mode trains, all give
 bit-identical losses (dropout on), the pipeline matches the unpipelined model, and the outputs
-(summary.json, metrics.jsonl, the offline W&B run) hold the logged values."""
+(summary.json, metrics.jsonl, the offline W&B run) hold the logged values. A virtual-stage schedule (zb-v, 2 chunks
+per rank) trains through the same trainer with the same losses, evaluates, saves, and a resume under v-half (the same
+V placement) continues it bit for bit."""
 
 import pytest
 import torch
 
 from data import SyntheticDataConfig, open_token_source
+from harness.consolidate import consolidate
 from model import GPT, GPTConfig, lm_loss
 from parallel.runtime.threads import usable_cores
 from tests import wandb_file
@@ -15,8 +18,22 @@ from tests.shared_runs import case
 pytestmark = pytest.mark.multiproc
 MODES = {"none": ["logger=none"], "full": ["+recompute=full"], "selective": ["+recompute=selective", "logger=none"]}
 STEPS = ["train.steps=3", "train.micro_batches=4", "train.micro_batch_size=2", "train.trace_step=0"]
+VIRTUAL = ["parallel.schedule=zb-v", "train.eval_every=2", "train.save_every=2"]
 CASES = {
     **{mode: case(*TINY, *STEPS, "model.dropout=0.1", *overrides) for mode, overrides in MODES.items()},
+    # zb-v with selective recompute and dropout: the "none" case's losses; evaluated and saved at step 2, from where
+    # a later job of the launch resumes under v-half (the same placement of the layers).
+    "zb-v": case(*TINY, *STEPS, "model.dropout=0.1", "+recompute=selective", *VIRTUAL),
+    "v-half-resumed": case(
+        *TINY,
+        *STEPS,
+        "model.dropout=0.1",
+        "+recompute=selective",
+        *VIRTUAL,
+        "logger=none",
+        "parallel.schedule=v-half",
+        "train.resume={runs}/train_runs-zb-v/checkpoints/step_00000002",
+    ),
     "pipe": case(
         *TINY,
         "train.steps=1",
@@ -93,3 +110,32 @@ def test_two_stage_pipeline_matches_the_unpipelined_model(case_runs):
         losses = [lm_loss(model(x), y) for x, y in (source.batch(1234, 1, 0, m, 2, 128) for m in range(3))]
     reference = torch.stack(losses).mean().item()
     assert summary(run_dir)["losses"][0] == pytest.approx(reference, abs=1e-5)
+
+
+def test_zb_v_trains_through_the_trainer_as_1f1b_does_and_resumes_under_v_half(case_runs):
+    zb_v, resumed, reference = case_runs["zb-v"], case_runs["v-half-resumed"], case_runs["none"]
+    s = summary(zb_v)
+    assert s["schedule"] == "zb-v" and s["virtual_stages_per_rank"] == [[0, 3], [1, 2]]
+    assert s["losses"] == summary(reference)["losses"]  # bit for bit: eval and checkpoints change nothing
+    assert [v["step"] for v in s["val_losses"]] == [2, 3] and all(v["val_loss"] > 0 for v in s["val_losses"])
+    assert [r["step"] for r in metrics(zb_v)] == [1, 2, 3]
+    (wandb_path,) = wandb_file.find_run_files(zb_v / "wandb")
+    assert [r["loss"] for r in wandb_file.history(wandb_path) if "loss" in r] == s["losses"]
+    # planned and measured activation bytes of each rank (its two chunks together), on the metered step
+    assert len(s["planned_activation_bytes_per_rank"]) == 2 and all(s["planned_activation_bytes_per_rank"])
+    assert all(b and b > 0 for b in s["measured_activation_bytes_per_rank"])
+    assert s["tied_weight_sha256_per_rank"][0] is not None  # a V's rank 0 holds both copies
+    assert (zb_v / "checkpoints" / "step_00000002").is_dir()
+    assert summary(resumed)["schedule"] == "v-half"
+    assert [r["loss"] for r in metrics(resumed)] == s["losses"][2:]
+
+
+def test_a_zb_v_checkpoint_holds_the_model_as_a_1f1b_one_does(case_runs):
+    """One file per layer, as DeepSpeed's PipelineModule writes it: generate.py and export_hf.py (consolidate) read the
+    same model from the zb-v run's last checkpoint as from the 1f1b run's. The last update clips by a norm summed in
+    another order on each placement, so the weights agree to float precision, not bit for bit."""
+    zb_v = consolidate(case_runs["zb-v"] / "checkpoints").model.state_dict()
+    reference = consolidate(case_runs["none"] / "checkpoints").model.state_dict()
+    assert zb_v.keys() == reference.keys()
+    for key, value in reference.items():
+        torch.testing.assert_close(zb_v[key], value, rtol=1e-5, atol=1e-7, msg=key)

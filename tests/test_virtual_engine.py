@@ -10,13 +10,14 @@ import pytest
 from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute
 from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES
 from parallel.planning.virtual_support import virtual_refusal
-from tests.fixtures.virtual_runs import MODES
+from tests.fixtures.virtual_runs import CLIP, MODES
 from tests.shared_runs import EngineRun
 
 ENGINE_RUNS = {
     "two-ranks": EngineRun("virtual_runs", {"modes": list(MODES)}, nproc=2),
     "resume": EngineRun("virtual_runs", {"modes": [], "resume": "zb-v"}, nproc=2),
     "three-chunks": EngineRun("virtual_runs", {"modes": ["full"], "chunks": 3}, nproc=2),
+    "clip": EngineRun("virtual_runs", {"modes": [], "clip": True}, nproc=2),
     # 2 pipeline ranks x 2 data-parallel replicas, in the shared 4-rank launch, without and with ZeRO-1
     "data-parallel": EngineRun("virtual_runs", {"modes": ["none"]}, nproc=4),
     "zero1": EngineRun("virtual_runs", {"modes": ["full"], "zero_stage": 1}, nproc=4),
@@ -77,6 +78,16 @@ def test_a_run_resumed_from_deepspeeds_checkpoint_continues_bit_exactly(engine_r
     for rank in engine_runs["resume"]:
         losses = rank["resume/zb-v"]
         assert len(losses["straight"]) == 2 and losses["resumed"] == losses["straight"]
+
+
+@pytest.mark.multiproc
+def test_clipping_counts_the_tied_weight_once_on_every_placement(engine_runs):
+    """DeepSpeed's fp32 clipping counts every parameter on the pipeline's rank 0: a V's rank 0 holds both copies of the
+    tied embedding, and the engine's clipping leaves the later one out (TiedCopies.count_once_in_clipping). Clipped at
+    a norm far below the gradients', every placement's clipped gradients then have that norm, each weight once."""
+    for rank in engine_runs["clip"]:
+        for schedule in ("1f1b", *VIRTUAL_SCHEDULES):
+            assert rank[f"clip/{schedule}"] == pytest.approx(CLIP, rel=1e-5), schedule
 
 
 def test_what_the_runtime_does_not_run_yet_is_refused_in_one_line():

@@ -4,6 +4,7 @@ it, every send met by its receive at the same boundary, no deadlock under the st
 simulator's replay of them (parallel/planning/virtual_sim.py), and the bytes each rank holds
 (parallel/planning/virtual_walk.py, parallel/planning/virtual_memory.py). Pure: no process group."""
 
+import dataclasses
 import functools
 from collections import Counter
 
@@ -219,3 +220,23 @@ def test_the_dry_run_prices_every_virtual_schedule_on_the_layouts_ranks(tiny_gpt
     assert "not priced under +recompute=auto" in virtual_lines(model, AutoRecompute(), layout, run)[0]
     odd = RunShape(Topology(4), Target("cpu", "fp32"), micro_batches=6, micro_batch_size=2)
     assert "interleaved-1f1b" not in {o.schedule for o in virtual_options(model, NoRecompute(), layout, odd)}
+
+
+@pytest.mark.parametrize("schedule, chunks", KINDS)
+def test_clipping_makes_every_rank_wait_for_the_slowest_before_its_optimizer_step(schedule, chunks):
+    """As step_sim's `clip_barrier`: with clipping, each rank's optimizer step starts once the last rank has reached
+    its own and takes its own seconds, so the step ends at the latest arrival plus the longest step; without, a rank
+    that arrives early steps early. v = 1 takes 1F1B's clipped step."""
+    ranks = 4
+    progs = programs(schedule, chunks, 8, ranks)
+    slow = [[dataclasses.replace(costs(1.0), optimizer=step)] * chunks for step in (0.5, 4.0, 1.0, 0.5)]
+    free = simulate_virtual(progs, slow).step_time_s
+    clipped = simulate_virtual(progs, slow, clip_barrier=True).step_time_s
+    assert clipped > free
+    assert simulate_virtual(progs, [[costs(1.0)] * chunks] * ranks, clip_barrier=True).step_time_s == len(
+        progs[0].steps
+    )
+    one = virtual_schedule("interleaved-1f1b", 8, ranks, 1)
+    per_rank = [dataclasses.replace(costs(1.0), optimizer=step) for step in (0.5, 4.0, 1.0, 0.5)]
+    expected = simulate_stages(per_rank, 8, "1f1b", clip_barrier=True).step_time_s
+    assert simulate_virtual(one, [[c] for c in per_rank], clip_barrier=True).step_time_s == expected

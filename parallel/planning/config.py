@@ -72,10 +72,13 @@ class ParallelConfig:
     schedule: str = "1f1b"
     """Pipeline schedule of a training step: `1f1b` (DeepSpeed's TrainSchedule), `zb-h1` (Zero Bubble H1: each
     backward split into the input gradient, sent upstream at once, and the weight gradient, deferred into the
-    bubbles within 1F1B's activation memory) or `auto` (only with `+recompute=auto`: the planner picks the one
-    with the shorter simulated step time within the budget). `interleaved-1f1b`, `zb-v` and `v-half` hold two model
-    chunks per rank (docs/virtual_stages.md): they run at engine level (parallel/runtime/virtual_engine.py), and
-    train.py refuses them at start-up until its trainer drives that engine; the dry run prices them beside."""
+    bubbles within 1F1B's activation memory), `interleaved-1f1b` (Megatron's interleaved 1F1B), `zb-v` (ZB-V) or
+    `v-half` (V-Half), or `auto` (the planner picks the schedule with the shortest simulated step time: under
+    `+recompute=auto` 1f1b or zb-h1 within the budget; under a fixed mode also the three with virtual stages where
+    the run can run them). Those three hold two model chunks per rank (docs/virtual_stages.md) and train through the
+    virtual engine (parallel/runtime/virtual_engine.py): fp32, +recompute=none, full or selective without
+    recompute.early. A resume may change the schedule only among those that keep the layers on their ranks (1f1b and
+    zb-h1; zb-v and v-half); `auto` keeps the checkpoint's."""
 
     def __post_init__(self) -> None:
         if self.pipeline_stages is not None and self.pipeline_stages <= 0:

@@ -46,6 +46,9 @@ class PipelineLayout:
     seed: int = 0
     """The run seed (run.seed) the recipes were built with (each layer's initial weights); it keys the dropout masks
     too (parallel/runtime/dropout_keys.py)."""
+    virtual_schedule: str | None = None
+    """The schedule with virtual stages (interleaved-1f1b, zb-v, v-half) whose virtual stages `stages` are, ranks x
+    2 of them (parallel/planning/virtual_layout.py); None: one stage per rank, under `schedule`."""
 
     @property
     def parts(self) -> list[int]:

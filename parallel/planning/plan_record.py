@@ -189,6 +189,46 @@ class StepTimeEstimate:
 
 
 @dataclass(frozen=True)
+class VirtualPlan:
+    """What a rank of the virtual-stage schedule is planned to hold and how long its step takes."""
+
+    schedule: str
+    chunks: int
+    virtual_stages_per_rank: tuple[tuple[int, ...], ...]
+    """Each pipeline rank's virtual stages, in chunk order."""
+    activation_bytes_per_rank: tuple[int, ...]
+    """Each rank's activation peak: its chunks' kept bytes, deferred W's and received messages at once."""
+    state_bytes_per_rank: tuple[int, ...]
+    """Each rank's parameters, gradients and optimizer state: its chunks' together."""
+    predicted_step_time_s: float | None
+    """The ranks' programmes replayed with each chunk's seconds (parallel/planning/virtual_sim.py)."""
+
+    @classmethod
+    def from_json(cls, data: dict) -> "VirtualPlan":
+        return cls(
+            **{
+                **data,
+                "virtual_stages_per_rank": tuple(tuple(s) for s in data["virtual_stages_per_rank"]),
+                "activation_bytes_per_rank": tuple(data["activation_bytes_per_rank"]),
+                "state_bytes_per_rank": tuple(data["state_bytes_per_rank"]),
+            }
+        )
+
+    def lines(self) -> list[str]:
+        """The dry run's and the start-up print's lines: each rank's chunks, planned activation peak and states."""
+        step = f"{self.predicted_step_time_s:.4g} s" if self.predicted_step_time_s is not None else "not priced"
+        lines = [f"schedule {self.schedule}: {self.chunks} chunks per rank | simulated step {step}"]
+        for rank, (stages, peak, states) in enumerate(
+            zip(self.virtual_stages_per_rank, self.activation_bytes_per_rank, self.state_bytes_per_rank)
+        ):
+            lines.append(
+                f"rank {rank}: virtual stages {', '.join(map(str, stages))} | planned activation peak "
+                f"{_gib(peak)} GiB | states {_gib(states)} GiB"
+            )
+        return lines
+
+
+@dataclass(frozen=True)
 class RunPlan:
     target: PlanTarget
     recompute: dict
@@ -210,6 +250,9 @@ class RunPlan:
     """The model config's fields."""
     step_time: StepTimeEstimate | None = None
     """Absent from plan.json files written before the step-time model."""
+    virtual: VirtualPlan | None = None
+    """A run under a schedule with virtual stages (parallel/planning/virtual_layout.py): each rank's chunks, peak and
+    step; `stages` are then the virtual stages. None: one stage per rank (and in plan.json files written before)."""
     lossy: str | None = None
     """What compressed stashes (recompute.compress) lose, on which stages (parallel/planning/compression.py's
     lossy_note); None: the run is exact (and in plan.json files written before compression)."""
@@ -229,12 +272,13 @@ class RunPlan:
             block_choices={name: asdict(c) for name, c in self.block_choices.items()},
             korthikanti_per_block_bytes=asdict(self.korthikanti_per_block_bytes),
             flops=asdict(self.flops),
+            virtual=asdict(self.virtual) if self.virtual else None,
         )
         return _plain(out)
 
     @classmethod
     def from_json(cls, data: dict) -> "RunPlan":
-        simple = {f.name: data[f.name] for f in fields(cls) if f.name not in ("step_time", "lossy")}
+        simple = {f.name: data[f.name] for f in fields(cls) if f.name not in ("step_time", "lossy", "virtual")}
         step_time = None
         if "predicted_step_time_s" in data:
             keys = [f.name for f in fields(StepTimeEstimate) if f.name != "costs"]
@@ -245,6 +289,7 @@ class RunPlan:
                 **simple,
                 "step_time": step_time,
                 "lossy": data.get("lossy"),
+                "virtual": VirtualPlan.from_json(data["virtual"]) if data.get("virtual") else None,
                 "target": PlanTarget(**data["target"]),
                 "stages": tuple(StageEstimate.from_json(s) for s in data["stages"]),
                 "per_block_activation_bytes": tuple(data["per_block_activation_bytes"]),

@@ -4,8 +4,9 @@
 and walked for its activation bytes (parallel/planning/virtual_memory.py). The chunk boundaries are chosen per
 schedule: the even split of the blocks, then single-block moves while the simulated step gets shorter.
 
-The engine does not run these schedules yet: the dry run shows what they would give. `auto` is not planned per
-chunk here (its budget is a rank's, shared by the rank's chunks): the dry run says so.
+`parallel.schedule=NAME` trains one (parallel/planning/virtual_layout.py), and `parallel.schedule=auto` under a fixed
+mode picks one where it simulates faster than 1f1b and zb-h1. `auto` recompute is not planned per chunk here (its
+budget is a rank's, shared by the rank's chunks): the dry run says so.
 """
 
 from dataclasses import dataclass, replace
@@ -22,8 +23,7 @@ from parallel.planning.stage_price import StagePrice, StagePricing
 from parallel.planning.virtual_memory import one_chunk_peaks, virtual_peaks
 from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES, virtual_schedule
 from parallel.planning.virtual_sim import simulate_virtual
-
-CHUNKS = 2
+from parallel.planning.virtual_support import CHUNKS
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def virtual_options(
         placement = programs[0].placement
         mine = [[placement.virtual_stage(rank, chunk) for chunk in range(CHUNKS)] for rank in range(ranks)]
 
-        step_s = partial(_step_s, programs, mine, price, layout.recipes)
+        step_s = partial(_step_s, programs, mine, price, layout.recipes, run.grad_clip > 0)
         counts = _chunk_counts(model.n_layer, CHUNKS * ranks, step_s)
         stages = stages_of_block_counts(layout.recipes, counts)
         prices = [price(stage) for stage in stages]
@@ -79,10 +79,12 @@ def virtual_options(
     return out
 
 
-def _step_s(programs, mine, price, recipes, counts: list[int]) -> float:
-    """The simulated step of `programs` with `counts` blocks per virtual stage (`mine[rank]`: its virtual stages)."""
+def _step_s(programs, mine, price, recipes, clip: bool, counts: list[int]) -> float:
+    """The simulated step of `programs` with `counts` blocks per virtual stage (`mine[rank]`: its virtual stages),
+    with the optimizer steps' barrier where the run clips (`clip`: virtual_sim's `clip_barrier`)."""
     prices = [price(stage) for stage in stages_of_block_counts(recipes, counts)]
-    return simulate_virtual(programs, [[prices[v].costs for v in stages] for stages in mine]).step_time_s
+    costs = [[prices[v].costs for v in stages] for stages in mine]
+    return simulate_virtual(programs, costs, clip_barrier=clip).step_time_s
 
 
 def _chunk_counts(blocks: int, chunks: int, step_s) -> list[int]:
@@ -108,7 +110,7 @@ def virtual_lines(model: GPTConfig, recompute: RecomputeConfig, layout: Pipeline
     peaks = one_chunk_peaks(layout.recipes, layout.stages, layout.plans, "1f1b", run.micro_batches, shape, run.target)
     one_f_one_b = max(peak.bytes for peak in peaks)
     lines = [
-        "virtual stages (2 chunks per rank; planned, not run by the engine yet):",
+        "virtual stages (2 chunks per rank; parallel.schedule=<schedule> trains one):",
         f"{'schedule':>16} {'step (s)':>9} {'activations GiB':>15} {'x 1f1b':>7} {'states GiB':>10}  blocks per chunk",
     ]
     for option in virtual_options(model, recompute, layout, run):

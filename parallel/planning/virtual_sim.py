@@ -6,7 +6,10 @@ A rank runs its instructions in order; a compute instruction takes its chunk's s
 chunk). A step's communication is one posted batch, as the engine's interpreter posts it
 (parallel/runtime/stage_interpreter.py): its sends cost the sender nothing, and it ends once each of its receives
 has crossed (its send posted, plus the transfer). ReduceTiedGrads is a collective of the ranks holding the first
-and the last virtual stage when they differ (a V's rank 0 holds both: its reduce is local).
+and the last virtual stage when they differ (a V's rank 0 holds both: its reduce is local). Under gradient clipping
+(`clip_barrier`) the optimizer step is a barrier of every rank, as step_sim.simulate's: DeepSpeed clips inside its
+step, after an all-reduce of the norm over the pipeline's ranks, so no rank steps before the last has reached its own
+step, and each then takes its own step's seconds.
 """
 
 from collections.abc import Sequence
@@ -39,8 +42,11 @@ def _transfer_s(receive: ChunkCommand, rank: int, costs: Sequence[StageCosts]) -
     return 0.0 if receive.peer == rank else _seconds(receive, costs)
 
 
-def simulate_virtual(programs: Sequence[VirtualProgram], costs: Sequence[Sequence[StageCosts]]) -> VirtualTimeline:
-    """Replay the ranks' programmes; `costs[rank][chunk]` are the seconds of that chunk's instructions."""
+def simulate_virtual(
+    programs: Sequence[VirtualProgram], costs: Sequence[Sequence[StageCosts]], clip_barrier: bool = False
+) -> VirtualTimeline:
+    """Replay the ranks' programmes; `costs[rank][chunk]` are the seconds of that chunk's instructions.
+    `clip_barrier`: the run clips its gradients (see the module's docstring)."""
     ranks = len(programs)
     placement = programs[0].placement
     tied = sorted({placement.holder(0)[0], placement.holder(placement.virtual_stages - 1)[0]})
@@ -58,6 +64,7 @@ def simulate_virtual(programs: Sequence[VirtualProgram], costs: Sequence[Sequenc
     clock, pc, busy = [0.0] * ranks, [0] * ranks, [0.0] * ranks
     sent: dict[tuple, float] = {}  # message -> when its send was posted
     reduce_posted: dict[int, float] = {}
+    step_posted: dict[int, float] = {}  # rank -> when it reached its OptimizerStep (under clip_barrier)
     while any(pc[r] < len(work[r]) for r in range(ranks)):
         progressed = False
         for r in range(ranks):
@@ -77,6 +84,11 @@ def simulate_virtual(programs: Sequence[VirtualProgram], costs: Sequence[Sequenc
                     if len(reduce_posted) < len(tied):
                         break
                     clock[r] = max(reduce_posted.values()) + _seconds(item, costs[r])
+                elif item.kind is schedules.OptimizerStep and clip_barrier and ranks > 1:
+                    step_posted.setdefault(r, clock[r])
+                    if len(step_posted) < ranks:
+                        break  # the norm's all-reduce waits for every rank
+                    clock[r] = max(step_posted.values()) + _seconds(item, costs[r])
                 else:
                     seconds = _seconds(item, costs[r])
                     clock[r] += seconds

@@ -13,23 +13,19 @@ no backward reduces them (`enable_backward_allreduce` off), and the engine is at
 while the programme's ReduceGrads and OptimizerStep run its `allreduce_gradients` and `step` (the programme counts the
 micro-batches, not the engine).
 
-The tied embedding: the token embedding's copy (virtual stage 0) and the LM head's (the last) get the sum of both
-gradients, as DeepSpeed's ReduceTiedGrads sums them over the stages that hold them: a V's rank 0 holds both (a local
-sum), interleaved ranks 0 and p - 1 all-reduce over a group of the two. The LM head's copy is marked
-`ds_pipe_replicated`, as PipelineModule marks a tied weight's later copies, so clipping counts the weight once.
+The tied embedding's copies: parallel/runtime/tied_copies.py; the chunks as one module, with PipelineModule's
+checkpoint files: parallel/runtime/rank_chunks.py; the forward-only pass: parallel/runtime/virtual_eval.py.
 """
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 
 import deepspeed
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipelineParallelGrid
 
-from model import head_module
 from model.fused_loss import HeadLoss
 from parallel.planning.config import OptimConfig, ParallelConfig, RecomputeConfig
 from parallel.planning.layout import PipelineLayout
@@ -40,93 +36,89 @@ from parallel.runtime.boundary_links import BoundaryBatch
 from parallel.runtime.chunk_work import ChunkStageWork
 from parallel.runtime.dropout_keys import DropoutKeys
 from parallel.runtime.ds_config import deepspeed_config
-from parallel.runtime.engine import DEEPSPEED_START_UP_LINES, counted_on_every_stage, dropping_lines, param_groups
-from parallel.runtime.lr_schedule import warmup_cosine
+from parallel.runtime.engine import (
+    DEEPSPEED_START_UP_LINES,
+    InitialWeights,
+    counted_on_every_stage,
+    dropping_lines,
+    param_groups,
+)
+from parallel.runtime.lr_schedule import CosineSegment, warmup_cosine
 from parallel.runtime.planned_layers import PlannedLayers
+from parallel.runtime.rank_chunks import RankChunks, checkpoint_by_layer
 from parallel.runtime.stage_interpreter import StageInterpreter
+from parallel.runtime.tied_copies import TiedCopies
+from parallel.runtime.virtual_eval import forward_losses
 from parallel.runtime.virtual_rank import backward_kind, run_training_step
 
-
-class TiedCopies:
-    """The copies of each tied weight this rank holds (in virtual-stage order) and the group it sums them over with
-    the other ranks that hold one (None: this rank holds them all). Every rank builds every group, as
-    `dist.new_group` asks."""
-
-    def __init__(
-        self,
-        layout: PipelineLayout,
-        placement: Placement,
-        grid: PipelineParallelGrid,
-        chunks: Sequence[PlannedLayers],
-        stages: Sequence[int],
-    ):
-        self.copies: dict[str, list[nn.Parameter]] = {}
-        self.groups: dict[str, dist.ProcessGroup | None] = {}
-        keys = sorted({r.tie_key for r in layout.recipes if r.tie_key is not None})
-        for key in keys:
-            holders = [s.stage for s in layout.stages if any(layout.recipes[f].tie_key == key for f in s.layers)]
-            ranks = sorted({placement.holder(stage)[0] for stage in holders})
-            self.groups[key] = None
-            for data in range(grid.get_data_parallel_world_size()) if len(ranks) > 1 else ():
-                members = [grid.topology().get_rank(pipe=rank, data=data) for rank in ranks]
-                group = dist.new_group(ranks=members)
-                if dist.get_rank() in members:
-                    self.groups[key] = group
-            self.copies[key] = []
-            for chunk, stage in sorted(zip(chunks, stages), key=lambda pair: pair[1]):
-                if stage in holders:
-                    weight = _tied_weight(layout, chunk, key)
-                    weight.ds_pipe_replicated = stage != holders[0]
-                    self.copies[key].append(weight)
-
-    def reduce(self) -> None:
-        """Every copy's gradient becomes the sum of all copies' gradients."""
-        for key, copies in self.copies.items():
-            if not copies:
-                continue
-            total = copies[0].grad
-            for copy in copies[1:]:
-                total = total + copy.grad
-            if self.groups[key] is not None:
-                dist.all_reduce(total, group=self.groups[key])
-            for copy in copies:
-                if copy.grad is not total:
-                    copy.grad.copy_(total)
-
-
-def _tied_weight(layout: PipelineLayout, chunk: PlannedLayers, key: str) -> nn.Parameter:
-    """The chunk's copy of the tied weight `key` (a chunk with both ends builds the module once)."""
-    (module,) = {
-        head_module(fn) for flat, fn in zip(chunk.stage.layers, chunk.funcs) if layout.recipes[flat].tie_key == key
+DEEPSPEED_SURFACE = frozenset(
+    {
+        "optimizer",
+        "lr_scheduler",
+        "global_steps",
+        "get_lr",
+        "get_global_grad_norm",
+        "was_step_applied",
+        "save_checkpoint",
+        "load_checkpoint",
+        "bfloat16_enabled",
+        "zero_optimization",
+        "device",
     }
-    return module.head_weight
+)
+"""What the trainer reads of DeepSpeed's PipelineEngine that is the plain DeepSpeedEngine's here: the optimizer, LR
+schedule, counters and checkpoints (harness/run_control.py, checkpoint.py, faults.py)."""
 
 
 class VirtualPipelineEngine:
-    """This rank's chunks under `schedule`, on DeepSpeed's `engine`; `train_batch` runs one training step."""
+    """This rank's chunks under `schedule`, on DeepSpeed's `engine`; `train_batch` runs one training step of
+    `micro_batches` and `eval_batch` one forward-only pass. The trainer drives it as it drives DeepSpeed's
+    PipelineEngine (harness/trainer.py): what it reads of that engine is here, or DeepSpeed's (DEEPSPEED_SURFACE)."""
 
     def __init__(
         self,
         engine: deepspeed.DeepSpeedEngine,
         grid: PipelineParallelGrid,
-        layout: PipelineLayout,
         schedule: str,
         placement: Placement,
         stages: Sequence[int],
         hidden: tuple[int, int, int],
         dtype: torch.dtype,
         tied: TiedCopies,
+        seed: int,
+        micro_batches: int,
     ):
         self.engine, self.grid, self.schedule, self.placement = engine, grid, schedule, placement
+        self.schedule_kind = schedule  # as the zero-bubble engine names the schedule it runs (checkpoint metadata)
         self.stages, self.hidden, self.dtype, self.tied = list(stages), hidden, dtype, tied
-        self.rank = grid.get_stage_id()
-        self.loss_fn = HeadLoss.of(layout.recipes)
-        self.dropout = DropoutKeys(layout.seed, grid.get_data_parallel_rank())
+        self.micro_batches = micro_batches
+        self.stage_id = grid.get_stage_id()
+        """This rank's place in the pipeline (its chunks' virtual stages: `stages`)."""
+        self.num_stages = placement.ranks
+        self.rank = self.stage_id
+        self.dropout = DropoutKeys(seed, grid.get_data_parallel_rank())
         self._programs: dict[int, VirtualProgram] = {}
+
+    def __getattr__(self, name: str):
+        if name in DEEPSPEED_SURFACE:
+            return getattr(self.engine, name)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    @property
+    def module(self) -> RankChunks:
+        return self.engine.module
 
     @property
     def chunks(self) -> list[PlannedLayers]:
         return list(self.engine.module)
+
+    def is_first_stage(self) -> bool:
+        """Holds virtual stage 0: reads the token ids."""
+        return 0 in self.stages
+
+    def is_last_stage(self) -> bool:
+        """Holds the last virtual stage: reads the labels and computes the loss (a V's rank 0; interleaved, p - 1)."""
+        return self.placement.virtual_stages - 1 in self.stages
 
     def program(self, micro_batches: int) -> VirtualProgram:
         if micro_batches not in self._programs:
@@ -134,10 +126,12 @@ class VirtualPipelineEngine:
             self._programs[micro_batches] = programs[self.rank]
         return self._programs[micro_batches]
 
-    def train_batch(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """One training step over the (token ids, labels) micro-batches, each (b, s): the mean loss, on every rank of
-        the pipeline (as DeepSpeed's train_batch returns it)."""
-        count, virtual = len(micro_batches), self.placement.virtual_stages
+    def train_batch(self, data_iter: Iterable[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+        """One training step over the (token ids, labels) micro-batches, each (b, s) (None on a rank that holds
+        neither the first nor the last virtual stage): the mean loss, on every rank of the pipeline (as DeepSpeed's
+        train_batch returns it)."""
+        micro_batches = list(data_iter) if data_iter is not None else None
+        count, virtual = self.micro_batches, self.placement.virtual_stages
         program = self.program(count)
         batch = BoundaryBatch(self._holder_rank, dist.get_rank())
         interpreters: list[StageInterpreter | None] = [None] * virtual
@@ -147,11 +141,11 @@ class VirtualPipelineEngine:
                 chunk,
                 stage,
                 virtual,
-                self.loss_fn,
+                self.module.loss_fn,
                 self.hidden,
                 self.dtype,
                 count,
-                micro_batches.__getitem__,
+                micro_batches.__getitem__ if micro_batches is not None else _no_data,
                 self if last_chunk else None,  # the once-per-step work runs once, with the rank's last chunk's
             )
             interpreters[stage] = StageInterpreter(
@@ -168,23 +162,45 @@ class VirtualPipelineEngine:
         self.engine.module.train()
         # global_steps: the optimizer steps taken, restored with DeepSpeed's checkpoint (the dropout masks' key)
         run_training_step(program, interpreters, batch, self.engine.global_steps)
-        return self._mean_loss(interpreters[virtual - 1], self._holder_rank(virtual - 1), count)
+        last = interpreters[virtual - 1]
+        return self._mean_loss(last.work.step_losses if last is not None else None, count)
+
+    def eval_batch(
+        self, data_iter: Iterable[tuple[torch.Tensor, torch.Tensor]] | None, num_micro_batches: int
+    ) -> torch.Tensor:
+        """The mean loss of a forward-only pass over the micro-batches in eval mode (parallel/runtime/virtual_eval.py),
+        on every rank of the pipeline, as DeepSpeed's eval_batch returns it; the caller restores the module's mode."""
+        self.engine.module.eval()
+        losses = forward_losses(
+            dict(zip(self.stages, self.chunks)),
+            self.placement,
+            self.rank,
+            self.grid.stage_to_global,
+            list(data_iter) if data_iter is not None else None,
+            num_micro_batches,
+            self.hidden,
+            self.dtype,
+            self.module.loss_fn,
+        )
+        return self._mean_loss(losses if self.is_last_stage() else None, num_micro_batches)
 
     def _holder_rank(self, stage: int) -> int:
         """The global rank of this data-parallel replica's pipeline that holds virtual stage `stage`."""
         return self.grid.stage_to_global(self.placement.holder(stage)[0])
 
-    def _mean_loss(self, last: StageInterpreter | None, holder: int, count: int) -> torch.Tensor:
-        """The last chunk's losses summed in micro-batch order and divided by their count, averaged over the
-        data-parallel replicas, as DeepSpeed's PipelineEngine aggregates them, broadcast to the pipeline's ranks."""
+    def _mean_loss(self, losses: list[torch.Tensor] | None, count: int) -> torch.Tensor:
+        """The last chunk's `losses` (None on the other ranks) summed in micro-batch order and divided by their count,
+        averaged over the data-parallel replicas, as DeepSpeed's PipelineEngine aggregates them, broadcast to the
+        pipeline's ranks."""
         loss = torch.zeros((), device=self.engine.device)
-        if last is not None:
-            for micro_batch_loss in last.work.step_losses:
+        if losses is not None:
+            for micro_batch_loss in losses:
                 loss += micro_batch_loss
             loss = loss / count
             if self.grid.get_data_parallel_world_size() > 1:
                 dist.all_reduce(loss, group=self.grid.get_data_parallel_group())
                 loss /= self.grid.get_data_parallel_world_size()
+        holder = self._holder_rank(self.placement.virtual_stages - 1)
         dist.broadcast(loss, src=holder, group=self.grid.get_pipe_parallel_group())
         return loss
 
@@ -213,6 +229,10 @@ class VirtualPipelineEngine:
             self.engine.set_gradient_accumulation_boundary(False)
 
 
+def _no_data(micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    raise RuntimeError(f"micro-batch {micro_batch} loaded on a rank given no data (it holds neither end)")
+
+
 def build_virtual_engine(
     layout: PipelineLayout,
     schedule: str,
@@ -222,9 +242,13 @@ def build_virtual_engine(
     precision: str,
     device: str,
     recompute: RecomputeConfig,
+    initial_weights: InitialWeights | None = None,
+    lr_segment: CosineSegment | None = None,
+    compile: bool = False,
 ) -> VirtualPipelineEngine:
     """This rank's engine: `layout`'s stages are the virtual stages, `chunks` of them per pipeline rank, placed by
-    `schedule`, planned under `recompute`; the rest of the world is data parallelism."""
+    `schedule`, planned under `recompute`; the rest of the world is data parallelism. `initial_weights`, `lr_segment`
+    and `compile` as parallel/runtime/engine.py's build_engine takes them."""
     if len(layout.stages) % chunks:
         raise ValueError(f"{len(layout.stages)} virtual stages do not split into {chunks} chunks per rank")
     ranks = len(layout.stages) // chunks
@@ -237,20 +261,40 @@ def build_virtual_engine(
         grid = PipelineParallelGrid(topology=PipeDataParallelTopology(num_pp=ranks, num_dp=data_parallel))
     placement = placement_of(schedule, ranks, chunks)
     stages = [placement.virtual_stage(grid.get_stage_id(), chunk) for chunk in range(chunks)]
-    module = nn.ModuleList(PlannedLayers(layout.recipes, layout.stages[s], layout.plans[s], precision) for s in stages)
+    module = RankChunks(
+        (PlannedLayers(layout.recipes, layout.stages[s], layout.plans[s], precision, compile) for s in stages),
+        layout.parts,
+        HeadLoss.of(layout.recipes),
+        {flat for flat, recipe in enumerate(layout.recipes) if recipe.tie_key is not None},
+    )
     tied = TiedCopies(layout, placement, grid, list(module), stages)
     counted_on_every_stage(module)
+    weights = initial_weights(module) if initial_weights is not None else {}
+    with torch.no_grad():
+        for param, value in weights.items():
+            param.copy_(value)
     engine, _, _, _ = deepspeed.initialize(
         model=module,
         model_parameters=param_groups(module, train.weight_decay),
         config=deepspeed_config(train, parallel, data_parallel, precision, device),
-        lr_scheduler=partial(warmup_cosine, train=train),
+        lr_scheduler=partial(warmup_cosine, train=train, segment=lr_segment),
         mpu=grid,
     )
     engine.set_gradient_accumulation_boundary(False)  # the programme accumulates the micro-batches itself
     # As DeepSpeed's PipelineEngine: gradients are reduced at ReduceGrads, never by a backward's epilogue.
     engine.enable_backward_allreduce = False
+    tied.count_once_in_clipping(engine)
+    checkpoint_by_layer(engine, grid)
     hidden = (train.micro_batch_size, config.seq_len, config.n_embd)
     return VirtualPipelineEngine(
-        engine, grid, layout, schedule, placement, stages, hidden, TORCH_DTYPES[precision], tied
+        engine,
+        grid,
+        schedule,
+        placement,
+        stages,
+        hidden,
+        TORCH_DTYPES[precision],
+        tied,
+        layout.seed,
+        train.micro_batches,
     )

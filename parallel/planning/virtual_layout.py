@@ -1,0 +1,121 @@
+"""The layout and plan of a run under a schedule with virtual stages (parallel.schedule=interleaved-1f1b, zb-v,
+v-half): the model split into ranks x 2 virtual stages, each planned under the run's recompute mode as a stage is,
+and the rank-level figures the layout's per-stage ones cannot give (each rank's activation peak over its chunks, its
+states, the schedule's simulated step). Pure: start-up, the dry run and the trainer read it.
+
+The chunk boundaries: a resume's (its checkpoint's), else under `balanced` the ones the dry run prices the schedule
+with (parallel/planning/virtual_choice.py: the even split, then single-block moves while the simulated step of the
+schedule shortens), else DeepSpeed's method over the virtual stages."""
+
+from dataclasses import replace
+
+from model import GPTConfig
+from parallel.planning.block_prices import BlockPrices
+from parallel.planning.config import RecomputeConfig
+from parallel.planning.instruction_seconds import DeviceRates
+from parallel.planning.layout import PipelineLayout, build_layout
+from parallel.planning.partition import stages_of_block_counts
+from parallel.planning.plan_record import RunPlan, VirtualPlan
+from parallel.planning.shapes import RunShape, Shape, Topology
+from parallel.planning.stage_price import StagePricing, price_stage
+from parallel.planning.virtual_choice import virtual_options
+from parallel.planning.virtual_memory import virtual_peaks
+from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES, placement_of, virtual_schedule
+from parallel.planning.virtual_sim import simulate_virtual
+from parallel.planning.virtual_support import CHUNKS, virtual_run_refusal
+
+
+def virtual_shape(run: RunShape, chunks: int = CHUNKS) -> RunShape:
+    """The run as `chunks` x its pipeline ranks stages: what each virtual stage is planned for."""
+    topology = run.topology
+    return replace(run, topology=Topology(chunks * topology.pipeline_stages, topology.data_parallel_size))
+
+
+def virtual_layout(
+    model: GPTConfig,
+    recompute: RecomputeConfig,
+    run: RunShape,
+    partition_method: str,
+    seed: int,
+    schedule: str,
+    costs: BlockPrices | None,
+    rates: DeviceRates | None,
+    held_parts: list[int] | None,
+) -> PipelineLayout:
+    """The run's virtual stages (ranks x 2, in pipeline order) with one plan each under `recompute`."""
+    if held_parts is None and partition_method == "balanced" and model.n_layer >= CHUNKS * run.topology.pipeline_stages:
+        one_chunk = build_layout(model, recompute, run, "balanced", seed, costs, rates)
+        (option,) = [o for o in virtual_options(model, recompute, one_chunk, run) if o.schedule == schedule]
+        held_parts = [s.start for s in stages_of_block_counts(one_chunk.recipes, list(option.blocks))]
+        held_parts.append(len(one_chunk.recipes))
+    method = "uniform" if partition_method == "balanced" else partition_method  # too few blocks for every chunk
+    layout = build_layout(model, recompute, virtual_shape(run), method, seed, costs, rates, held_parts=held_parts)
+    return replace(layout, virtual_schedule=schedule)
+
+
+def faster_virtual_schedule(
+    model: GPTConfig, recompute: RecomputeConfig, one_chunk: PipelineLayout, run: RunShape, zero_stage: int
+) -> str | None:
+    """parallel.schedule=auto's choice beyond `one_chunk`'s (the fastest of 1f1b and zb-h1 on one stage per rank):
+    the schedule with virtual stages whose simulated step (on its own chunk boundaries, as the dry run prices it) is
+    the shortest and shorter than `one_chunk`'s, among those the run can run (virtual_support.virtual_run_refusal:
+    no +recompute=auto, no early recompute, fp32, ...); None when none is."""
+    if one_chunk.timing is None:
+        return None
+    ranks = run.topology.pipeline_stages
+    runnable = {
+        schedule
+        for schedule in VIRTUAL_SCHEDULES
+        if virtual_run_refusal(
+            schedule, recompute, run.target.precision, zero_stage, run.micro_batches, ranks, model.n_layer
+        )
+        is None
+    }
+    if not runnable:
+        return None
+    options = [o for o in virtual_options(model, recompute, one_chunk, run) if o.schedule in runnable]
+    early = any(p.early for p in one_chunk.plans)
+    chosen = next(o for o in one_chunk.schedule_options if o.schedule == one_chunk.schedule and o.early == early)
+    fastest = min(options, key=lambda o: o.step_time_s, default=None)
+    return fastest.schedule if fastest is not None and fastest.step_time_s < chosen.step_time_s else None
+
+
+def virtual_plan(
+    model: GPTConfig, layout: PipelineLayout, run: RunShape, schedule: str, chunks: int = CHUNKS
+) -> VirtualPlan:
+    """`layout`'s virtual stages (ranks x `chunks`) priced for `run` (its pipeline ranks, not its virtual stages)."""
+    ranks = run.topology.pipeline_stages
+    shape = Shape.of(model, run.micro_batch_size)
+    pricing = StagePricing.of(layout.recipes, virtual_shape(run, chunks), shape, layout.timing)
+    prices = [price_stage(pricing, stage, plan, "1f1b") for stage, plan in zip(layout.stages, layout.plans)]
+    placement = placement_of(schedule, ranks, chunks)
+    mine = [tuple(placement.virtual_stage(rank, chunk) for chunk in range(chunks)) for rank in range(ranks)]
+    peaks = virtual_peaks(
+        layout.recipes, layout.stages, layout.plans, schedule, chunks, run.micro_batches, shape, run.target
+    )
+    step = None
+    if layout.timing is not None:
+        programs = virtual_schedule(schedule, run.micro_batches, ranks, chunks)
+        costs = [[prices[v].costs for v in stages] for stages in mine]
+        step = simulate_virtual(programs, costs, clip_barrier=run.grad_clip > 0).step_time_s
+    return VirtualPlan(
+        schedule,
+        chunks,
+        tuple(mine),
+        tuple(peak.bytes for peak in peaks),
+        tuple(sum(sum(prices[v].memory.states.values()) for v in stages) for stages in mine),
+        step,
+    )
+
+
+def with_virtual_plan(plan: RunPlan, virtual: VirtualPlan, run: RunShape) -> RunPlan:
+    """The run plan of the virtual stages (plan_run's, one StageEstimate per virtual stage) as a plan of the run's
+    ranks: its grid, the rank-level figures, and no 1F1B step over the virtual stages (the schedule's is `virtual`)."""
+    topology = run.topology
+    return replace(
+        plan,
+        pipeline_stages=topology.pipeline_stages,
+        world_size=topology.world_size,
+        step_time=None,
+        virtual=virtual,
+    )

@@ -1,0 +1,107 @@
+"""A run under a schedule with virtual stages, as start-up plans it (no process group): its layout of ranks x 2
+virtual stages, each rank's planned peak and simulated step, parallel.schedule=auto's choice of one, and the start-up
+refusals (what the engine does not run, a resume that would move layers to other ranks), each one line."""
+
+from dataclasses import replace
+
+import pytest
+
+from model import BLOCK_CLASSES, GPTConfig
+from parallel.planning.config import AutoRecompute, NoRecompute, SelectiveRecompute
+from parallel.planning.layout import build_layout
+from parallel.planning.plan_record import VirtualPlan
+from parallel.planning.run_plan import plan_run
+from parallel.planning.shapes import RunShape, Target, Topology
+from parallel.planning.virtual_choice import virtual_options
+from parallel.planning.virtual_layout import (
+    faster_virtual_schedule,
+    virtual_layout,
+    virtual_plan,
+    virtual_shape,
+    with_virtual_plan,
+)
+from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES
+from parallel.planning.virtual_support import schedule_change_refusal, virtual_run_refusal
+
+MODEL = GPTConfig(n_layer=8, n_head=4, n_embd=64, seq_len=32, vocab_size=256, dropout=0.1)
+RUN = RunShape(Topology(2, 1), Target("cpu", "fp32"), 4, 2)
+
+
+@pytest.mark.parametrize("schedule", VIRTUAL_SCHEDULES)
+@pytest.mark.parametrize("method", ["balanced", "type:Block"])
+def test_a_virtual_run_plans_ranks_times_two_virtual_stages_and_each_ranks_peak(schedule, method):
+    layout = virtual_layout(MODEL, SelectiveRecompute(), RUN, method, 0, schedule, None, None, None)
+    assert len(layout.stages) == 4 and layout.parts[0] == 0 and layout.parts[-1] == len(layout.recipes)
+    assert all(any(layout.recipes[i].module_class in BLOCK_CLASSES for i in s.layers) for s in layout.stages)
+    virtual = virtual_plan(MODEL, layout, RUN, schedule)
+    placed = [[0, 2], [1, 3]] if schedule == "interleaved-1f1b" else [[0, 3], [1, 2]]
+    assert [list(stages) for stages in virtual.virtual_stages_per_rank] == placed
+    assert all(b > 0 for b in virtual.activation_bytes_per_rank) and virtual.predicted_step_time_s > 0
+    plan = with_virtual_plan(plan_run(MODEL, SelectiveRecompute(), layout, virtual_shape(RUN)), virtual, RUN)
+    assert (plan.pipeline_stages, plan.world_size, len(plan.stages)) == (2, 2, 4)
+    assert plan.step_time is None  # 1F1B over the virtual stages is not the schedule's step
+    assert VirtualPlan.from_json(plan.to_json()["virtual"]) == virtual
+    assert len(virtual.lines()) == 3
+
+
+def test_a_resumed_layout_keeps_the_checkpoints_chunk_boundaries():
+    held = [0, 3, 5, 6, 11]
+    layout = virtual_layout(MODEL, NoRecompute(), RUN, "balanced", 0, "zb-v", None, None, held)
+    assert layout.parts == held
+
+
+def test_a_resume_may_change_the_schedule_only_where_the_layers_stay_on_their_ranks():
+    assert schedule_change_refusal("1f1b", "zb-h1") is None
+    assert schedule_change_refusal("zb-v", "v-half") is None
+    assert schedule_change_refusal("auto", "1f1b") is None
+    for saved, new in [("1f1b", "interleaved-1f1b"), ("zb-v", "interleaved-1f1b"), ("v-half", "1f1b")]:
+        line = schedule_change_refusal(saved, new)
+        assert line and "\n" not in line and f"parallel.schedule={new}" in line and saved in line
+
+
+def test_what_train_py_does_not_run_under_a_virtual_schedule_is_refused_in_one_line():
+    def refusal(schedule="zb-v", recompute=None, precision="fp32", micro_batches=4, ranks=2, blocks=8):
+        return virtual_run_refusal(schedule, recompute or NoRecompute(), precision, 0, micro_batches, ranks, blocks)
+
+    assert refusal() is None and refusal(schedule="interleaved-1f1b", micro_batches=4) is None
+    refusals = {
+        "+recompute=auto": refusal(recompute=AutoRecompute()),
+        "train.precision=bf16": refusal(precision="bf16"),
+        "model.n_layer=3": refusal(blocks=3),
+        "train.micro_batches=5": refusal(schedule="interleaved-1f1b", micro_batches=5),
+    }
+    for option, line in refusals.items():
+        assert line and "\n" not in line, option
+    assert "model.n_layer=3" in refusals["model.n_layer=3"]
+    assert "train.micro_batches=5" in refusals["train.micro_batches=5"]
+
+
+GPT2_16 = GPTConfig(n_layer=16, n_head=12, n_embd=768, seq_len=1024, vocab_size=50304)
+
+
+def _auto(model: GPTConfig, ranks: int, micro_batches: int, precision: str = "fp32", recompute=None):
+    run = RunShape(Topology(ranks, 1), Target("cuda", precision), micro_batches, 1)
+    one_chunk = build_layout(model, NoRecompute(), run, "balanced", 0, schedule="auto")
+    return one_chunk, faster_virtual_schedule(model, recompute or NoRecompute(), one_chunk, run, 0)
+
+
+def test_auto_picks_a_virtual_schedule_only_where_it_simulates_faster_than_1f1b_and_zb_h1():
+    """Analytic H100 costs, fp32, no recompute: 2 ranks x 2 micro-batches idle most of a 1F1B step, and ZB-V's V fills
+    it; with 4 micro-batches the chunks' boundaries cost more than the V saves."""
+    one_chunk, chosen = _auto(GPT2_16, 2, 2)
+    assert chosen == "zb-v"
+    steps = {o.schedule: o.step_time_s for o in one_chunk.schedule_options if not o.early}
+    run = RunShape(Topology(2, 1), Target("cuda", "fp32"), 2, 1)
+    virtual = {o.schedule: o.step_time_s for o in virtual_options(GPT2_16, NoRecompute(), one_chunk, run)}
+    assert virtual["zb-v"] == min(virtual.values()) < min(steps.values())
+    assert _auto(GPT2_16, 2, 4)[1] is None
+
+
+def test_auto_leaves_out_the_virtual_schedules_where_the_run_cannot_run_them():
+    assert _auto(GPT2_16, 2, 2, precision="bf16")[1] is None  # the virtual engine runs fp32 only
+    assert _auto(GPT2_16, 2, 2, recompute=AutoRecompute())[1] is None  # auto recompute is not planned per chunk
+    assert _auto(replace(GPT2_16, n_layer=3), 2, 2)[1] is None  # fewer blocks than chunks
+
+
+def test_a_resume_under_auto_keeps_the_checkpoints_placement():
+    assert schedule_change_refusal("zb-v", "auto") is None and schedule_change_refusal("1f1b", "auto") is None
