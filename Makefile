@@ -40,9 +40,10 @@ test-quick: venv
 	$(CPU_ENV) STAGECHECK_QUICK_TIER=1 $(PY) -m pytest -q tests -m "not multiproc and not slurm and not compile" \
 		$(XDIST) --durations=10
 
-# The compiled exactness matrix (train.compile: every accepted recompute mode, both families) and the planner's
-# compiled bytes against the meters (tests/test_compile_bytes.py), which make test leaves
-# out for its compile time (one representative compiled check stays in make test: tests/test_compile.py).
+# The compiled exactness matrix (train.compile: every accepted recompute mode, both families), +recompute=auto compiled
+# through the launcher (tests/test_compile_auto_run.py) and the planner's compiled bytes against the meters
+# (tests/test_compile_bytes.py), which make test leaves out for their compile time (one representative compiled check
+# stays in make test: tests/test_compile.py).
 test-compile: venv
 	$(CPU_ENV) $(PY) -m pytest -q tests -m compile $(XDIST) --durations=10
 

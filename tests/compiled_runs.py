@@ -1,5 +1,6 @@
 """Compiled local pipelines (train.compile) for tests/test_compile.py and tests/test_compile_matrix.py: every stage of
-a layout in this process, each block compiled, two steps on fixed micro-batches."""
+a layout in this process, each block compiled, two steps on fixed micro-batches; and the compiled train.py run of the
+shared launch, with what its summary must show."""
 
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ from parallel.planning.config import AutoRecompute, NoRecompute
 from parallel.planning.layout import build_layout
 from parallel.planning.shapes import GIB, RunShape, Target, Topology
 from parallel.planning.stage_plan import StagePlan
+from tests.runs import TINY
 
 MICRO_BATCHES, MICRO_BATCH_SIZE = 2, 2
 EAGER = Target("cpu", "fp32")
@@ -86,3 +88,38 @@ def assert_bit_identical(run: CompiledSteps, reference: CompiledSteps) -> None:
     assert [loss.item() for loss in run.losses] == [loss.item() for loss in reference.losses]
     assert len(run.grads) == len(reference.grads)
     assert all(torch.equal(a, b) for a, b in zip(run.grads, reference.grads))
+
+
+# A compiled train.py run for the shared 2-rank launch (tests/test_compile.py, tests/test_compile_auto_run.py), at
+# the tiniest shape (compiling costs per graph, not per size); the evaluation at every step runs the compiled blocks in
+# eval mode from the first step on; the metered step (2) and the traced one (3, the default) recompile nothing either.
+COMPILED_RUN = [
+    *TINY,
+    "model.n_layer=2",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "model.seq_len=32",
+    "model.dropout=0.1",
+    "train.compile=true",
+    "train.steps=3",
+    "train.micro_batches=2",
+    "train.eval_every=1",
+    "train.eval_batches=1",
+    "logger=none",
+]
+
+
+def assert_compiled_in_the_first_step_only(run: dict, output: str) -> None:
+    """`run` (a COMPILED_RUN's summary.json) compiled both stages in its first step (and its evaluation) and never
+    again, and `output` (its launch's) says what compiling cost; the plan counted what the compiled blocks keep
+    (measured at start-up), and the meters agree to the byte."""
+    assert len(run["losses"]) == len(run["val_losses"]) == 3
+    per_rank = run["compile_per_rank"]
+    assert len(per_rank) == 2
+    for counts in per_rank:
+        assert counts["first_step"]["graphs"] >= 1 and counts["later"]["graphs"] == 0
+        assert counts["first_step"]["graph_breaks"] == counts["later"]["graph_breaks"] == 0
+    assert "stagecheck: train.compile: each block compiled (inductor), after its plan" in output
+    assert "stagecheck: train.compile: the plan counts what a compiled block keeps per micro-batch, none " in output
+    assert run["activation_bytes_per_stage"] == run["planned_activation_bytes_per_stage"]
+    assert "stagecheck: train.compile: the first step compiled " in output

@@ -19,35 +19,20 @@ from parallel.planning.memory_model import block_kept_items, stage_activations
 from parallel.planning.shapes import CompiledBlocks, RunShape, Shape, Target, Topology, option_key
 from parallel.planning.stage_plan import StagePlan
 from parallel.runtime.compile_blocks import compile_refusal, compiled_auto
-from tests.compiled_runs import assert_bit_identical, compiled_steps
-from tests.runs import TINY, summary
+from tests.compiled_runs import (
+    COMPILED_RUN,
+    assert_bit_identical,
+    assert_compiled_in_the_first_step_only,
+    compiled_steps,
+)
+from tests.runs import summary
 from tests.shared_runs import case
 
-# One compiled run in the shared 2-rank launch (its exactness against compiled none is checked in process, below), at
-# the tiniest shape (compiling costs per graph, not per size); the evaluation at every step runs the compiled blocks in
-# eval mode from the first step on; the metered step (2) and the traced one (3, the default) recompile nothing either.
-COMPILED = [
-    *TINY,
-    "model.n_layer=2",
-    "model.n_embd=32",
-    "model.n_head=2",
-    "model.seq_len=32",
-    "model.dropout=0.1",
-    "train.compile=true",
-    "train.steps=3",
-    "train.micro_batches=2",
-    "train.eval_every=1",
-    "train.eval_batches=1",
-    "logger=none",
-]
 # Full recompute: its plan needs one compiled block measured (`none`'s bytes), where selective needs two, and each
-# costs a compile at start-up; selective inside compiled blocks is checked in process below. Auto measures the six
-# options it weighs (minutes at start-up on this CPU); at this budget (its compiled plan's peak on stage 0) it runs
-# selective core_attn+mlp on stage 0 and mlp_act on stage 1.
-CASES = {
-    "compiled-full": case(*COMPILED, "+recompute=full"),
-    "compiled-auto": case(*COMPILED, "+recompute=auto", "recompute.budget_gb=0.0006", "recompute.reserve_gb=0"),
-}
+# costs a compile at start-up; selective inside compiled blocks is checked in process below. (+recompute=auto, which
+# compiles six options at start-up: tests/test_compile_auto_run.py, `make test-compile`.)
+# One compiled run in the shared 2-rank launch (its exactness against compiled none is checked in process, below).
+CASES = {"compiled-full": case(*COMPILED_RUN, "+recompute=full")}
 
 REFUSED = [
     ("zb-h1", FullRecompute(interval="1"), "train.compile=true needs parallel.schedule=1f1b, not zb-h1"),
@@ -151,33 +136,7 @@ def test_compiled_recompute_is_bit_identical_to_compiled_none_without_recompiles
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", list(CASES))
-def test_a_compiled_two_stage_run_counts_no_graph_break_and_no_recompile(case_runs, shared_runs, name):
+def test_a_compiled_two_stage_run_counts_no_graph_break_and_no_recompile(case_runs, shared_runs):
     """Through the deepspeed launcher: both stages compile in the first step (and its evaluation) and never again, and
     start-up says what compiling cost."""
-    run = summary(case_runs[name])
-    assert len(run["losses"]) == len(run["val_losses"]) == 3
-    per_rank = run["compile_per_rank"]
-    assert len(per_rank) == 2
-    for counts in per_rank:
-        assert counts["first_step"]["graphs"] >= 1 and counts["later"]["graphs"] == 0
-        assert counts["first_step"]["graph_breaks"] == counts["later"]["graph_breaks"] == 0
-    output = shared_runs.case_output()
-    assert "stagecheck: train.compile: each block compiled (inductor), after its plan" in output
-    # the plan counted what the compiled blocks keep (measured at start-up), and the meters agree to the byte
-    assert "stagecheck: train.compile: the plan counts what a compiled block keeps per micro-batch, none " in output
-    assert run["activation_bytes_per_stage"] == run["planned_activation_bytes_per_stage"]
-    assert "stagecheck: train.compile: the first step compiled " in output
-
-
-@pytest.mark.multiproc
-def test_auto_under_compile_plans_from_compiled_bytes_and_matches_compiled_full_bit_for_bit(case_runs, shared_runs):
-    """+recompute=auto compiled: its start-up measured every option it weighs, its plan recomputes selectively on both
-    stages with options only compiled blocks' bytes make fit, and its losses are the compiled full run's bit for bit
-    (every compiled mode is compiled none's: tests/test_compile_matrix.py)."""
-    auto, full = summary(case_runs["compiled-auto"]), summary(case_runs["compiled-full"])
-    assert [stage["choices"] for stage in auto["layout"]] == [["selective:core_attn+mlp"], ["selective:mlp_act"]]
-    assert auto["recompute_config"]["early"] is False  # null resolves to false under compile
-    output = shared_runs.case_output()
-    assert ", core_attn+mlp_act " in output and "measured now by compiling one block per option: 6 option(s)" in output
-    assert auto["losses"] == full["losses"] and auto["val_losses"] == full["val_losses"]
+    assert_compiled_in_the_first_step_only(summary(case_runs["compiled-full"]), shared_runs.case_output())
