@@ -31,6 +31,8 @@ from tests.runs import REPO, TINY, cpu_env
 JOB_TIMEOUT_S = 420  # a requeue waits up to 120 s (cred_expire) before the job runs again
 FAIL_WITHIN_S = 90
 """A failing rank must end the job this soon after submission (start-up here takes ~15-30 s on 2 loaded cores)."""
+SWEEP_TIMEOUT_MIN = 10
+"""hydra.launcher.timeout_min of the submitit sweeps: a sweep that waited on a failed job would wait this long."""
 STAMP = "${stagecheck_stamp:}"
 # One rank per node, on one core: the two test nodes share this machine's cores, and a rank runs as many intra-op
 # threads as SLURM_CPUS_PER_TASK gives it (parallel/runtime/threads.py). No GPUs (the scripts ask for 8 per node).
@@ -219,7 +221,7 @@ def _submitit_command(cluster, tmp_path: Path, *overrides: str, launcher: str = 
         "hydra.launcher.cpus_per_task=1",
         "hydra.launcher.gpus_per_node=null",
         f"hydra.launcher.partition={cluster.partition}",
-        "hydra.launcher.timeout_min=10",
+        f"hydra.launcher.timeout_min={SWEEP_TIMEOUT_MIN}",
         f"hydra.sweep.dir={sweep_dir or f'{tmp_path}/multirun/{STAMP}'}",
         *TINY,
         "train.steps=2",
@@ -330,7 +332,9 @@ def test_submitit_sweep_with_a_failing_rank_fails_instead_of_waiting(submitit_sw
     assert "sweep job 0 (SLURM job" in result.stderr, result.stderr[-6000:]
     assert "ended without a result" in result.stderr, result.stderr[-6000:]
     assert "task 1: stagecheck: rank 1 failed: RuntimeError: injected failure at step 1" in result.stderr
-    assert elapsed < FAIL_WITHIN_S + slurm_launcher.RESULT_GRACE_S + 30, f"took {elapsed:.0f} s"
+    # Its jobs queue behind the other sweeps' on the two test nodes, which share make test's cores with the other
+    # pytest worker: it measured 135-198 s there. Waiting on the failed job instead would take the job's time limit.
+    assert elapsed < SWEEP_TIMEOUT_MIN * 60 / 2, f"took {elapsed:.0f} s"
 
 
 @pytest.mark.slurm
