@@ -20,8 +20,6 @@ from tests.live_runs import LiveRun, start
 from tests.runs import DEEPSPEED, REPO, TINY, cpu_env, free_port, launch, metrics, python_run, refuse_in_quick_tier
 
 COMMON = [*TINY, "train.steps=6", "train.save_every=2", "train.micro_batches=2", "train.trace_step=0", "logger=none"]
-CTRL_C_STEPS = 40
-"""The Ctrl-C run's length: it is interrupted after its third step."""
 
 
 @pytest.mark.multiproc
@@ -102,6 +100,9 @@ def _end_tree(live: LiveRun) -> None:
 
 
 @pytest.mark.multiproc
+# In a pytest-xdist worker that had run other tests, the Ctrl-C reached no rank (three full runs; alone in a worker it
+# passes, and the cause is not found): make test runs it in a pytest process of its own.
+@pytest.mark.alone
 def test_ctrl_c_saves_exits_75_and_the_printed_command_resumes_the_named_run(tmp_path):
     """Ctrl-C at the terminal of `launch/local_deepspeed.sh --num_gpus 2 ... /abs/train.py train.run_name=...`:
     every rank saves and exits 75, and so does the launcher (plain `deepspeed` exits 1 there); no traceback, and
@@ -110,9 +111,7 @@ def test_ctrl_c_saves_exits_75_and_the_printed_command_resumes_the_named_run(tmp
     the same directory, finds the run by its name and resumes it."""
     refuse_in_quick_tier("a deepspeed launch")
     typed = [str(REPO / "launch" / "local_deepspeed.sh"), "--num_gpus", "2", "--master_port", str(free_port())]
-    # Steps enough that the Ctrl-C after step 3 lands long before the last: beside make test's other worker, a run of
-    # 16 steps (0.4 s each) twice ended without the Ctrl-C reaching a rank, its last steps logged as if never signalled.
-    typed += [str(REPO / "train.py"), *TINY, f"train.steps={CTRL_C_STEPS}", "train.save_every=0", "train.trace_step=0"]
+    typed += [str(REPO / "train.py"), *TINY, "train.steps=16", "train.save_every=0", "train.trace_step=0"]
     typed += ["logger=none", "train.run_name=ctrl-c"]
     run_dir = tmp_path / "outputs" / "ctrl-c"
     live = _start_in(tmp_path, typed, run_dir)
@@ -131,7 +130,7 @@ def test_ctrl_c_saves_exits_75_and_the_printed_command_resumes_the_named_run(tmp
     for noise in ("gcc ", "SEED_LAYERS=", "Using topology:", "has been overridden", "USDT:"):
         assert noise not in out, noise
     k = len(metrics(run_dir))
-    assert 3 <= k < CTRL_C_STEPS and (run_dir / "checkpoints" / LATEST).read_text().strip() == f"step_{k:08d}"
+    assert 3 <= k < 16 and (run_dir / "checkpoints" / LATEST).read_text().strip() == f"step_{k:08d}"
     (line,) = [line for line in out.splitlines() if "To continue, relaunch (train.resume=auto): " in line]
     command = line.split("To continue, relaunch (train.resume=auto): ")[1]
     assert shlex.split(command) == typed  # the name finds the run: no hydra.run.dir to add
@@ -143,7 +142,7 @@ def test_ctrl_c_saves_exits_75_and_the_printed_command_resumes_the_named_run(tmp
         _end_tree(relaunched)
     assert code == 0, relaunched.output()[-4000:]
     assert f"resuming from {run_dir / 'checkpoints' / f'step_{k:08d}'} after step {k}" in relaunched.output()
-    assert [row["step"] for row in metrics(run_dir)] == list(range(1, CTRL_C_STEPS + 1))
+    assert [row["step"] for row in metrics(run_dir)] == list(range(1, 17))
 
 
 @pytest.mark.multiproc  # a 1-rank run
