@@ -72,6 +72,7 @@ PLANNING = [
     {"parallel.planning.stage_price"},  # the one function that prices a stage: memory, seconds, FLOPs
     {"parallel.planning.stage_planner"},
     {"parallel.planning.balanced_search", "parallel.planning.schedule_choice", "parallel.planning.budget_refusal"},
+    {"parallel.planning.virtual_plan"},  # what each rank of a virtual-stage schedule is planned to hold, as a record
     {"parallel.planning.layout", "parallel.planning.plan_record"},
     {"parallel.planning.virtual_choice"},  # the virtual-stage schedules priced on a layout's ranks, for the dry run
     {"parallel.planning.virtual_layout"},  # a run under one: its virtual stages, each rank's peak and step

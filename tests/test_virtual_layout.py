@@ -9,7 +9,6 @@ import pytest
 from model import BLOCK_CLASSES, GPTConfig
 from parallel.planning.config import AutoRecompute, NoRecompute, SelectiveRecompute
 from parallel.planning.layout import build_layout
-from parallel.planning.plan_record import VirtualPlan
 from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import RunShape, Target, Topology
 from parallel.planning.virtual_choice import virtual_options
@@ -20,6 +19,7 @@ from parallel.planning.virtual_layout import (
     virtual_shape,
     with_virtual_plan,
 )
+from parallel.planning.virtual_plan import VirtualPlan
 from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES
 from parallel.planning.virtual_support import schedule_change_refusal, virtual_run_refusal
 

@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from parallel.planning.model_states import STATE_BYTES, state_bytes_legend
-from parallel.planning.shapes import GIB, Shape
+from parallel.planning.shapes import Shape, gib_text
+from parallel.planning.virtual_plan import VirtualPlan
 
 
 @dataclass(frozen=True)
@@ -189,46 +190,6 @@ class StepTimeEstimate:
 
 
 @dataclass(frozen=True)
-class VirtualPlan:
-    """What a rank of the virtual-stage schedule is planned to hold and how long its step takes."""
-
-    schedule: str
-    chunks: int
-    virtual_stages_per_rank: tuple[tuple[int, ...], ...]
-    """Each pipeline rank's virtual stages, in chunk order."""
-    activation_bytes_per_rank: tuple[int, ...]
-    """Each rank's activation peak: its chunks' kept bytes, deferred W's and received messages at once."""
-    state_bytes_per_rank: tuple[int, ...]
-    """Each rank's parameters, gradients and optimizer state: its chunks' together."""
-    predicted_step_time_s: float | None
-    """The ranks' programmes replayed with each chunk's seconds (parallel/planning/virtual_sim.py)."""
-
-    @classmethod
-    def from_json(cls, data: dict) -> "VirtualPlan":
-        return cls(
-            **{
-                **data,
-                "virtual_stages_per_rank": tuple(tuple(s) for s in data["virtual_stages_per_rank"]),
-                "activation_bytes_per_rank": tuple(data["activation_bytes_per_rank"]),
-                "state_bytes_per_rank": tuple(data["state_bytes_per_rank"]),
-            }
-        )
-
-    def lines(self) -> list[str]:
-        """The dry run's and the start-up print's lines: each rank's chunks, planned activation peak and states."""
-        step = f"{self.predicted_step_time_s:.4g} s" if self.predicted_step_time_s is not None else "not priced"
-        lines = [f"schedule {self.schedule}: {self.chunks} chunks per rank | simulated step {step}"]
-        for rank, (stages, peak, states) in enumerate(
-            zip(self.virtual_stages_per_rank, self.activation_bytes_per_rank, self.state_bytes_per_rank)
-        ):
-            lines.append(
-                f"rank {rank}: virtual stages {', '.join(map(str, stages))} | planned activation peak "
-                f"{_gib(peak)} GiB | states {_gib(states)} GiB"
-            )
-        return lines
-
-
-@dataclass(frozen=True)
 class RunPlan:
     target: PlanTarget
     recompute: dict
@@ -316,25 +277,25 @@ class RunPlan:
             states = s.param_bytes + s.grad_bytes + s.optimizer_bytes
             lines.append(
                 f"{s.stage:>5} {s.layers[0]:>4}..{s.layers[1] - 1:<3} {s.blocks:>6} {s.params:>14,} "
-                f"{_gib(s.activation_bytes_per_microbatch):>10} {s.in_flight_microbatches:>9} "
-                f"{_gib(s.peak_activation_bytes):>10} {_gib(states):>14} {_gib(s.pipe_buffer_bytes):>9} "
-                f"{_gib(s.predicted_peak_bytes):>10} {s.recompute_flops_per_step / 1e12:>12.3f}"
+                f"{gib_text(s.activation_bytes_per_microbatch):>10} {s.in_flight_microbatches:>9} "
+                f"{gib_text(s.peak_activation_bytes):>10} {gib_text(states):>14} {gib_text(s.pipe_buffer_bytes):>9} "
+                f"{gib_text(s.predicted_peak_bytes):>10} {s.recompute_flops_per_step / 1e12:>12.3f}"
             )
         for s in self.stages:
             if s.recomputed_in_flight is not None and s.recomputed_in_flight < s.in_flight_microbatches:
                 lines.append(
                     f"stage {s.stage}: recompute for {s.recomputed_in_flight} of {s.in_flight_microbatches} in flight "
                     f"({s.recomputed_microbatches_per_step} of {self.micro_batches} per step), "
-                    f"{_gib(s.activation_bytes_per_microbatch)} GiB each; the others none, "
-                    f"{_gib(s.plain_activation_bytes_per_microbatch)} GiB each"
+                    f"{gib_text(s.activation_bytes_per_microbatch)} GiB each; the others none, "
+                    f"{gib_text(s.plain_activation_bytes_per_microbatch)} GiB each"
                 )
         if self.lossy:
             lines.append(self.lossy)
         lines.append(self.states_legend())
         k, blocks = self.korthikanti_per_block_bytes, self.per_block_activation_bytes
         lines.append(
-            f"per block: {_gib(max(blocks)) if blocks else '-'} GiB kept (largest block) | paper, 16-bit: "
-            f"none {_gib(k.none)}, selective {_gib(k.selective)}, full {_gib(k.full)} GiB"
+            f"per block: {gib_text(max(blocks)) if blocks else '-'} GiB kept (largest block) | paper, 16-bit: "
+            f"none {gib_text(k.none)}, selective {gib_text(k.selective)}, full {gib_text(k.full)} GiB"
         )
         lines.append(
             f"model FLOPs/step {flops.model_flops_per_step / 1e12:.3f} TFLOP | hardware FLOPs/step "
@@ -391,7 +352,7 @@ class RunPlan:
                 notes += [] if o["allowed"] else ["not allowed by parallel.schedule / recompute.early"]
                 lines.append(
                     f"{name:>16} {o['step_time_s']:>9.4g} {o['lower_bound_s']:>9.4g} "
-                    f"{_gib(max(o['stage_peak_bytes'])):>9} {deferred:>10}  {', '.join(notes)}"
+                    f"{gib_text(max(o['stage_peak_bytes'])):>9} {deferred:>10}  {', '.join(notes)}"
                 )
         for gpu, figures in st.by_gpu.items():
             lines.append(
@@ -406,10 +367,6 @@ def _tuples(st: StepTimeEstimate) -> StepTimeEstimate:
     """JSON lists back into the tuples the dataclass holds."""
     sequences = ("stage_busy_s", "stage_idle_s", "stage_recompute_s", "early_stages", "stage_instruction_s")
     return StepTimeEstimate(**{**asdict(st), **{k: tuple(getattr(st, k)) for k in sequences}})
-
-
-def _gib(n: float) -> str:
-    return f"{n / GIB:.3f}" if n < 10 * GIB else f"{n / GIB:.1f}"
 
 
 def _plain(value: Any) -> Any:

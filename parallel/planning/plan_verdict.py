@@ -13,17 +13,13 @@ from parallel.planning.device_profile_file import DeviceProfile
 from parallel.planning.instruction_seconds import DeviceRates
 from parallel.planning.layout import build_layout
 from parallel.planning.plan_record import RunPlan
-from parallel.planning.shapes import GIB, RunShape, Shape
+from parallel.planning.shapes import GIB, RunShape, Shape, gib_text
 
 GPU_MEMORY_GIB = 80.0
 """The memory of the GPU a CUDA dry run is planned on (an 80 GB H100, parallel/planning/instruction_seconds.py's
 DEFAULT_GPU) when train.device_memory_gb does not say."""
 IDLE_ADVICE = 0.25
 """Share of the step every stage idles above which the dry run says what would fill the bubble."""
-
-
-def _gib(n: float) -> str:
-    return f"{n / GIB:.3f}" if n < 10 * GIB else f"{n / GIB:.1f}"
 
 
 @dataclass(frozen=True)
@@ -75,17 +71,17 @@ def verdict_lines(
     """One line per stage against `memory_bytes` (`memory_name` says whose memory it is), the change that helps most
     when a stage is over, and the bubble advice. `schedule`: parallel.schedule as set."""
     peaks = [s.predicted_peak_bytes for s in plan.stages]
-    lines = [f"verdict against {_gib(memory_bytes)} GiB per rank ({memory_name}):"]
+    lines = [f"verdict against {gib_text(memory_bytes)} GiB per rank ({memory_name}):"]
     for stage, peak in enumerate(peaks):
-        state = "fits" if peak <= memory_bytes else f"over by {_gib(peak - memory_bytes)} GiB"
-        lines.append(f"stage {stage}: predicted peak {_gib(peak)} GiB: {state}")
+        state = "fits" if peak <= memory_bytes else f"over by {gib_text(peak - memory_bytes)} GiB"
+        lines.append(f"stage {stage}: predicted peak {gib_text(peak)} GiB: {state}")
     over = sum(peak > memory_bytes for peak in peaks)
     speed = f", {plan.tokens_per_s:,.0f} tokens/s predicted" if plan.tokens_per_s else ""
     if over:
-        lines.append(f"verdict: does not fit: {over} of {len(peaks)} stages over {_gib(memory_bytes)} GiB")
+        lines.append(f"verdict: does not fit: {over} of {len(peaks)} stages over {gib_text(memory_bytes)} GiB")
         lines.append(_most_helpful(plan, memory_bytes, replanner, recompute, run, schedule))
     else:
-        lines.append(f"verdict: fits: all {len(peaks)} stages within {_gib(memory_bytes)} GiB{speed}")
+        lines.append(f"verdict: fits: all {len(peaks)} stages within {gib_text(memory_bytes)} GiB{speed}")
     return lines + _bubble_advice(plan, replanner, recompute, run, schedule)
 
 
@@ -114,13 +110,13 @@ def _most_helpful(
     if fitting:
         name, peak, step, speed = max(fitting, key=lambda p: p[3])
         return (
-            f"helps most: {name} (largest stage peak {_gib(peak)} GiB, predicted step {step:.4g} s, "
+            f"helps most: {name} (largest stage peak {gib_text(peak)} GiB, predicted step {step:.4g} s, "
             f"{speed:,.0f} tokens/s{now})"
         )
     if priced:
         name, peak, step, speed = min(priced, key=lambda p: p[1])
         return (
-            f"helps most, still over: {name} (largest stage peak {_gib(peak)} GiB, predicted step {step:.4g} s, "
+            f"helps most, still over: {name} (largest stage peak {gib_text(peak)} GiB, predicted step {step:.4g} s, "
             f"{speed:,.0f} tokens/s{now})"
         )
     return "no single change planned here fits"

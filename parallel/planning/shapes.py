@@ -19,6 +19,11 @@ PLAN_DEVICES = ("cpu", "cuda")
 FP32 = 4
 
 
+def gib_text(n: float) -> str:
+    """Bytes `n` in GiB as the dry run prints them: three decimals below 10 GiB, one above."""
+    return f"{n / GIB:.3f}" if n < 10 * GIB else f"{n / GIB:.1f}"
+
+
 @dataclass(frozen=True)
 class Target:
     """The device and precision a run uses (what really runs: no `auto` here)."""

@@ -15,11 +15,12 @@ from parallel.planning.config import RecomputeConfig
 from parallel.planning.instruction_seconds import DeviceRates
 from parallel.planning.layout import PipelineLayout, build_layout
 from parallel.planning.partition import stages_of_block_counts
-from parallel.planning.plan_record import RunPlan, VirtualPlan
+from parallel.planning.plan_record import RunPlan
 from parallel.planning.shapes import RunShape, Shape, Topology
 from parallel.planning.stage_price import StagePricing, price_stage
 from parallel.planning.virtual_choice import virtual_options
 from parallel.planning.virtual_memory import virtual_peaks
+from parallel.planning.virtual_plan import VirtualPlan
 from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES, placement_of, virtual_schedule
 from parallel.planning.virtual_sim import simulate_virtual
 from parallel.planning.virtual_support import CHUNKS, virtual_run_refusal
