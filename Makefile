@@ -29,11 +29,10 @@ demo: venv
 # the next regression shows. Multi-process runs share one launch per kind and world size (tests/shared_runs.py).
 # Two pytest-xdist workers, one per core: a launch's ranks wait on each other and on their start-up far more than
 # they compute, and the other worker's in-process tests fill those waits; each shared launch keeps to one worker
-# (its group, tests/xdist_groups.py). Tests marked `alone` run after them, in a pytest process of their own.
+# (its group, tests/xdist_groups.py).
 XDIST := -n 2 --dist loadscope
 test: venv
-	$(CPU_ENV) $(PY) -m pytest -q tests -m "not compile and not alone" $(XDIST) --durations=25
-	$(CPU_ENV) $(PY) -m pytest -q tests -m "alone and not compile"
+	$(CPU_ENV) $(PY) -m pytest -q tests -m "not compile" $(XDIST) --durations=25
 
 # The inner loop: every test that starts no process group (no `multiproc` or `slurm` marker). A test that starts
 # one without its marker fails under STAGECHECK_QUICK_TIER (tests/runs.py, tests/conftest.py).
