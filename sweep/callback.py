@@ -12,7 +12,8 @@ does. Per job:
   `deepspeed.init_distributed` skips initialisation when its backend is already up (so
   `train.collective_timeout_s` of the first training job holds for the whole sweep);
 - the job builds a fresh engine; `on_job_end` collects the previous one (gc, glibc `malloc_trim`, CUDA
-  cache) and warns if a DeepSpeed engine survives; `on_job_start` resets the peak-memory counters
+  cache), warns if a DeepSpeed engine survives and freezes the survivors (`gc.freeze`: the next job's
+  collections skip them); `on_job_start` resets the peak-memory counters
   (`torch.cuda.reset_peak_memory_stats`, and peak RSS through `/proc/self/clear_refs`), so each job's
   `peak_memory_bytes_per_stage` is its own;
 - a job that fails is marked by a `FAILED` file in its directory (sweep/job.py says what fails how). At the
@@ -77,9 +78,18 @@ def _unpin_engines() -> None:
 
 
 def release_memory() -> int:
-    """Free what finished jobs left: collect cycles (the engine, its optimizer and module), hand freed heap
-    back to the OS, empty the CUDA cache. Returns how many DeepSpeed engines are still alive."""
-    gc.collect()
+    """Free what finished jobs left: unpin the engines, collect their cycles (the engine, its optimizer and
+    module) once, hand freed heap back to the OS, empty the CUDA cache, then freeze what survives. Returns how
+    many DeepSpeed engines are still alive.
+
+    The survivors of a finished job are the process's long-lived state (torch, DeepSpeed, Hydra, the compiler's
+    caches): `gc.freeze` moves them out of the collector's generations, so that the next job's collections and
+    heap walks (this one's, and the tensor-peak meter's, parallel/measurement/tensor_peak.py) visit that job's
+    objects only. Measured on the test sweep of 40 jobs: the heap grows from 350,000 to 600,000 tracked objects,
+    and the two full collections and two walks per job took 0.5-1.7 s, 4 to 5 times more on loaded cores.
+    Reference counting still frees a frozen object; only a cycle among frozen objects is never collected, and
+    the one such cycle a job is known to leave, a finished engine's, is broken and collected before the freeze
+    (an engine still referenced then is reported, and stays)."""
     _unpin_engines()
     gc.collect()
     try:
@@ -89,10 +99,10 @@ def release_memory() -> int:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
     engine_cls = getattr(sys.modules.get("deepspeed.runtime.engine"), "DeepSpeedEngine", None)
-    if engine_cls is None:
-        return 0
     # type(), not isinstance(): some tracked objects answer __class__ lookups with deprecation warnings.
-    return sum(1 for obj in gc.get_objects() if issubclass(type(obj), engine_cls))
+    alive = 0 if engine_cls is None else sum(1 for obj in gc.get_objects() if issubclass(type(obj), engine_cls))
+    gc.freeze()
+    return alive
 
 
 def _sweep_dir(config: DictConfig) -> Path:
@@ -105,6 +115,8 @@ class SweepCallback(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         failures.clear()
         self.started = time.time()
+        gc.collect()
+        gc.freeze()  # what the imports made, before any job: see release_memory
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         if in_multirun():
