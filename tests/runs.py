@@ -4,6 +4,7 @@
 train.py` that trains, starts a process group. A test that starts one without the marker fails here, naming it."""
 
 import atexit
+import itertools
 import json
 import os
 import select
@@ -31,10 +32,28 @@ def refuse_in_quick_tier(what: str) -> None:
         )
 
 
+TEST_PORTS = range(30000, 32768)
+"""Where the tests' launches rendezvous: below Linux's ephemeral range (32768-60999), from which every gloo connection
+of every other launch takes its own port, so that none can take a launch's port between its choice and its bind (seen
+with three xdist workers: EADDRINUSE); above the local Slurm's job ports (10000-29999, parallel/runtime/dist_env.py's
+slurm_master_port). Each xdist worker draws from a slice of its own."""
+_drawn = itertools.count()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port of this worker's slice of TEST_PORTS that nothing listens on now, never the same twice in a row."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    share = len(TEST_PORTS) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    first = TEST_PORTS.start + worker * share
+    for _ in range(share):
+        port = first + next(_drawn) % share
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use, or a finished launch's connection waits out TIME_WAIT on it
+        return port
+    raise RuntimeError(f"no free port in {first}-{first + share - 1} for this test worker")
 
 
 def cpu_env(tmp: Path, **extra: str) -> dict:
