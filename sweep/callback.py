@@ -78,9 +78,9 @@ def _unpin_engines() -> None:
 
 
 def release_memory() -> int:
-    """Free what finished jobs left: unpin the engines, collect their cycles (the engine, its optimizer and
-    module) once, hand freed heap back to the OS, empty the CUDA cache, then freeze what survives. Returns how
-    many DeepSpeed engines are still alive.
+    """Free what finished jobs left: unpin the engines, drop dynamo's compiled graphs, collect their cycles (the
+    engine, its optimizer and module) once, hand freed heap back to the OS, empty the CUDA cache, then freeze what
+    survives. Returns how many DeepSpeed engines are still alive.
 
     The survivors of a finished job are the process's long-lived state (torch, DeepSpeed, Hydra, the compiler's
     caches): `gc.freeze` moves them out of the collector's generations, so that the next job's collections and
@@ -91,6 +91,9 @@ def release_memory() -> int:
     the one such cycle a job is known to leave, a finished engine's, is broken and collected before the freeze
     (an engine still referenced then is reported, and stays)."""
     _unpin_engines()
+    # A compiled job's graphs and their guards refer to its blocks: without a reset dynamo keeps its engine alive, and
+    # the next job reuses its graphs, so that its own compile counts (summary.json's compile_per_rank) read zero.
+    torch._dynamo.reset()
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
