@@ -41,9 +41,10 @@ test-quick: venv
 		$(XDIST) --durations=10
 
 # The compiled exactness matrix (train.compile: every accepted recompute mode, both families), +recompute=auto compiled
-# through the launcher (tests/test_compile_auto_run.py) and the planner's compiled bytes against the meters
-# (tests/test_compile_bytes.py), 2 stages x 2 data-parallel ZeRO-1 compiled (tests/test_compile_zero1_run.py), which make test leaves out for their compile time (one representative compiled check
-# stays in make test: tests/test_compile.py).
+# through the launcher (tests/test_compile_auto_run.py), 2 stages x 2 data-parallel ranks with ZeRO-1 compiled
+# (tests/test_compile_zero1_run.py) and the planner's compiled bytes against the meters (tests/test_compile_bytes.py),
+# which make test leaves out for their compile time (one representative compiled check stays in make test:
+# tests/test_compile.py).
 test-compile: venv
 	$(CPU_ENV) $(PY) -m pytest -q tests -m compile $(XDIST) --durations=10
 

@@ -91,8 +91,8 @@ def release_memory() -> int:
     the one such cycle a job is known to leave, a finished engine's, is broken and collected before the freeze
     (an engine still referenced then is reported, and stays)."""
     _unpin_engines()
-    # A compiled job's graphs and their guards refer to its blocks: without a reset dynamo keeps its engine alive, and
-    # the next job reuses its graphs, so that its own compile counts (summary.json's compile_per_rank) read zero.
+    # Without a reset the next job reuses a compiled job's graphs wherever their guards hold, so that its own compile
+    # counts (summary.json's compile_per_rank) read zero.
     torch._dynamo.reset()
     gc.collect()
     try:
