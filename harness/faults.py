@@ -19,6 +19,7 @@ import os
 import shutil
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -53,22 +54,38 @@ def register_peers(peers: list[tuple[str, int]]) -> None:
     _peers[:] = peers
 
 
+_PF_EXITING = 0x4
+"""The kernel's flag for a process in its exit: set before its sockets close, while it still shows as running."""
+
+
 def _alive(pid: int) -> bool:
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        state, flags = fields[0], int(fields[6])
+    except (OSError, IndexError, ValueError):
         return False
-    return state not in ("Z", "X")  # a zombie has died, its launcher has not reaped it yet
+    # A zombie has died and its launcher has not reaped it yet. A killed rank's sockets close before it turns
+    # zombie, so the survivor can see the broken connection while the state is still R: its exit flag says it.
+    return state not in ("Z", "X") and not flags & _PF_EXITING
 
 
-def gone_ranks() -> list[str]:
-    """Ranks on this host whose process has died (others cannot be checked from here)."""
+def gone_ranks(grace_s: float = 2.0) -> list[str]:
+    """Ranks on this host whose process has died (others cannot be checked from here).
+
+    Looks again for up to `grace_s`: a broken connection can reach this rank before the kernel has marked
+    the peer that broke it as exiting, on a loaded host.
+    """
     host = socket.gethostname()
-    return [
-        f"rank {rank} (pid {pid})"
-        for rank, (peer_host, pid) in enumerate(_peers)
-        if peer_host == host and pid != os.getpid() and not _alive(pid)
-    ]
+    deadline = time.monotonic() + grace_s
+    while True:
+        gone = [
+            f"rank {rank} (pid {pid})"
+            for rank, (peer_host, pid) in enumerate(_peers)
+            if peer_host == host and pid != os.getpid() and not _alive(pid)
+        ]
+        if gone or time.monotonic() >= deadline:
+            return gone
+        time.sleep(0.1)
 
 
 def _describe(error: BaseException) -> str:
