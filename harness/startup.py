@@ -1,6 +1,7 @@
 """From a composed Hydra config to a run: every input validated once, before any process group or file exists
 (bad input exits 2 with one message naming the option), then a dry run or training."""
 
+import gc
 import sys
 from pathlib import Path
 
@@ -73,6 +74,10 @@ def run_from_hydra(cfg: DictConfig, job: JobHooks) -> None:
     # Loads DeepSpeed, whose accelerator use_accelerator chose above: imported only here, after that choice.
     from harness.trainer import train
 
+    # What the imports made lives as long as the process: out of the collector's sight (gc.freeze), the collections
+    # and the tensor meters' heap walks of the run visit its own objects only (sweep/callback.py does the same).
+    gc.collect()
+    gc.freeze()
     # An exception ends this rank at once with `stagecheck: rank N failed: ...`, never a hang; the job's guard
     # decides what a sweep does with it.
     run_guarded(rank, job.guard(run_dir, rank, lambda: train(ctx, layout)))
