@@ -44,17 +44,28 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
         if "mode" in self.config.hydra.sweep:
             os.chmod(sweep_dir, mode=int(str(self.config.hydra.sweep.mode), 8))
 
+        # Up to here the plugin's code; stagecheck's: a sweep submitted again into its directory submits only the
+        # jobs that have not finished there. (Imported here, not at Hydra's plugin scan.)
+        from sweep import slurm_launcher
+
+        loader = self.hydra_context.config_loader
+        done = slurm_launcher.finished_jobs(loader, self.config, job_overrides, initial_job_idx, sweep_dir)
         job_params: list[Any] = []
         for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
+            if idx in done:
+                log.info(f"\t#{idx} : already finished in {done[idx]}: not submitted")
+                continue
             log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
             job_params.append((list(overrides), "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state()))
-        jobs = executor.map_array(self, *zip(*job_params))
-        log.info(f"submitted SLURM job(s) {', '.join(job.job_id for job in jobs)}; logs in {params['submitit_folder']}")
+        jobs = executor.map_array(self, *zip(*job_params)) if job_params else []
+        if jobs:
+            log.info(f"submitted SLURM job(s) {', '.join(j.job_id for j in jobs)}; logs in {params['submitit_folder']}")
 
-        from sweep.slurm_launcher import job_return, wait_until_ended  # not at Hydra's plugin scan
-
-        wait_until_ended(jobs)
+        slurm_launcher.wait_until_ended(jobs)
+        submitted = {job_param[2]: job for job_param, job in zip(job_params, jobs)}  # by job number
         return [
-            job_return(job, idx, overrides)
-            for idx, (job, overrides) in enumerate(zip(jobs, job_overrides), start=initial_job_idx)
+            slurm_launcher.skipped_return(overrides, done[idx])
+            if idx in done
+            else slurm_launcher.job_return(submitted[idx], idx, overrides)
+            for idx, overrides in enumerate(job_overrides, start=initial_job_idx)
         ]

@@ -74,6 +74,17 @@ def _job_config(config: dict) -> dict:
     return {**config, "train": {k: v for k, v in config.get("train", {}).items() if k not in RELAUNCH_KEYS}}
 
 
+def finished_in(run_dir: Path, cfg: DictConfig) -> bool:
+    """Whether the job of config `cfg` (without its `hydra` node) already finished in `run_dir`: summary.json, no
+    FAILED, and the same config.yaml but for RELAUNCH_KEYS."""
+    if not (run_dir / "summary.json").is_file() or (run_dir / FAILED).exists():
+        return False
+    if not (run_dir / "config.yaml").is_file():
+        return False
+    recorded = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"))
+    return _job_config(recorded) == _job_config(OmegaConf.to_container(cfg, resolve=True))
+
+
 class SweepJob(JobHooks):
     @property
     def holds_partition(self) -> bool:
@@ -90,11 +101,7 @@ class SweepJob(JobHooks):
         summary.json exists FAILED is left alone, so every rank takes the same decision here."""
         failed = run_dir / FAILED
         if (run_dir / "summary.json").is_file():
-            if failed.exists() or not (run_dir / "config.yaml").is_file():
-                return False
-            if _job_config(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"))) == _job_config(
-                OmegaConf.to_container(cfg, resolve=True)
-            ):
+            if finished_in(run_dir, cfg):
                 if rank == 0:
                     print(f"stagecheck: sweep job {_job_num()} already finished in {run_dir}: skipped", flush=True)
                 return True

@@ -35,9 +35,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hydra.core.utils import JobReturn, JobStatus
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
-from sweep.job import FAILED
+from sweep.job import FAILED, finished_in
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,31 @@ def queued_job_ids() -> set[str] | None:
         log.warning(f"squeue exited {out.returncode} ({out.stderr.strip()}); still waiting")
         return None
     return set(out.stdout.split())
+
+
+def finished_jobs(
+    config_loader, config, job_overrides: Sequence[Sequence[str]], first_idx: int, sweep_dir: Path
+) -> dict[int, Path]:
+    """The jobs of a sweep submitted again into its directory (to finish it) that already finished there with the
+    same config: job number -> its directory. They are not submitted: their ranks would wait in the queue, start,
+    and only then skip them (sweep/job.py)."""
+    done = {}
+    for idx, overrides in enumerate(job_overrides, start=first_idx):
+        job_config = config_loader.load_sweep_config(config, list(overrides))
+        with open_dict(job_config):
+            job_config.hydra.job.num = idx
+            run_dir = sweep_dir / str(job_config.hydra.sweep.subdir)
+            del job_config["hydra"]  # what the task function is given, as Hydra's run_job passes it
+        if finished_in(run_dir, job_config):
+            done[idx] = run_dir
+    return done
+
+
+def skipped_return(overrides: Sequence[str], run_dir: Path) -> JobReturn:
+    """A finished job's result when it is not submitted again: completed, as its ranks would have returned."""
+    return JobReturn(
+        overrides=list(overrides), status=JobStatus.COMPLETED, _return_value=None, working_dir=str(run_dir)
+    )
 
 
 def wait_until_ended(jobs: Sequence, clock=time.monotonic, sleep=time.sleep, queued=queued_job_ids) -> None:

@@ -314,13 +314,16 @@ def test_submitit_sweep_runs_three_multi_rank_jobs(slurm_cluster, submitit_sweep
         assert list((job_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert (sweep / "report.md").is_file()  # the sweep's end (sweep/callback.py) ran in the submitting process
 
-    if launcher == "slurm":  # submitted again into its directory (to finish a sweep), finished jobs are skipped
+    if launcher == "slurm":  # submitted again into its directory (to finish a sweep), finished jobs are not submitted
         done = {num: (sweep / str(num) / "summary.json").stat().st_mtime_ns for num in range(3)}
         (sweep / "report.md").unlink()
         again = _submitit_sweep(
             slurm_cluster, tmp_path, "+recompute=none,full,selective", env=sweep_run.env, sweep_dir=str(sweep)
         )
         assert again.returncode == 0, f"{again.stdout[-3000:]}\n{again.stderr[-6000:]}"
+        said = again.stdout + again.stderr
+        assert all(f"#{num} : already finished in {sweep / str(num)}: not submitted" in said for num in range(3)), said
+        assert "submitted SLURM job(s)" not in said  # nothing queued: no rank started only to skip its job
         assert {num: (sweep / str(num) / "summary.json").stat().st_mtime_ns for num in range(3)} == done
         assert (sweep / "report.md").is_file()
 
