@@ -14,7 +14,8 @@ from harness.hf.init_from import check_tensors
 from model import GPT, GPTConfig, lm_loss
 from model.hf.format import hf_state_from_layers, layer_hf_names, layer_state_from_hf
 from model.hf.gpt2 import gpt_config_from_hf
-from tests.runs import TINY, launch, metrics, python_run
+from tests.runs import TINY, metrics, python_run
+from tests.shared_runs import case
 
 HF_SHAPE = dict(n_layer=2, n_head=2, n_embd=32, n_positions=32, vocab_size=256)
 
@@ -32,6 +33,24 @@ def hf_model(**overrides) -> transformers.GPT2LMHeadModel:
     )
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config).eval()
+
+
+def _save_hf_model(scratch) -> None:
+    hf_model().save_pretrained(scratch / "hf")
+
+
+# model=tiny's 4 blocks are replaced silently; an override equal to config.json's value is accepted. The second job
+# resumes from the first's checkpoint and names the same weights, which it must not read again.
+HF_RUN = [*TINY, "model.n_layer=2", "model.dropout=0", "train.micro_batches=2", "train.trace_step=0", "logger=none"]
+CASES = {
+    "hf-start": case(*HF_RUN, "model.init_from={scratch}/hf", "train.steps=1", setup=_save_hf_model),
+    "hf-resumed": case(
+        *HF_RUN,
+        "model.init_from={runs}/../files/init_from-hf-start/hf",
+        "train.steps=2",
+        "train.resume={runs}/init_from-hf-start/checkpoints/step_00000001",
+    ),
+}
 
 
 @pytest.fixture(scope="module")
@@ -123,14 +142,13 @@ def test_weights_of_another_shape_are_refused(hf):
 
 
 @pytest.mark.multiproc
-def test_two_stage_run_starts_from_hf_weights_and_a_resume_does_not_reload(tmp_path, hf):
-    model, safetensors_dir, _ = hf
-    run_dir = tmp_path / "run"
-    # model=tiny's 4 blocks are replaced silently; an override equal to config.json's value is accepted.
-    overrides = [*TINY, f"model.init_from={safetensors_dir}", "model.n_layer=2", "model.dropout=0"]
-    overrides += ["train.micro_batches=2", "train.trace_step=0", "logger=none"]
-    first = launch(run_dir, *overrides, "train.steps=1")
-    assert f"stagecheck: initial weights from {safetensors_dir}/model.safetensors" in first.stdout
+def test_two_stage_run_starts_from_hf_weights_and_a_resume_does_not_reload(case_runs, shared_runs):
+    run_dir, resumed_dir = case_runs["hf-start"], case_runs["hf-resumed"]
+    weights = (
+        f"stagecheck: initial weights from {run_dir.parent.parent / 'files' / run_dir.name / 'hf'}/model.safetensors"
+    )
+    output = shared_runs.case_output()
+    assert output.count(weights) == 1  # by the first job only: the resumed one takes the checkpoint's weights
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert {k: config["model"][k] for k in ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size")} == {
         "n_layer": 2,
@@ -144,12 +162,11 @@ def test_two_stage_run_starts_from_hf_weights_and_a_resume_does_not_reload(tmp_p
     t, source = config["train"], SyntheticTokenSource(HF_SHAPE["vocab_size"])
     batches = [source.batch(config["seed"], 1, 0, micro, t["micro_batch_size"], 32) for micro in range(2)]
     with torch.no_grad():
-        hf_loss = sum(lm_loss(model(x).logits, y) for x, y in batches) / len(batches)
+        hf_loss = sum(lm_loss(hf_model()(x).logits, y) for x, y in batches) / len(batches)
     assert metrics(run_dir)[0]["loss"] == pytest.approx(hf_loss.item(), abs=1e-5)
 
-    resumed = launch(run_dir, *overrides, "train.steps=2")
-    assert "stagecheck: resuming from" in resumed.stdout
-    assert "initial weights from" not in resumed.stdout  # the checkpoint's weights win
+    assert f"stagecheck: resuming from {run_dir / 'checkpoints' / 'step_00000001'} after step 1" in output
+    assert [row["step"] for row in metrics(resumed_dir)] == [2]
 
 
 @pytest.mark.multiproc

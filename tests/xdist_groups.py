@@ -28,7 +28,6 @@ LONG_SECONDS = {
     "tests/test_faults.py": 96,
     "tests/test_pipeline_peers.py": 79,
     "tests/test_eval.py": 59,
-    "tests/test_init_from.py": 53,
     "tests/test_prepare_data.py": 46,
     "tests/test_bad_input.py": 45,
     "tests/test_device_profile.py": 36,
