@@ -6,6 +6,7 @@
 import argparse
 import ast
 import dataclasses
+import functools
 import inspect
 import textwrap
 import types
@@ -44,6 +45,7 @@ def field_docs(schema: type) -> dict[str, str]:
     return docs
 
 
+@functools.cache  # a source's parse, once per class: every key of every composed config asks for its class's
 def class_node(cls: type) -> ast.ClassDef:
     # Dedented: a class defined inside a function (a test's) is indented.
     node = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
