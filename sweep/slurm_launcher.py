@@ -76,7 +76,10 @@ def finished_jobs(
 ) -> dict[int, Path]:
     """The jobs of a sweep submitted again into its directory (to finish it) that already finished there with the
     same config: job number -> its directory. They are not submitted: their ranks would wait in the queue, start,
-    and only then skip them (sweep/job.py)."""
+    and only then skip them (sweep/job.py). A sweep directory that holds no finished job is answered without
+    composing any job's config (one composition per job: seconds for a large sweep's first submission)."""
+    if not any(sweep_dir.rglob("summary.json")):
+        return {}
     done = {}
     for idx, overrides in enumerate(job_overrides, start=first_idx):
         job_config = config_loader.load_sweep_config(config, list(overrides))
