@@ -43,8 +43,8 @@ test-quick: venv
 # The compiled exactness matrix (train.compile: every accepted recompute mode, both families), +recompute=auto compiled
 # through the launcher (tests/test_compile_auto_run.py), 2 stages x 2 data-parallel ranks with ZeRO-1 compiled
 # (tests/test_compile_zero1_run.py) and the planner's compiled bytes against the meters (tests/test_compile_bytes.py),
-# which make test leaves out for their compile time (one representative compiled check stays in make test:
-# tests/test_compile.py).
+# which make test leaves out for their compile time (a representative compiled 2-rank run through the launcher, the
+# refusals and the planner's reading of compiled bytes stay in make test: tests/test_compile.py).
 test-compile: venv
 	$(CPU_ENV) $(PY) -m pytest -q tests -m compile $(XDIST) --durations=10
 

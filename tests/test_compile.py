@@ -1,16 +1,11 @@
 """train.compile (parallel/runtime/compile_blocks.py): each block compiled after its stage plan; what cannot compile is
-refused at start-up in one line; one representative compiled check (the whole matrix: tests/test_compile_matrix.py,
-`make test-compile`)."""
-
-import gc
+refused at start-up in one line; one representative compiled run through the launcher (the exactness matrix, in process:
+tests/test_compile_matrix.py, `make test-compile`)."""
 
 import pytest
-import torch
-from torch._subclasses.fake_tensor import is_fake
 
 from model import FIRST_BLOCK_INDEX, GPTConfig, gpt_layers
 from parallel.measurement.compiled_bytes import compiled_options
-from parallel.measurement.tensor_peak import live_storages
 from parallel.planning import working_set
 from parallel.planning.block_prices import analytic_prices
 from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute
@@ -21,17 +16,15 @@ from parallel.planning.stage_plan import StagePlan
 from parallel.runtime.compile_blocks import compile_refusal, compiled_auto
 from tests.compiled_runs import (
     COMPILED_RUN,
-    assert_bit_identical,
     assert_compiled_in_the_first_step_only,
-    compiled_steps,
 )
 from tests.runs import summary
 from tests.shared_runs import case
 
 # Full recompute: its plan needs one compiled block measured (`none`'s bytes), where selective needs two, and each
-# costs a compile at start-up; selective inside compiled blocks is checked in process below. (+recompute=auto, which
-# compiles six options at start-up: tests/test_compile_auto_run.py, `make test-compile`.)
-# One compiled run in the shared 2-rank launch (its exactness against compiled none is checked in process, below).
+# costs a compile at start-up. (+recompute=auto, which compiles six options at start-up:
+# tests/test_compile_auto_run.py; every mode's exactness against compiled none: tests/test_compile_matrix.py; both
+# `make test-compile`, whose cold compiles would take make test past its 12 minutes.)
 CASES = {"compiled-full": case(*COMPILED_RUN, "+recompute=full")}
 
 REFUSED = [
@@ -117,22 +110,6 @@ def test_auto_under_compile_weighs_only_the_options_a_compiled_block_was_measure
         chosen |= {option_key(modules) for plan in layout.plans for modules in plan.selective.values()}
     assert chosen and chosen <= set(options)
     assert compiled_auto(AutoRecompute()).early is False
-
-
-def test_compiled_recompute_is_bit_identical_to_compiled_none_without_recompiles():
-    """Dropout on, two stages in this process: selective checkpoints traced inside the compiled blocks give the
-    compiled `none` run's losses and gradients, and the second step (other micro-batches, both stages) compiles
-    nothing. (Full segments around compiled blocks: tests/test_compile_matrix.py.)"""
-    config = GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=16, vocab_size=64, dropout=0.1)
-    reference = compiled_steps(config, NoRecompute())
-    run = compiled_steps(config, SelectiveRecompute(modules=["core_attn", "mlp"]))
-    assert_bit_identical(run, reference)
-    assert run.first.graphs >= 1 and run.later.graphs == 0
-    assert run.first.graph_breaks == run.later.graph_breaks == 0
-    assert reference.first.graphs >= 1 and reference.later.graphs == 0
-    # The compiler's fake tensors stay alive in its caches, and the CPU peak meter's scan of live tensors skips them.
-    assert any(is_fake(obj) for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor))
-    live_storages()
 
 
 @pytest.mark.multiproc

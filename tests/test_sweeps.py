@@ -186,38 +186,50 @@ def test_failing_jobs_are_marked_and_the_sweep_goes_on(tmp_path):
     assert "| 3 | none |" in report
 
 
+def test_a_finished_job_is_one_with_the_same_config_but_for_how_it_was_launched(tmp_path):
+    """sweep/job.py's finished_in, which a relaunched sweep (and hydra/launcher=slurm) uses to skip a job: summary.json,
+    no FAILED, and config.yaml equal to the job's config but for train.resume and train.overwrite."""
+    from omegaconf import OmegaConf
+
+    from sweep.job import FAILED, finished_in
+
+    def job(*overrides: str):
+        return compose_cfg(*TINY, "train.steps=2", *overrides)
+
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.to_container(job(), resolve=True)))
+    assert not finished_in(tmp_path, job())  # no summary.json: it did not finish
+    (tmp_path / "summary.json").write_text("{}")
+    assert finished_in(tmp_path, job())
+    assert finished_in(tmp_path, job("train.overwrite=true", "train.resume=false"))
+    assert not finished_in(tmp_path, job("train.steps=3"))  # another config: continued from its checkpoint
+    assert not finished_in(tmp_path, job("+recompute=full"))
+    (tmp_path / FAILED).write_text("rank 1 failed\n")
+    assert not finished_in(tmp_path, job())
+
+
 @pytest.mark.multiproc
 def test_a_failure_inside_training_ends_the_sweep_and_a_relaunch_finishes_it(tmp_path):
+    """Job 1 fails at step 3 and the sweep stops there (a documented limit: sweep/job.py). Relaunched into its
+    directory, the sweep skips job 0 (finished with this config), continues job 1 from its step-2 checkpoint
+    (train.resume=auto; its FAILED kept as FAILED.1) and runs job 2."""
     from tests.runs import cpu_env
 
     sweep = tmp_path / "sweep"
-    quiet = ["train.trace_step=0", "logger=none"]
-    env = cpu_env(tmp_path, STAGECHECK_TEST_FAIL="1:1")  # rank 1 raises at step 1 of the first job
-    result = launch_multirun(
-        sweep, *TINY, "train.steps=2", *quiet, "+recompute=none,full", check=False, env=env, timeout=300
-    )
+    jobs = [*TINY, "train.steps=2,4,3", "train.save_every=2", "train.trace_step=0", "logger=none", "+recompute=full"]
+    env = cpu_env(tmp_path, STAGECHECK_TEST_FAIL="1:3")  # rank 1 raises at step 3: job 0 has only 2
+    result = launch_multirun(sweep, *jobs, check=False, env=env, timeout=300)
     assert result.returncode != 0
-    assert "rank 1 failed: RuntimeError: injected failure" in (sweep / "0" / "FAILED").read_text()
-    assert not (sweep / "1").exists()  # documented limit: the sweep stops (sweep/job.py)
+    assert "rank 1 failed: RuntimeError: injected failure" in (sweep / "1" / "FAILED").read_text()
+    assert not (sweep / "2").exists()
+    finished = (sweep / "0" / "summary.json").stat().st_mtime_ns
 
-    # Relaunched into the same sweep directory, the sweep finishes: the failed job runs again (its partial
-    # outputs need train.overwrite; its earlier FAILED is kept) and job 1 runs.
-    again = launch_multirun(
-        sweep, *TINY, "train.steps=2", *quiet, "+recompute=none,full", "train.overwrite=true", timeout=300
-    )
-    assert "injected failure" in (sweep / "0" / "FAILED.1").read_text()
-    assert not (sweep / "0" / "FAILED").exists()
-    assert [summary(sweep / job)["recompute"] for job in ("0", "1")] == ["none", "full"]
+    again = launch_multirun(sweep, *jobs, timeout=300)
+    assert f"stagecheck: sweep job 0 already finished in {sweep / '0'}: skipped" in again.stdout
+    assert (sweep / "0" / "summary.json").stat().st_mtime_ns == finished
+    assert "injected failure" in (sweep / "1" / "FAILED.1").read_text()
+    assert not (sweep / "1" / "FAILED").exists()
+    assert f"resuming from {sweep / '1' / 'checkpoints' / 'step_00000002'}" in again.stdout + again.stderr
+    assert [len(summary(sweep / job)["losses"]) for job in ("0", "1", "2")] == [2, 4, 3]
     assert "job(s) failed" not in again.stderr
-    # A third launch finds both jobs finished and skips them; the report covers both.
-    done = {job: (sweep / job / "summary.json").stat().st_mtime_ns for job in ("0", "1")}
-    third = launch_multirun(sweep, *TINY, "train.steps=2", *quiet, "+recompute=none,full", timeout=300)
-    for job in ("0", "1"):
-        assert f"stagecheck: sweep job {job} already finished in {sweep / job}: skipped" in third.stdout
-        assert (sweep / job / "summary.json").stat().st_mtime_ns == done[job]
-    assert "| 0 | none |" in (sweep / "report.md").read_text() and "| 1 | full" in (sweep / "report.md").read_text()
-    # Another config is not taken for a finished job: as in any run directory, train.resume=auto continues
-    # the job from its last checkpoint (here: one more step).
-    longer = launch_multirun(sweep, *TINY, "train.steps=3", *quiet, "+recompute=none", timeout=300)
-    assert "already finished" not in longer.stdout and "resuming from" in longer.stdout + longer.stderr
-    assert len(summary(sweep / "0")["losses"]) == 3
+    report = (sweep / "report.md").read_text()
+    assert all(f"| {job} | full" in report for job in ("0", "1", "2")) and "## Failed jobs" not in report
