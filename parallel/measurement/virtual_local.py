@@ -6,8 +6,11 @@ The layout's stages are the virtual stages (ranks x chunks of them, in pipeline 
 stage of its own (parallel/measurement/in_process.py's LocalStage): a chunk boundary is a stage boundary, so no
 full-recompute segment crosses one. Each chunk keeps its micro-batch's tensors in the buffer of that micro-batch. A
 rank's instruction goes to the interpreter of its chunk, with the micro-batch as the buffer; the once-per-step
-instructions go to every chunk of the rank. As in parallel/measurement/local_stages.py, the optimizer step is the
-caller's, and each chunk keeps its own copy of a tied weight, with its own gradient.
+instructions go to every chunk of the rank. Each chunk's work is the engine's own (parallel/runtime/chunk_work.py's
+ChunkStageWork, a fresh one per step as the engine makes it), so a chunk holds here what it holds on a rank of the
+engine, and its backward scales the loss by 1 / micro-batches as DeepSpeed's does. As in
+parallel/measurement/local_stages.py, the optimizer step is the caller's, and each chunk keeps its own copy of a tied
+weight, with its own gradient.
 """
 
 from collections import defaultdict, deque
@@ -17,13 +20,14 @@ from contextlib import ExitStack
 import torch
 
 from model.fused_loss import HeadLoss
-from parallel.measurement.in_process import LinkedNeighbours, LocalStage, LocalStageWork, MicroBatchSource
+from parallel.measurement.in_process import LinkedNeighbours, LocalStage
 from parallel.planning import schedules
 from parallel.planning.layout import PipelineLayout
 from parallel.planning.shapes import TORCH_DTYPES
 from parallel.planning.virtual_schedules import ChunkCommand, VirtualProgram, virtual_schedule
+from parallel.runtime.chunk_work import ChunkStageWork, MicroBatchSource
 from parallel.runtime.dropout_keys import DropoutKeys
-from parallel.runtime.stage_interpreter import Recv, StageInterpreter, Transport
+from parallel.runtime.stage_interpreter import StageInterpreter, Transport
 from parallel.runtime.virtual_rank import backward_kind, execute
 
 
@@ -42,9 +46,9 @@ class VirtualLocalPipeline:
     def parameters(self):
         return [p for stage in self.stages for p in stage.parameters()]
 
-    def step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], measure: bool = False) -> torch.Tensor:
-        """Forward and backward of every (tokens, labels) micro-batch; gradients accumulate. Returns the mean loss.
-        With `measure`, each chunk's meter records every micro-batch."""
+    def step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Forward and backward of every (tokens, labels) micro-batch; gradients accumulate, each micro-batch's scaled
+        by 1 / the micro-batches. Returns the mean loss."""
         count = len(micro_batches)
         programs = virtual_schedule(self.schedule, count, self.ranks, self.chunks)
         pipes: defaultdict[tuple[int, int], deque[torch.Tensor]] = defaultdict(deque)
@@ -52,66 +56,23 @@ class VirtualLocalPipeline:
             chunk_interpreter(self, index, programs[0], LinkedNeighbours(pipes, index), micro_batches.__getitem__)
             for index in range(len(self.stages))
         ]
-        for interpreter in interpreters:
-            interpreter.work.measure = measure
         with ExitStack() as stack:
             for interpreter in interpreters:
                 stack.enter_context(interpreter.training_step(self.steps))
             _run_until_done(programs, interpreters)
         self.steps += 1
-        return torch.stack(interpreters[-1].work.losses).mean()
-
-
-class ChunkWork(LocalStageWork):
-    """A chunk's work, with a gradient and a loss per micro-batch. A chunk's programme receives each output gradient
-    at the boundary where it is sent, which may come before the chunk's backward of an earlier micro-batch has run
-    (and a W deferred from it still reads that gradient), and the last chunk may run a forward between another
-    micro-batch's forward and backward: so each received gradient and each loss gets a tensor of its own, dropped
-    after the backward that reads it (DeepSpeed's one gradient buffer and one loss serve 1F1B, where a backward
-    follows its RecvGrad at once, and the last stage's its forward)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.grads: list[torch.Tensor | None] = [None] * len(self.outputs)
-        self.buffer_losses: list[torch.Tensor | None] = [None] * len(self.outputs)
-
-    def forward(self, buffer_id: int) -> None:
-        super().forward(buffer_id)
-        if self.last:  # the last chunk may run the next forward before this backward (interleaved 1F1B)
-            self.buffer_losses[buffer_id] = self.loss
-
-    def recv_grad(self, buffer_id: int, recv: Recv) -> None:
-        self.grads[buffer_id] = torch.empty_like(self.outputs[buffer_id])
-        recv(self.grads[buffer_id], self.index + 1)
-
-    def fresh_grad_buffer(self, buffer_id: int) -> torch.Tensor:
-        raise RuntimeError("a chunk's sends are not posted: recv_grad makes each gradient's tensor")
-
-    def backward(self, buffer_id: int) -> None:
-        if self.last:
-            self.buffer_losses[buffer_id].backward()
-            self.buffer_losses[buffer_id] = None
-            return
-        self.outputs[buffer_id].backward(self.grads[buffer_id])
-        self.outputs[buffer_id] = self.grads[buffer_id] = None
+        return torch.stack(interpreters[-1].work.step_losses).mean()
 
 
 def chunk_interpreter(
-    pipe: "VirtualLocalPipeline",
-    index: int,
-    program: VirtualProgram,
-    transport: Transport,
-    data: MicroBatchSource,
-    optimizer: torch.optim.Optimizer | None = None,
+    pipe: "VirtualLocalPipeline", index: int, program: VirtualProgram, transport: Transport, data: MicroBatchSource
 ) -> StageInterpreter:
     """The interpreter of virtual stage `index` of `pipe` for a step of `program`'s micro-batches, each in a buffer of
     its own, its sends and receives over `transport` (between virtual stages)."""
     config = pipe.layout.recipes[0].args[0]  # the token embedding's GPTConfig
     count, virtual = program.micro_batches, len(pipe.stages)
     hidden = (data(0)[0].shape[0], config.seq_len, config.n_embd)
-    stage = pipe.stages[index]
-    work = ChunkWork(stage, index, virtual, pipe.loss, hidden, pipe.dtype, count, data, optimizer)
-    work.start_step()
+    work = ChunkStageWork(pipe.stages[index], index, virtual, pipe.loss, hidden, pipe.dtype, count, data, None)
     return StageInterpreter(
         work,
         transport,

@@ -41,25 +41,22 @@ class VirtualRankReplay:
         def random_micro_batch(_: int) -> tuple[torch.Tensor, torch.Tensor]:
             return torch.randint(0, config.vocab_size, tokens), torch.randint(0, config.vocab_size, tokens)
 
-        mine = {self.program.placement.virtual_stage(rank, chunk) for chunk in range(chunks)}
-        self.interpreters = [
-            chunk_interpreter(pipe, i, self.program, FakeNeighbours(), random_micro_batch) if i in mine else None
-            for i in range(len(pipe.stages))
-        ]
-        # The other ranks' chunks go with `pipe`: only this rank's stay alive, held by their interpreters.
+        self.mine = [self.program.placement.virtual_stage(rank, chunk) for chunk in range(chunks)]
+        self.pipe, self.data = pipe, random_micro_batch
         self.steps = 0
         """Training steps run: the next one's dropout key."""
 
     def step(self) -> None:
-        """One training step: every instruction of the rank's programme."""
-        chunks = [i for i in self.interpreters if i is not None]
-        for interpreter in chunks:
-            interpreter.work.start_step()
+        """One training step: every instruction of the rank's programme, each chunk's work a fresh one, as the engine
+        makes them (parallel/runtime/virtual_engine.py)."""
+        interpreters = [None] * len(self.pipe.stages)
+        for i in self.mine:
+            interpreters[i] = chunk_interpreter(self.pipe, i, self.program, FakeNeighbours(), self.data)
         with ExitStack() as stack:
-            for interpreter in chunks:
-                stack.enter_context(interpreter.training_step(self.steps))
+            for i in self.mine:
+                stack.enter_context(interpreters[i].training_step(self.steps))
             for command in self.program.commands():
-                execute(self.program, self.interpreters, command)
+                execute(self.program, interpreters, command)
         self.steps += 1
 
     def measure_peak(self, steps: int = 2) -> TensorPeak:
