@@ -7,8 +7,9 @@ stage of its own (parallel/measurement/in_process.py's LocalStage): a chunk boun
 full-recompute segment crosses one. Each chunk keeps its micro-batch's tensors in the buffer of that micro-batch. A
 rank's instruction goes to the interpreter of its chunk, with the micro-batch as the buffer; the once-per-step
 instructions go to every chunk of the rank. Each chunk's work is the engine's own (parallel/runtime/chunk_work.py's
-ChunkStageWork, a fresh one per step as the engine makes it), so a chunk holds here what it holds on a rank of the
-engine, and its backward scales the loss by 1 / micro-batches as DeepSpeed's does. As in
+ChunkStageWork, a fresh one per step as the engine makes it), so a chunk keeps here the tensors it keeps on a rank of
+the engine (not what the engine's boundary links and DeepSpeed add), and its backward scales the loss by
+1 / micro-batches as DeepSpeed's does. As in
 parallel/measurement/local_stages.py, the optimizer step is the caller's, and each chunk keeps its own copy of a tied
 weight, with its own gradient.
 """
