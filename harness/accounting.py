@@ -87,8 +87,13 @@ class Accounting:
         if self.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         if self.meter.armed:
+            self._settle_states()
             self.tensor_meter.start()
         self._meter_engine(self.meter.armed)
+
+    def _settle_states(self) -> None:
+        """What must exist before the metered step's window opens: nothing on a 1F1B stage, whose measured peak is held
+        against the whole predicted peak, states included."""
 
     def _attach_meter(self) -> None:
         """The stage's forwards and loss through the activation meter, and the stage's plan."""

@@ -18,6 +18,15 @@ class RankAccounting(Accounting):
     def _attach_meter(self) -> None:
         """Nothing to attach: the tensor peak meters the whole rank."""
 
+    def _settle_states(self) -> None:
+        """The rank's gradients, zeros, where DeepSpeed's zero_grad left None after the last optimizer step: else the
+        metered step would allocate them inside its window and its activation bytes would count them, though they are
+        states (planned_state_bytes_per_rank). The backward adds into them, and 0 + g is g (a -0.0 comes out +0.0,
+        which moves no weight)."""
+        for parameter in self.engine.module.parameters():
+            if parameter.requires_grad and parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
+
     def _meter_engine(self, armed: bool) -> None:
         """No early recompute and no zb-h1 store to meter (parallel/planning/virtual_support.py)."""
 
