@@ -36,22 +36,26 @@ class VirtualRankReplay:
         pipe = VirtualLocalPipeline(layout, schedule, chunks)
         self.program = virtual_schedule(schedule, micro_batches, pipe.ranks, chunks)[rank]
         config = layout.recipes[0].args[0]  # the token embedding's GPTConfig
-        tokens = (micro_batch_size, config.seq_len)
-
-        def random_micro_batch(_: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return torch.randint(0, config.vocab_size, tokens), torch.randint(0, config.vocab_size, tokens)
-
+        self.tokens, self.vocab = (micro_batch_size, config.seq_len), config.vocab_size
         self.mine = [self.program.placement.virtual_stage(rank, chunk) for chunk in range(chunks)]
-        self.pipe, self.data = pipe, random_micro_batch
+        self.pipe = pipe
         self.steps = 0
         """Training steps run: the next one's dropout key."""
 
-    def step(self) -> None:
+    def micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A step's random (token ids, labels), each (b, s)."""
+        return [
+            (torch.randint(0, self.vocab, self.tokens), torch.randint(0, self.vocab, self.tokens))
+            for _ in range(self.program.micro_batches)
+        ]
+
+    def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         """One training step: every instruction of the rank's programme, each chunk's work a fresh one, as the engine
         makes them (parallel/runtime/virtual_engine.py)."""
+        data = (micro_batches or self.micro_batches()).__getitem__
         interpreters = [None] * len(self.pipe.stages)
         for i in self.mine:
-            interpreters[i] = chunk_interpreter(self.pipe, i, self.program, FakeNeighbours(), self.data)
+            interpreters[i] = chunk_interpreter(self.pipe, i, self.program, FakeNeighbours(), data)
         with ExitStack() as stack:
             for i in self.mine:
                 stack.enter_context(interpreters[i].training_step(self.steps))
@@ -65,6 +69,7 @@ class VirtualRankReplay:
             self.step()
         gc.collect()  # the garbage of earlier objects would otherwise count as alive in the window
         meter = TensorPeakMeter("cpu")
+        batches = self.micro_batches()  # before the window, as the trainer loads a step's micro-batches before its step
         with meter.window() as result:
-            self.step()
+            self.step(batches)
         return result[0]
