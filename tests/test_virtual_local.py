@@ -94,12 +94,16 @@ def test_two_chunks_per_rank_train_as_1f1b_bit_for_bit(schedule, mode, batches, 
         assert torch.equal(grad, expected[1][key]), key
 
 
-@pytest.mark.parametrize("schedule", AUTO_BUDGET_BYTES)
-def test_auto_per_chunk_trains_as_none_bit_for_bit(schedule, batches, one_f_one_b):
-    """Each rank's chunks under the plans auto chose for them together (some recomputing) train as 1F1B without
-    recompute, dropout on."""
-    planned, _ = auto_layout(schedule)
+@pytest.mark.parametrize(
+    "schedule, budget", [*AUTO_BUDGET_BYTES.items(), ("interleaved-1f1b", 605_312), ("zb-v", 744_832)]
+)
+def test_auto_per_chunk_trains_as_none_bit_for_bit(schedule, budget, batches, one_f_one_b):
+    """Each rank's chunks under the plans auto chose for them together (some recomputing; at the largest rank floor,
+    full-recompute segments) train as 1F1B without recompute, dropout on."""
+    planned, _ = auto_layout(schedule, AutoRecompute(budget_gb=budget / GIB, reserve_gb=0.0))
     assert any(p.segments or p.selective for p in planned.plans)
+    if budget < AUTO_BUDGET_BYTES[schedule]:
+        assert any(p.segments for p in planned.plans)
     pipe = VirtualLocalPipeline(planned, schedule, chunks=2)
     loss, expected = pipe.step(batches), one_f_one_b["none"]
     assert torch.equal(loss, expected[0])
