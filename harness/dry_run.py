@@ -25,7 +25,7 @@ def dry_run(ctx: RunContext, layout: PipelineLayout) -> RunPlan:
     run = ctx.run
     plan = run_plan(ctx, layout)
     lines = layout.describe() + layout.empty_stage_warnings() + plan.lines()
-    if layout.budgets is not None:
+    if layout.budgeted:
         lines += layout.describe_budgets(run.recompute)
     if plan.virtual is not None:  # the layout's stages are virtual stages: each rank's chunks together
         lines += plan.virtual.lines()

@@ -90,7 +90,7 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
         one_micro_batch = Shape.of(run.model, run.train.micro_batch_size)
         backend = sdpa_backend(one_micro_batch, target, run.model.dropout)
         check_planned_backend(backend, one_micro_batch, target)
-    if layout.budgets is not None and rank == 0:
+    if layout.budgeted and rank == 0:
         for line in layout.describe_budgets(run.recompute):
             print("stagecheck: " + line, flush=True)
     engine = build_run_engine(ctx, layout)  # the schedule's: DeepSpeed's PipelineEngine or the virtual engine

@@ -71,7 +71,12 @@ PLANNING = [
     {"parallel.planning.instruction_seconds"},
     {"parallel.planning.stage_price"},  # the one function that prices a stage: memory, seconds, FLOPs
     {"parallel.planning.stage_planner"},
-    {"parallel.planning.balanced_search", "parallel.planning.schedule_choice", "parallel.planning.budget_refusal"},
+    {
+        "parallel.planning.balanced_search",
+        "parallel.planning.schedule_choice",
+        "parallel.planning.budget_refusal",
+        "parallel.planning.virtual_auto",  # auto per chunk: a rank's chunks planned together against its budget
+    },
     {"parallel.planning.virtual_plan"},  # what each rank of a virtual-stage schedule is planned to hold, as a record
     {"parallel.planning.layout", "parallel.planning.plan_record"},
     {"parallel.planning.virtual_choice"},  # the virtual-stage schedules priced on a layout's ranks, for the dry run

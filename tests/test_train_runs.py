@@ -31,6 +31,18 @@ CASES = {
     # zb-v with selective recompute and dropout: the "none" case's losses; evaluated and saved at step 2, from where
     # a later job of the launch resumes under v-half (the same placement of the layers).
     "zb-v": case(*TINY, *STEPS, "model.dropout=0.1", "+recompute=selective", *VIRTUAL),
+    # zb-v under +recompute=auto between the ranks' floors (0.015, 0.014 GiB) and none's peaks (0.019, 0.021 GiB):
+    # each rank's chunks planned together, some recomputing; the "none" case's losses.
+    "zb-v-auto": case(
+        *TINY,
+        *STEPS,
+        "model.dropout=0.1",
+        "+recompute=auto",
+        "recompute.budget_gb=0.018",
+        "recompute.reserve_gb=0",
+        "parallel.schedule=zb-v",
+        "logger=none",
+    ),
     "v-half-resumed": case(
         *TINY,
         *STEPS,
@@ -151,6 +163,17 @@ def test_zb_v_meters_each_rank_as_the_rank_replay_does(case_runs):
     replay = [peak.peak_bytes - peak.baseline_bytes for peak in replayed]
     measured = s["measured_activation_bytes_per_rank"]
     assert measured == replay
+
+
+def test_zb_v_under_auto_per_chunk_trains_as_none_does(case_runs):
+    """+recompute=auto under zb-v: each rank's plan and peak printed at start-up, the "none" case's losses bit for bit,
+    and each rank's measured activation bytes at least its planned walked peak (the walk leaves out the backward's
+    working set: docs/virtual_stages.md)."""
+    s, reference = summary(case_runs["zb-v-auto"]), summary(case_runs["none"])
+    assert s["schedule"] == "zb-v" and s["losses"] == reference["losses"]
+    assert any(choice != "none" for stage in s["layout"] for choice in stage["choices"])
+    planned, measured = s["planned_activation_bytes_per_rank"], s["measured_activation_bytes_per_rank"]
+    assert len(planned) == 2 and all(m >= p > 0 for m, p in zip(measured, planned))
 
 
 def test_a_zb_v_checkpoint_holds_the_model_as_a_1f1b_one_does(case_runs):

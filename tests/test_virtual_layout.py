@@ -7,10 +7,14 @@ from dataclasses import replace
 import pytest
 
 from model import BLOCK_CLASSES, GPTConfig
+from parallel.planning.budget_refusal import BudgetTooSmall
 from parallel.planning.config import AutoRecompute, NoRecompute, SelectiveRecompute
 from parallel.planning.layout import build_layout
 from parallel.planning.run_plan import plan_run
-from parallel.planning.shapes import RunShape, Target, Topology
+from parallel.planning.shapes import GIB, RunShape, Shape, Target, Topology
+from parallel.planning.stage_planner import StagePlanner
+from parallel.planning.stage_price import StagePricing
+from parallel.planning.virtual_auto import RankPeak, chunk_side
 from parallel.planning.virtual_choice import virtual_options
 from parallel.planning.virtual_layout import (
     faster_virtual_schedule,
@@ -19,6 +23,7 @@ from parallel.planning.virtual_layout import (
     virtual_shape,
     with_virtual_plan,
 )
+from parallel.planning.virtual_memory import rank_walks
 from parallel.planning.virtual_plan import VirtualPlan
 from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES
 from parallel.planning.virtual_support import schedule_change_refusal, virtual_run_refusal
@@ -64,8 +69,9 @@ def test_what_train_py_does_not_run_under_a_virtual_schedule_is_refused_in_one_l
         return virtual_run_refusal(schedule, recompute or NoRecompute(), precision, 0, micro_batches, ranks, blocks)
 
     assert refusal() is None and refusal(schedule="interleaved-1f1b", micro_batches=4) is None
+    assert refusal(recompute=AutoRecompute()) is None  # auto is planned per rank (parallel/planning/virtual_auto.py)
     refusals = {
-        "+recompute=auto": refusal(recompute=AutoRecompute()),
+        "recompute.early=true": refusal(recompute=AutoRecompute(early=True)),
         "train.precision=bf16": refusal(precision="bf16"),
         "model.n_layer=3": refusal(blocks=3),
         "train.micro_batches=5": refusal(schedule="interleaved-1f1b", micro_batches=5),
@@ -73,6 +79,7 @@ def test_what_train_py_does_not_run_under_a_virtual_schedule_is_refused_in_one_l
     for option, line in refusals.items():
         assert line and "\n" not in line, option
     assert "model.n_layer=3" in refusals["model.n_layer=3"]
+    assert "recompute.early=true" in refusals["recompute.early=true"]
     assert "train.micro_batches=5" in refusals["train.micro_batches=5"]
 
 
@@ -99,9 +106,63 @@ def test_auto_picks_a_virtual_schedule_only_where_it_simulates_faster_than_1f1b_
 
 def test_auto_leaves_out_the_virtual_schedules_where_the_run_cannot_run_them():
     assert _auto(GPT2_16, 2, 2, precision="bf16")[1] is None  # the virtual engine runs fp32 only
-    assert _auto(GPT2_16, 2, 2, recompute=AutoRecompute())[1] is None  # auto recompute is not planned per chunk
+    assert _auto(GPT2_16, 2, 2, recompute=AutoRecompute(early=True))[1] is None  # early recompute is not wired
     assert _auto(replace(GPT2_16, n_layer=3), 2, 2)[1] is None  # fewer blocks than chunks
 
 
 def test_a_resume_under_auto_keeps_the_checkpoints_placement():
     assert schedule_change_refusal("zb-v", "auto") is None and schedule_change_refusal("1f1b", "auto") is None
+
+
+def _auto_layout(schedule: str, budget_bytes: float):
+    auto = AutoRecompute(budget_gb=budget_bytes / GIB, reserve_gb=0.0)
+    return virtual_layout(MODEL, auto, RUN, "type:Block", 0, schedule, None, None, None), auto
+
+
+def _rank_peaks(layout, auto: AutoRecompute, schedule: str) -> list[RankPeak]:
+    """Each rank's RankPeak as virtual_auto.plan_ranks builds it for `layout`'s virtual stages."""
+    shape = Shape.of(MODEL, RUN.micro_batch_size)
+    pricing = StagePricing.of(layout.recipes, virtual_shape(RUN), shape, layout.timing)
+    planner = StagePlanner(pricing, auto, layout.timing.table)
+    walks = rank_walks(layout.recipes, layout.stages, schedule, 2, RUN.micro_batches, shape, RUN.target)
+    return [RankPeak(w, [chunk_side(planner, layout.stages[v]) for v in w.virtual_stages]) for w in walks]
+
+
+@pytest.mark.parametrize("schedule", VIRTUAL_SCHEDULES)
+def test_auto_per_chunk_fits_each_ranks_peak_at_the_least_recompute_of_any_pair(schedule):
+    """Between the largest rank floor and none's largest rank peak: every rank's walked peak within the budget, some
+    chunk recomputing, no pair of the chunks' candidates (brute force) cheaper, and the planner's walk counting what
+    the rank plan (virtual_plan) reports."""
+    unbounded, _ = _auto_layout(schedule, 1e12)
+    assert all(not (p.segments or p.selective) for p in unbounded.plans)
+    floor = max(b.least_bytes for b in unbounded.rank_budgets)
+    none = max(b.peak_bytes for b in unbounded.rank_budgets)
+    budget = (floor + none) // 2
+    layout, auto = _auto_layout(schedule, budget)
+    assert any(p.segments or p.selective for p in layout.plans)
+    assert all(b.peak_bytes <= budget for b in layout.rank_budgets)
+    activations = virtual_plan(MODEL, layout, RUN, schedule).activation_bytes_per_rank
+    for b, peak, planned in zip(layout.rank_budgets, _rank_peaks(layout, auto, schedule), activations):
+        first, second = peak.sides
+        assert peak.walk.peak_bytes([side.kept(c) for side, c in zip(peak.sides, b.choice)]) == planned
+        assert peak.bytes(b.choice) == b.peak_bytes
+        fitting = [a.cost + c.cost for a in first.choices for c in second.choices if peak.bytes((a, c)) <= budget]
+        assert sum(c.cost for c in b.choice) == min(fitting)
+
+
+def test_auto_per_chunk_refuses_a_budget_below_a_ranks_floor_in_one_line():
+    unbounded, _ = _auto_layout("zb-v", 1e12)
+    floor = max(b.least_bytes for b in unbounded.rank_budgets)
+    with pytest.raises(BudgetTooSmall) as refused:
+        _auto_layout("zb-v", floor - 1024)
+    line = str(refused.value)
+    assert "\n" not in line and line.startswith("recompute.budget_gb=") and "does not fit rank" in line
+    assert f"recompute.budget_gb={refused.value.smallest_gb:g}" in line
+    layout, _ = _auto_layout("zb-v", refused.value.smallest_gb * GIB)  # the budget it names fits
+    assert all(b.peak_bytes <= refused.value.smallest_gb * GIB for b in layout.rank_budgets)
+
+
+def test_auto_under_auto_recompute_prices_the_virtual_schedules_with_each_ranks_chunks_planned():
+    """parallel.schedule=auto with +recompute=auto: the virtual schedules are candidates, planned per rank; at a
+    budget no plan needs to recompute under, the choice is none's."""
+    assert _auto(GPT2_16, 2, 2, recompute=AutoRecompute())[1] == _auto(GPT2_16, 2, 2)[1] == "zb-v"

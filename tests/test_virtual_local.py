@@ -12,9 +12,10 @@ from model import GPTConfig
 from parallel.measurement.local_stages import LocalPipeline
 from parallel.measurement.virtual_local import VirtualLocalPipeline
 from parallel.measurement.virtual_replay import VirtualRankReplay
-from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
+from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.planning.layout import build_layout
-from parallel.planning.shapes import RunShape, Target, Topology
+from parallel.planning.shapes import GIB, RunShape, Target, Topology
+from parallel.planning.virtual_layout import virtual_layout, virtual_plan
 from parallel.runtime.stage_interpreter import StageInterpreter
 
 CFG = GPTConfig(n_layer=4, n_head=2, n_embd=32, seq_len=16, vocab_size=64, dropout=0.1)
@@ -28,9 +29,21 @@ MODES = {
 }
 
 
+AUTO_BUDGET_BYTES = {"interleaved-1f1b": 760_000, "zb-v": 760_000, "v-half": 660_000}
+"""+recompute=auto per chunk (2 ranks): per schedule, a budget between its ranks' largest floor and none's largest
+rank peak (605312-935040, 744832-827264 and 650240-700544 bytes), so that some chunk recomputes."""
+
+
 def layout(stages: int, recompute):
     run = RunShape(Topology(stages), Target("cpu", "fp32"), micro_batches=MICRO_BATCHES, micro_batch_size=2)
     return build_layout(CFG, recompute, run, "type:Block", 0)
+
+
+def auto_layout(schedule: str, recompute=None):
+    """2 ranks x 2 chunks of CFG under `recompute`, by default auto per chunk at the schedule's AUTO_BUDGET_BYTES."""
+    run = RunShape(Topology(2), Target("cpu", "fp32"), micro_batches=MICRO_BATCHES, micro_batch_size=2)
+    recompute = recompute or AutoRecompute(budget_gb=AUTO_BUDGET_BYTES[schedule] / GIB, reserve_gb=0.0)
+    return virtual_layout(CFG, recompute, run, "type:Block", 0, schedule, None, None, None), run
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +94,48 @@ def test_two_chunks_per_rank_train_as_1f1b_bit_for_bit(schedule, mode, batches, 
     assert grads.keys() == expected[1].keys()
     for key, grad in grads.items():
         assert torch.equal(grad, expected[1][key]), key
+
+
+@pytest.mark.parametrize(
+    "schedule, budget", [*AUTO_BUDGET_BYTES.items(), ("interleaved-1f1b", 605_312), ("zb-v", 744_832)]
+)
+def test_auto_per_chunk_trains_as_none_bit_for_bit(schedule, budget, batches, one_f_one_b):
+    """Each rank's chunks under the plans auto chose for them together (some recomputing; at the largest rank floor,
+    full-recompute segments) train as 1F1B without recompute, dropout on."""
+    planned, _ = auto_layout(schedule, AutoRecompute(budget_gb=budget / GIB, reserve_gb=0.0))
+    assert any(p.segments or p.selective for p in planned.plans)
+    if budget < AUTO_BUDGET_BYTES[schedule]:
+        assert any(p.segments for p in planned.plans)
+    pipe = VirtualLocalPipeline(planned, schedule, chunks=2)
+    loss, expected = pipe.step(batches), one_f_one_b["none"]
+    assert torch.equal(loss, expected[0])
+    grads = gradients(pipe, MICRO_BATCHES)
+    assert grads.keys() == expected[1].keys()
+    for key, grad in grads.items():
+        assert torch.equal(grad, expected[1][key]), key
+
+
+def _measured(planned, schedule: str) -> list[int]:
+    """Each rank's measured activation bytes: its replay's peak of live tensors above the step's baseline."""
+    peaks = [VirtualRankReplay(planned, schedule, 2, r, MICRO_BATCHES, 2).measure_peak() for r in range(2)]
+    return [p.peak_bytes - p.baseline_bytes for p in peaks]
+
+
+@pytest.mark.parametrize("schedule", ("interleaved-1f1b", "zb-v"))
+def test_auto_per_chunk_lowers_each_ranks_measured_bytes_as_planned(schedule):
+    """The rank replay under auto's plans against no recompute: the planned activation peak per rank (virtual_plan's,
+    the walk) is what the replay holds at least (the walk leaves out the backward's working set and receive buffers:
+    docs/virtual_stages.md), and the measured bytes fall on every rank whose planned peak falls, never rise."""
+    auto, run = auto_layout(schedule)
+    none, _ = auto_layout(schedule, NoRecompute())
+    planned = virtual_plan(CFG, auto, run, schedule).activation_bytes_per_rank
+    planned_none = virtual_plan(CFG, none, run, schedule).activation_bytes_per_rank
+    measured, measured_none = _measured(auto, schedule), _measured(none, schedule)
+    assert all(m >= p for m, p in zip(measured, planned))
+    for rank in range(2):
+        assert measured[rank] <= measured_none[rank]
+        if planned[rank] < planned_none[rank]:
+            assert measured[rank] < measured_none[rank]
 
 
 def test_a_layout_that_does_not_split_into_the_chunks_is_refused():

@@ -207,7 +207,7 @@ def test_v_half_plans_at_most_0_6x_the_1f1b_activation_peak_and_zb_v_about_1f1bs
 
 def test_the_dry_run_prices_every_virtual_schedule_on_the_layouts_ranks(tiny_gpt):
     """Each schedule that takes the run's micro-batches, on 4 ranks x 2 chunks of the layout's model, priced with
-    the layout's time model: V-Half holds the least, ZB-V about 1F1B's; `auto` is said not to be priced."""
+    the layout's time model: V-Half holds the least, ZB-V about 1F1B's; `auto` each rank's chunks together."""
     model = GPTConfig(n_layer=8, n_head=4, n_embd=64, seq_len=32, vocab_size=64, dropout=0.1)
     run = RunShape(Topology(4), Target("cpu", "fp32"), micro_batches=8, micro_batch_size=2)
     layout = build_layout(model, NoRecompute(), run, "type:Block", 0)
@@ -217,7 +217,8 @@ def test_the_dry_run_prices_every_virtual_schedule_on_the_layouts_ranks(tiny_gpt
     assert max(options["v-half"].activation_bytes) < max(options["zb-v"].activation_bytes)
     lines = virtual_lines(model, NoRecompute(), layout, run)
     assert [line.split()[0] for line in lines[2:]] == ["interleaved-1f1b", "zb-v", "v-half"]
-    assert "not priced under +recompute=auto" in virtual_lines(model, AutoRecompute(), layout, run)[0]
+    auto = virtual_lines(model, AutoRecompute(budget_gb=1.0, reserve_gb=0.0), layout, run)  # planned per rank
+    assert [line.split()[0] for line in auto[2:]] == ["interleaved-1f1b", "zb-v", "v-half"]
     odd = RunShape(Topology(4), Target("cpu", "fp32"), micro_batches=6, micro_batch_size=2)
     assert "interleaved-1f1b" not in {o.schedule for o in virtual_options(model, NoRecompute(), layout, odd)}
 

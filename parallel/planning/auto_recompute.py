@@ -252,6 +252,21 @@ def _arranged(
     )
 
 
+def stage_choices(n: int, table: BlockPrices, ends_stage: bool) -> list[StageChoice]:
+    """Every plan of n blocks `choose_stage` weighs (each class, m, k, segment kind and frontier point), arranged as
+    it arranges its pick: what a rank of a schedule with virtual stages chooses its chunks' plans among
+    (parallel/planning/virtual_auto.py). `ends_stage`: StageWorking.blocks_end_stage."""
+    out = []
+    for options, frontier, m, k, _, full_kept, full_cost, nested, compressed in _candidates(n, table, ends_stage):
+        for kept, cost, counts in frontier:
+            out.append(
+                _arranged(
+                    table, options, m, k, kept + full_kept, counts, full_cost + cost, nested, compressed, ends_stage
+                )
+            )
+    return out
+
+
 def choose_stage_micro_batches(
     n: int, table: BlockPrices, in_flight: int, micro_batches: int, byte_budget: float, working: StageWorking
 ) -> StageChoice | None:

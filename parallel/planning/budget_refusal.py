@@ -45,21 +45,24 @@ def alternatives(model: GPTConfig, run: RunShape) -> list[tuple[str, RunShape]]:
 
 class BudgetTooSmall(ValueError):
     """recompute.budget_gb fits no plan on some stage. `priced`: (setting, the smallest budget under it) for each of
-    `alternatives`; those below this run's own smallest budget are named."""
+    `alternatives`; those below this run's own smallest budget are named. `where`: what each budget's `stage` counts,
+    `stage`, or `rank` where a rank's chunks share the budget (parallel/planning/virtual_auto.py's RankBudget)."""
 
-    def __init__(self, auto: AutoRecompute, budgets: list[StageBudget], priced: list[tuple[str, float]]):
+    def __init__(
+        self, auto: AutoRecompute, budgets: list[StageBudget], priced: list[tuple[str, float]], where: str = "stage"
+    ):
         self.smallest_gb = smallest_budget_gb(auto, budgets)
         failing = ", ".join(str(b.stage) for b in budgets if b.choice is None)
         message = (
-            f"recompute.budget_gb={auto.budget_gb} does not fit stage {failing}, not even with the plan that holds "
-            f"least: the smallest budget that fits every stage is recompute.budget_gb={self.smallest_gb:g} (with "
+            f"recompute.budget_gb={auto.budget_gb} does not fit {where} {failing}, not even with the plan that holds "
+            f"least: the smallest budget that fits every {where} is recompute.budget_gb={self.smallest_gb:g} (with "
             f"recompute.reserve_gb={auto.reserve_gb})"
         )
         unnested = smallest_budget_gb(auto, budgets, nesting=False)
         if unnested > self.smallest_gb:
             nested = ", ".join(str(b.stage) for b in budgets if b.least_bytes < b.least_bytes_unnested)
             message += (
-                f", reached with nested checkpoints on stage {nested} (auto nests a stage where nothing else fits; "
+                f", reached with nested checkpoints on {where} {nested} (auto nests a {where} where nothing else fits; "
                 f"without nesting the smallest budget is {unnested:g})"
             )
         helps = [f"{setting} fits at {gb:g}" for setting, gb in priced if gb < self.smallest_gb]

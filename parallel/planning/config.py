@@ -73,12 +73,12 @@ class ParallelConfig:
     """Pipeline schedule of a training step: `1f1b` (DeepSpeed's TrainSchedule), `zb-h1` (Zero Bubble H1: each
     backward split into the input gradient, sent upstream at once, and the weight gradient, deferred into the
     bubbles within 1F1B's activation memory), `interleaved-1f1b` (Megatron's interleaved 1F1B), `zb-v` (ZB-V) or
-    `v-half` (V-Half), or `auto` (the planner picks the schedule with the shortest simulated step time: under
-    `+recompute=auto` 1f1b or zb-h1 within the budget; under a fixed mode also the three with virtual stages where
-    the run can run them). Those three hold two model chunks per rank (docs/virtual_stages.md) and train through the
-    virtual engine (parallel/runtime/virtual_engine.py): fp32, +recompute=none, full or selective without
-    recompute.early. A resume may change the schedule only among those that keep the layers on their ranks (1f1b and
-    zb-h1; zb-v and v-half); `auto` keeps the checkpoint's."""
+    `v-half` (V-Half), or `auto` (the planner picks the schedule with the shortest simulated step time: 1f1b, zb-h1
+    and the three with virtual stages where the run can run them, under `+recompute=auto` each within the budget).
+    Those three hold two model chunks per rank (docs/virtual_stages.md) and train through the virtual engine
+    (parallel/runtime/virtual_engine.py): fp32, without recompute.early; under `+recompute=auto` each rank's two
+    chunks are planned together against the rank's budget. A resume may change the schedule only among those that
+    keep the layers on their ranks (1f1b and zb-h1; zb-v and v-half); `auto` keeps the checkpoint's."""
 
     def __post_init__(self) -> None:
         if self.pipeline_stages is not None and self.pipeline_stages <= 0:

@@ -21,6 +21,7 @@ from parallel.planning.shapes import GIB, RunShape, Shape
 from parallel.planning.stage_plan import StagePlan
 from parallel.planning.stage_planner import StagePlanner
 from parallel.planning.stage_price import StagePricing
+from parallel.planning.virtual_auto import RankBudget
 
 DEEPSPEED_PARTITIONS = ("uniform", "parameters", "type:Block")
 """DeepSpeed's own partition methods, which `balanced` prices beside its own split."""
@@ -49,6 +50,9 @@ class PipelineLayout:
     virtual_schedule: str | None = None
     """The schedule with virtual stages (interleaved-1f1b, zb-v, v-half) whose virtual stages `stages` are, ranks x
     2 of them (parallel/planning/virtual_layout.py); None: one stage per rank, under `schedule`."""
+    rank_budgets: tuple[RankBudget, ...] = ()
+    """`recompute=auto` under a schedule with virtual stages only: each rank's side of the budget, its chunks' plans
+    chosen together (`budgets` is then None)."""
 
     @property
     def parts(self) -> list[int]:
@@ -97,12 +101,20 @@ class PipelineLayout:
             lines.append(line)
         return lines
 
+    @property
+    def budgeted(self) -> bool:
+        """Planned by `recompute=auto`, per stage or per rank: `describe_budgets` has lines."""
+        return self.budgets is not None or bool(self.rank_budgets)
+
     def describe_budgets(self, auto: AutoRecompute) -> list[str]:
-        """The auto plan against the budget, one line per stage (start-up print and dry run)."""
+        """The auto plan against the budget, one line per stage, or per rank under virtual stages (start-up print and
+        dry run)."""
         usable = auto.budget_gb - auto.reserve_gb
         lines = [
             f"auto recompute: budget {auto.budget_gb:g} GiB - reserve {auto.reserve_gb:g} GiB = {usable:g} GiB per rank"
         ]
+        if self.rank_budgets:  # a rank's chunks share its budget
+            return lines + [b.line() for b in self.rank_budgets]
         for b in self.budgets or []:
             counts: dict[str, int] = {}
             for choice in b.choice.choices:

@@ -4,11 +4,12 @@
 and walked for its activation bytes (parallel/planning/virtual_memory.py). The chunk boundaries are chosen per
 schedule: the even split of the blocks, then single-block moves while the simulated step gets shorter.
 
-`parallel.schedule=NAME` trains one (parallel/planning/virtual_layout.py), and `parallel.schedule=auto` under a fixed
-mode picks one where it simulates faster than 1f1b and zb-h1. `auto` recompute is not planned per chunk here (its
-budget is a rank's, shared by the rank's chunks): the dry run says so.
+`parallel.schedule=NAME` trains one (parallel/planning/virtual_layout.py), and `parallel.schedule=auto` picks one where
+it simulates faster than 1f1b and zb-h1. Under `auto` recompute each rank's chunks are planned together against the
+rank's budget (parallel/planning/virtual_auto.py) on every boundaries tried; a schedule no boundaries fit is left out.
 """
 
+import math
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -19,7 +20,8 @@ from parallel.planning.layout import PipelineLayout
 from parallel.planning.partition import StageRange, stages_of_block_counts
 from parallel.planning.shapes import GIB, RunShape, Shape, Topology
 from parallel.planning.stage_planner import StagePlanner
-from parallel.planning.stage_price import StagePrice, StagePricing
+from parallel.planning.stage_price import StagePrice, StagePricing, price_stage
+from parallel.planning.virtual_auto import plan_ranks
 from parallel.planning.virtual_memory import one_chunk_peaks, virtual_peaks
 from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES, virtual_schedule
 from parallel.planning.virtual_sim import simulate_virtual
@@ -68,10 +70,22 @@ def virtual_options(
         placement = programs[0].placement
         mine = [[placement.virtual_stage(rank, chunk) for chunk in range(CHUNKS)] for rank in range(ranks)]
 
-        step_s = partial(_step_s, programs, mine, price, layout.recipes, run.grad_clip > 0)
+        def prices_of(counts: list[int], schedule: str = schedule) -> list[StagePrice] | None:
+            """Each chunk priced under its plan: the mode's, or auto's per rank (None: some rank fits none)."""
+            stages = stages_of_block_counts(layout.recipes, counts)
+            if not isinstance(recompute, AutoRecompute):
+                return [price(stage) for stage in stages]
+            plans, budgets = plan_ranks(planner, stages, schedule)
+            if any(b.choice is None for b in budgets):
+                return None
+            return [price_stage(planner.pricing, stage, plan) for stage, plan in zip(stages, plans)]
+
+        step_s = partial(_step_s, programs, mine, prices_of, run.grad_clip > 0)
         counts = _chunk_counts(model.n_layer, CHUNKS * ranks, step_s)
         stages = stages_of_block_counts(layout.recipes, counts)
-        prices = [price(stage) for stage in stages]
+        prices = prices_of(counts)
+        if prices is None:  # auto: not even the chosen boundaries fit the budget
+            continue
         plans = [p.plan for p in prices]
         peaks = virtual_peaks(layout.recipes, stages, plans, schedule, CHUNKS, run.micro_batches, shape, run.target)
         states = tuple(sum(sum(prices[v].memory.states.values()) for v in stages) for stages in mine)
@@ -79,10 +93,13 @@ def virtual_options(
     return out
 
 
-def _step_s(programs, mine, price, recipes, clip: bool, counts: list[int]) -> float:
+def _step_s(programs, mine, prices_of, clip: bool, counts: list[int]) -> float:
     """The simulated step of `programs` with `counts` blocks per virtual stage (`mine[rank]`: its virtual stages),
-    with the optimizer steps' barrier where the run clips (`clip`: virtual_sim's `clip_barrier`)."""
-    prices = [price(stage) for stage in stages_of_block_counts(recipes, counts)]
+    with the optimizer steps' barrier where the run clips (`clip`: virtual_sim's `clip_barrier`); infinite where
+    `prices_of(counts)` is None (auto fits no plan: any boundaries that fit are shorter)."""
+    prices = prices_of(counts)
+    if prices is None:
+        return math.inf
     costs = [[prices[v].costs for v in stages] for stages in mine]
     return simulate_virtual(programs, costs, clip_barrier=clip).step_time_s
 
@@ -91,17 +108,17 @@ def _chunk_counts(blocks: int, chunks: int, step_s) -> list[int]:
     """Blocks per virtual stage: the even split, then single-block moves across a chunk boundary while the
     simulated step of the schedule gets shorter (as `balanced` moves stage boundaries: a V's rank 0 holds both the
     embedding's chunk and the LM head's, so even chunks load it most)."""
-    counts = [blocks // chunks + (c < blocks % chunks) for c in range(chunks)]
-    return shortened_by_single_moves(counts, step_s)
+    return shortened_by_single_moves(even_counts(blocks, chunks), step_s)
+
+
+def even_counts(blocks: int, chunks: int) -> list[int]:
+    """Blocks per virtual stage split as evenly as can be, the first ones one more."""
+    return [blocks // chunks + (c < blocks % chunks) for c in range(chunks)]
 
 
 def virtual_lines(model: GPTConfig, recompute: RecomputeConfig, layout: PipelineLayout, run: RunShape) -> list[str]:
     """The dry run's lines: each virtual-stage schedule's simulated step and largest rank, against 1F1B's
     activation peak on the layout's own stages under the same mode."""
-    if isinstance(recompute, AutoRecompute):
-        return [
-            "virtual stages (2 chunks per rank): not priced under +recompute=auto (its budget is not split by chunk)"
-        ]
     if layout.timing is None:
         return []
     if model.n_layer < CHUNKS * run.topology.pipeline_stages:

@@ -1,6 +1,7 @@
 """The layout and plan of a run under a schedule with virtual stages (parallel.schedule=interleaved-1f1b, zb-v,
-v-half): the model split into ranks x 2 virtual stages, each planned under the run's recompute mode as a stage is,
-and the rank-level figures the layout's per-stage ones cannot give (each rank's activation peak over its chunks, its
+v-half): the model split into ranks x 2 virtual stages, each planned under the run's recompute mode as a stage is
+(under `auto`, each rank's two chunks together against the rank's budget: parallel/planning/virtual_auto.py), and the
+rank-level figures the layout's per-stage ones cannot give (each rank's activation peak over its chunks, its
 states, the schedule's simulated step). Pure: start-up, the dry run and the trainer read it.
 
 The chunk boundaries: a resume's (its checkpoint's), else under `balanced` the ones the dry run prices the schedule
@@ -11,14 +12,18 @@ from dataclasses import replace
 
 from model import GPTConfig
 from parallel.planning.block_prices import BlockPrices
-from parallel.planning.config import RecomputeConfig
+from parallel.planning.budget_refusal import BudgetTooSmall
+from parallel.planning.config import AutoRecompute, NoRecompute, RecomputeConfig
 from parallel.planning.instruction_seconds import DeviceRates
 from parallel.planning.layout import PipelineLayout, build_layout
 from parallel.planning.partition import stages_of_block_counts
 from parallel.planning.plan_record import RunPlan
+from parallel.planning.schedule_choice import choose_schedule
 from parallel.planning.shapes import RunShape, Shape, Topology
+from parallel.planning.stage_planner import StagePlanner
 from parallel.planning.stage_price import StagePricing, price_stage
-from parallel.planning.virtual_choice import virtual_options
+from parallel.planning.virtual_auto import plan_ranks
+from parallel.planning.virtual_choice import even_counts, virtual_options
 from parallel.planning.virtual_memory import virtual_peaks
 from parallel.planning.virtual_plan import VirtualPlan
 from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES, placement_of, virtual_schedule
@@ -43,15 +48,40 @@ def virtual_layout(
     rates: DeviceRates | None,
     held_parts: list[int] | None,
 ) -> PipelineLayout:
-    """The run's virtual stages (ranks x 2, in pipeline order) with one plan each under `recompute`."""
+    """The run's virtual stages (ranks x 2, in pipeline order) with one plan each under `recompute`; `auto` plans each
+    rank's chunks together against the rank's budget (parallel/planning/virtual_auto.py) and raises BudgetTooSmall
+    naming the ranks that fit no plan."""
+    auto = isinstance(recompute, AutoRecompute)
+    fixed = NoRecompute() if auto else recompute  # auto's chunks are planned per rank below, not per stage
     if held_parts is None and partition_method == "balanced" and model.n_layer >= CHUNKS * run.topology.pipeline_stages:
-        one_chunk = build_layout(model, recompute, run, "balanced", seed, costs, rates)
-        (option,) = [o for o in virtual_options(model, recompute, one_chunk, run) if o.schedule == schedule]
-        held_parts = [s.start for s in stages_of_block_counts(one_chunk.recipes, list(option.blocks))]
+        one_chunk = build_layout(model, fixed, run, "balanced", seed, costs, rates)
+        options = [o for o in virtual_options(model, recompute, one_chunk, run) if o.schedule == schedule]
+        # none under auto where no boundaries fit the budget: the even split is planned, and refused, below
+        counts = (
+            list(options[0].blocks) if options else even_counts(model.n_layer, CHUNKS * run.topology.pipeline_stages)
+        )
+        held_parts = [s.start for s in stages_of_block_counts(one_chunk.recipes, counts)]
         held_parts.append(len(one_chunk.recipes))
     method = "uniform" if partition_method == "balanced" else partition_method  # too few blocks for every chunk
-    layout = build_layout(model, recompute, virtual_shape(run), method, seed, costs, rates, held_parts=held_parts)
+    layout = build_layout(model, fixed, virtual_shape(run), method, seed, costs, rates, held_parts=held_parts)
+    if auto:
+        layout = _planned_per_rank(model, recompute, layout, run, schedule)
     return replace(layout, virtual_schedule=schedule)
+
+
+def _planned_per_rank(
+    model: GPTConfig, auto: AutoRecompute, layout: PipelineLayout, run: RunShape, schedule: str
+) -> PipelineLayout:
+    """`layout`'s virtual stages with auto's plans per rank, its 1F1B schedule options priced for them."""
+    pricing = StagePricing.of(layout.recipes, virtual_shape(run), Shape.of(model, run.micro_batch_size), layout.timing)
+    plans, budgets = plan_ranks(StagePlanner(pricing, auto, layout.timing.table), layout.stages, schedule)
+    if any(b.choice is None for b in budgets):
+        raise BudgetTooSmall(auto, budgets, [], where="rank")
+    # The 1F1B pricing of the virtual stages that plan.json's per-stage entries read, under no budget (the rank's is
+    # what auto fitted).
+    plain = StagePlanner(pricing, NoRecompute(), layout.timing.table)
+    chosen, options = choose_schedule(plain, layout.stages, plans, "1f1b", False)
+    return replace(layout, plans=list(chosen.plans), schedule_options=options, rank_budgets=tuple(budgets))
 
 
 def faster_virtual_schedule(
@@ -60,7 +90,8 @@ def faster_virtual_schedule(
     """parallel.schedule=auto's choice beyond `one_chunk`'s (the fastest of 1f1b and zb-h1 on one stage per rank):
     the schedule with virtual stages whose simulated step (on its own chunk boundaries, as the dry run prices it) is
     the shortest and shorter than `one_chunk`'s, among those the run can run (virtual_support.virtual_run_refusal:
-    no +recompute=auto, no early recompute, fp32, ...); None when none is."""
+    no early recompute, fp32, ...), under +recompute=auto with each rank's chunks planned against the budget; None when
+    none is."""
     if one_chunk.timing is None:
         return None
     ranks = run.topology.pipeline_stages

@@ -10,10 +10,11 @@ CHUNKS = 2
 
 
 def virtual_refusal(schedule: str, recompute: RecomputeConfig, precision: str, zero_stage: int) -> str | None:
-    if isinstance(recompute, AutoRecompute) or recompute.early:
+    if recompute.early:
         return (
-            f"parallel.schedule={schedule} runs +recompute=none, full or selective without recompute.early so far "
-            f"(auto per chunk and early recompute are not wired yet)"
+            f"recompute.early=true is not supported with parallel.schedule={schedule} yet (early recompute is not "
+            f"wired for virtual stages): use recompute.early=false"
+            + (" or null" if isinstance(recompute, AutoRecompute) else "")
         )
     if precision != "fp32":
         return f"train.precision={precision} is not supported with parallel.schedule={schedule} yet: use fp32"

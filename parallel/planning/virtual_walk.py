@@ -22,36 +22,77 @@ class VirtualPeak:
     """Received activations and gradients held until their forward or backward runs."""
 
 
+@dataclass(frozen=True)
+class RankMoments:
+    """A rank's programme walked once: after each instruction that changes what it holds, per chunk, the
+    micro-batches in flight, those whose W is pending and the received messages held. What the rank holds is linear in
+    each chunk's bytes per micro-batch, so its peak under any of them is read from these moments (auto per chunk
+    asks for thousands: parallel/planning/virtual_auto.py)."""
+
+    in_flight: tuple[tuple[int, ...], ...]
+    pending: tuple[tuple[int, ...], ...]
+    messages: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, program: VirtualProgram) -> "RankMoments":
+        """Per micro-batch of chunk c: in flight from its forward to its backward (B, or the whole backward), W-pending
+        from its B to its W, and a received input or output gradient of the chunk held from its receive to the
+        forward or backward that reads it (counted after each instruction, as schedule_walk.activation_peak counts)."""
+        chunks = program.chunks
+        in_flight, pending = [0] * chunks, [0] * chunks
+        held: set[tuple[int, int, str]] = set()  # (chunk, micro-batch, what) of received messages not yet read
+        moments: list[tuple[tuple[int, ...], ...]] = []
+        for command in program.commands():
+            kind, c, m = command.kind, command.chunk, command.micro_batch
+            if kind is schedules.RecvActivation:
+                held.add((c, m, "activation"))
+            elif kind is schedules.RecvGrad:
+                held.add((c, m, "grad"))
+            elif kind is schedules.ForwardPass:
+                held.discard((c, m, "activation"))
+                in_flight[c] += 1
+            elif kind in (schedules.BackwardPass, schedules.BackwardInput):
+                held.discard((c, m, "grad"))
+                in_flight[c] -= 1
+                pending[c] += kind is schedules.BackwardInput
+            elif kind is schedules.BackwardWeight:
+                pending[c] -= 1
+            else:
+                continue
+            messages = tuple(sum(k == chunk for k, _, _ in held) for chunk in range(chunks))
+            moments.append((tuple(in_flight), tuple(pending), messages))
+        return cls(*(tuple(m[i] for m in moments) for i in range(3)))
+
+    def peak(self, kept: Sequence[int], weights_pending: Sequence[int], message: Sequence[int]) -> VirtualPeak:
+        """The most the rank holds with `kept[c]` bytes per micro-batch of chunk c in flight, `weights_pending[c]`
+        per W-pending one and `message[c]` per held message."""
+        chunks = range(len(kept))
+        best = VirtualPeak(0, (0,) * len(kept), (0,) * len(kept), 0)
+        for in_flight, pending, held in zip(self.in_flight, self.pending, self.messages):
+            live = sum(in_flight[k] * kept[k] + pending[k] * weights_pending[k] + held[k] * message[k] for k in chunks)
+            if live > best.bytes:
+                best = VirtualPeak(live, in_flight, pending, sum(held))
+        return best
+
+    def linear(self, weights_pending: Sequence[int], message: Sequence[int]) -> tuple[tuple[tuple[int, ...], int], ...]:
+        """The moments as (micro-batches in flight per chunk, the bytes held besides their kept ones), without those
+        another moment holds at least as much as in every term: the peak under any kept bytes per chunk is the
+        largest of these rows' sums (`peak`'s bytes, read fast)."""
+        rows = {
+            (in_flight, sum(p * w + h * m for p, w, h, m in zip(pending, weights_pending, held, message)))
+            for in_flight, pending, held in zip(self.in_flight, self.pending, self.messages)
+        }
+        return tuple(
+            row
+            for row in rows
+            if not any(
+                other != row and other[1] >= row[1] and all(a >= b for a, b in zip(other[0], row[0])) for other in rows
+            )
+        )
+
+
 def virtual_activation_peak(
     program: VirtualProgram, kept: Sequence[int], weights_pending: Sequence[int], message: Sequence[int]
 ) -> VirtualPeak:
-    """Walk the rank's programme. Per micro-batch of its chunk c: `kept[c]` bytes from its forward to its backward
-    (B, or the whole backward), `weights_pending[c]` from its B to its W, and `message[c]` for a received input or
-    output gradient of the chunk, from its receive to the forward or backward that reads it (counted after each
-    instruction, as schedule_walk.activation_peak counts)."""
-    chunks = program.chunks
-    in_flight, pending = [0] * chunks, [0] * chunks
-    held: set[tuple[int, int, str]] = set()  # (chunk, micro-batch, what) of received messages not yet read
-    best = VirtualPeak(0, tuple(in_flight), tuple(pending), 0)
-    for command in program.commands():
-        kind, c, m = command.kind, command.chunk, command.micro_batch
-        if kind is schedules.RecvActivation:
-            held.add((c, m, "activation"))
-        elif kind is schedules.RecvGrad:
-            held.add((c, m, "grad"))
-        elif kind is schedules.ForwardPass:
-            held.discard((c, m, "activation"))
-            in_flight[c] += 1
-        elif kind in (schedules.BackwardPass, schedules.BackwardInput):
-            held.discard((c, m, "grad"))
-            in_flight[c] -= 1
-            pending[c] += kind is schedules.BackwardInput
-        elif kind is schedules.BackwardWeight:
-            pending[c] -= 1
-        else:
-            continue
-        live = sum(in_flight[k] * kept[k] + pending[k] * weights_pending[k] for k in range(chunks))
-        live += sum(message[k] for k, _, _ in held)
-        if live > best.bytes:
-            best = VirtualPeak(live, tuple(in_flight), tuple(pending), len(held))
-    return best
+    """Walk the rank's programme (RankMoments) and read its peak under these bytes per micro-batch."""
+    return RankMoments.of(program).peak(kept, weights_pending, message)
