@@ -127,6 +127,9 @@ def planned(cfg, budget: float, micro_batches: int, work: Path) -> str | None:
         return None
     plan = json.loads((run_dir / "plan.json").read_text())
     stages = [(s["layers"], s["choices"], s.get("segments"), s.get("recomputed_micro_batches")) for s in plan["stages"]]
+    virtual = plan["virtual"]  # parallel.schedule=auto may choose a schedule with virtual stages: no early stages
+    if virtual:
+        return json.dumps([stages, virtual["schedule"], []])
     return json.dumps([stages, plan["schedule"], plan["early_stages"]])
 
 
