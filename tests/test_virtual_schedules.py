@@ -167,7 +167,7 @@ def test_one_chunk_per_rank_is_1f1b(ranks, micro_batches):
     """interleaved-1f1b with v = 1 holds what DeepSpeed's 1F1B holds and takes its simulated step."""
     progs = virtual_schedule("interleaved-1f1b", micro_batches, ranks, 1)
     for rank, program in enumerate(progs):
-        peak = virtual_activation_peak(program, [1], [0], [0])
+        peak = virtual_activation_peak(program, [1], [0], [0], [0])
         assert peak.in_flight == (in_flight_micro_batches(micro_batches, ranks, rank),)
     one_f_one_b = simulate_stages([costs(1.0)] * ranks, micro_batches, "1f1b").step_time_s
     assert simulate_virtual(progs, [[costs(1.0)]] * ranks).step_time_s == one_f_one_b

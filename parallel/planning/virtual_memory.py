@@ -33,14 +33,16 @@ class RankWalk:
     moments: RankMoments
     weights_pending: tuple[int, ...]
     message: tuple[int, ...]
+    output: tuple[int, ...]
+    """Per chunk: its output, held from its forward to its backward (none on the last virtual stage)."""
 
     def peak(self, kept: Sequence[int]) -> VirtualPeak:
         """`kept[c]`: what chunk c keeps per micro-batch (`kept_bytes`)."""
-        return self.moments.peak(kept, self.weights_pending, self.message)
+        return self.moments.peak(kept, self.weights_pending, self.message, self.output)
 
     @functools.cached_property
     def rows(self) -> tuple[tuple[tuple[int, ...], int], ...]:
-        return self.moments.linear(self.weights_pending, self.message)
+        return self.moments.linear(self.weights_pending, self.message, self.output)
 
     def peak_bytes(self, kept: Sequence[int]) -> int:
         """`peak(kept).bytes`, from the walk's few moments that can hold the peak (auto per chunk asks often)."""
@@ -71,7 +73,8 @@ def rank_walks(
     for program in programs:
         virtual = tuple(placement.virtual_stage(program.rank, c) for c in range(chunks))
         pending = [stage_weight_grad_bytes(recipes, stages[v].layers, shape, target) if split else 0 for v in virtual]
-        out.append(RankWalk(virtual, RankMoments.of(program), tuple(pending), (message,) * chunks))
+        output = tuple(0 if v == len(stages) - 1 else message for v in virtual)
+        out.append(RankWalk(virtual, RankMoments.of(program), tuple(pending), (message,) * chunks, output))
     return out
 
 

@@ -20,18 +20,26 @@ class VirtualPeak:
     """Per chunk: micro-batches through B whose W has not run."""
     messages: int
     """Received activations and gradients held until their forward or backward runs."""
+    returning: int = 0
+    """Micro-batches through their backward whose input and its gradient wait for SendGrad."""
 
 
 @dataclass(frozen=True)
 class RankMoments:
     """A rank's programme walked once: after each instruction that changes what it holds, per chunk, the
-    micro-batches in flight, those whose W is pending and the received messages held. What the rank holds is linear in
-    each chunk's bytes per micro-batch, so its peak under any of them is read from these moments (auto per chunk
-    asks for thousands: parallel/planning/virtual_auto.py)."""
+    micro-batches in flight, those whose W is pending, the received messages held and the micro-batches whose input
+    gradient waits for its SendGrad. What the rank holds is linear in each chunk's bytes per micro-batch, so its peak
+    under any of them is read from these moments (auto per chunk asks for thousands: parallel/planning/virtual_auto.py).
+
+    A chunk holds each micro-batch in flight's output (parallel/runtime/chunk_work.py keeps it for the backward: the
+    `output` bytes of `peak`), and after the backward its received input with that input's gradient until SendGrad
+    sends the gradient (twice `message`); the input itself, from the forward to the backward, is its first layer's
+    kept input (memory_model.stage_activations)."""
 
     in_flight: tuple[tuple[int, ...], ...]
     pending: tuple[tuple[int, ...], ...]
     messages: tuple[tuple[int, ...], ...]
+    returning: tuple[tuple[int, ...], ...]
 
     @classmethod
     def of(cls, program: VirtualProgram) -> "RankMoments":
@@ -39,7 +47,9 @@ class RankMoments:
         from its B to its W, and a received input or output gradient of the chunk held from its receive to the
         forward or backward that reads it (counted after each instruction, as schedule_walk.activation_peak counts)."""
         chunks = program.chunks
-        in_flight, pending = [0] * chunks, [0] * chunks
+        in_flight, pending, returning = [0] * chunks, [0] * chunks, [0] * chunks
+        # The first virtual stage's input is token ids, and no SendGrad follows its backwards.
+        sends_grads = [program.placement.virtual_stage(program.rank, c) > 0 for c in range(chunks)]
         held: set[tuple[int, int, str]] = set()  # (chunk, micro-batch, what) of received messages not yet read
         moments: list[tuple[tuple[int, ...], ...]] = []
         for command in program.commands():
@@ -55,32 +65,50 @@ class RankMoments:
                 held.discard((c, m, "grad"))
                 in_flight[c] -= 1
                 pending[c] += kind is schedules.BackwardInput
+                returning[c] += sends_grads[c]
             elif kind is schedules.BackwardWeight:
                 pending[c] -= 1
+            elif kind is schedules.SendGrad:
+                returning[c] -= 1
             else:
                 continue
             messages = tuple(sum(k == chunk for k, _, _ in held) for chunk in range(chunks))
-            moments.append((tuple(in_flight), tuple(pending), messages))
-        return cls(*(tuple(m[i] for m in moments) for i in range(3)))
+            moments.append((tuple(in_flight), tuple(pending), messages, tuple(returning)))
+        return cls(*(tuple(m[i] for m in moments) for i in range(4)))
 
-    def peak(self, kept: Sequence[int], weights_pending: Sequence[int], message: Sequence[int]) -> VirtualPeak:
-        """The most the rank holds with `kept[c]` bytes per micro-batch of chunk c in flight, `weights_pending[c]`
-        per W-pending one and `message[c]` per held message."""
-        chunks = range(len(kept))
+    def _held(
+        self,
+        i: int,
+        weights_pending: Sequence[int],
+        message: Sequence[int],
+        output: Sequence[int],
+    ) -> int:
+        """What moment `i` holds besides the chunks' kept bytes."""
+        terms = zip(self.in_flight[i], self.pending[i], self.messages[i], self.returning[i])
+        return sum(
+            n * o + p * w + h * m + 2 * r * m for (n, p, h, r), w, m, o in zip(terms, weights_pending, message, output)
+        )
+
+    def peak(
+        self, kept: Sequence[int], weights_pending: Sequence[int], message: Sequence[int], output: Sequence[int]
+    ) -> VirtualPeak:
+        """The most the rank holds with `kept[c]` bytes per micro-batch of chunk c in flight (and `output[c]`, its
+        output), `weights_pending[c]` per W-pending one and `message[c]` per held message."""
         best = VirtualPeak(0, (0,) * len(kept), (0,) * len(kept), 0)
-        for in_flight, pending, held in zip(self.in_flight, self.pending, self.messages):
-            live = sum(in_flight[k] * kept[k] + pending[k] * weights_pending[k] + held[k] * message[k] for k in chunks)
+        for i, in_flight in enumerate(self.in_flight):
+            live = sum(n * k for n, k in zip(in_flight, kept)) + self._held(i, weights_pending, message, output)
             if live > best.bytes:
-                best = VirtualPeak(live, in_flight, pending, sum(held))
+                best = VirtualPeak(live, in_flight, self.pending[i], sum(self.messages[i]), sum(self.returning[i]))
         return best
 
-    def linear(self, weights_pending: Sequence[int], message: Sequence[int]) -> tuple[tuple[tuple[int, ...], int], ...]:
+    def linear(
+        self, weights_pending: Sequence[int], message: Sequence[int], output: Sequence[int]
+    ) -> tuple[tuple[tuple[int, ...], int], ...]:
         """The moments as (micro-batches in flight per chunk, the bytes held besides their kept ones), without those
         another moment holds at least as much as in every term: the peak under any kept bytes per chunk is the
         largest of these rows' sums (`peak`'s bytes, read fast)."""
         rows = {
-            (in_flight, sum(p * w + h * m for p, w, h, m in zip(pending, weights_pending, held, message)))
-            for in_flight, pending, held in zip(self.in_flight, self.pending, self.messages)
+            (in_flight, self._held(i, weights_pending, message, output)) for i, in_flight in enumerate(self.in_flight)
         }
         return tuple(
             row
@@ -92,7 +120,11 @@ class RankMoments:
 
 
 def virtual_activation_peak(
-    program: VirtualProgram, kept: Sequence[int], weights_pending: Sequence[int], message: Sequence[int]
+    program: VirtualProgram,
+    kept: Sequence[int],
+    weights_pending: Sequence[int],
+    message: Sequence[int],
+    output: Sequence[int],
 ) -> VirtualPeak:
     """Walk the rank's programme (RankMoments) and read its peak under these bytes per micro-batch."""
-    return RankMoments.of(program).peak(kept, weights_pending, message)
+    return RankMoments.of(program).peak(kept, weights_pending, message, output)
