@@ -4,14 +4,12 @@ bit-identical losses (dropout on), the pipeline matches the unpipelined model, a
 per rank) trains through the same trainer with the same losses, evaluates, saves, and a resume under v-half (the same
 V placement) continues it bit for bit."""
 
-import dataclasses
-
 import pytest
 import torch
-import yaml
 
 from data import SyntheticDataConfig, open_token_source
-from harness.consolidate import consolidate
+from harness.checkpoint import read_checkpoint
+from harness.consolidate import consolidate, model_config
 from model import GPT, GPTConfig, lm_loss
 from parallel.measurement.virtual_replay import VirtualRankReplay
 from parallel.planning.config import SelectiveRecompute
@@ -156,8 +154,7 @@ def test_zb_v_meters_each_rank_as_the_rank_replay_does(case_runs):
     step, not a chunk's tensor), so the test allows 64."""
     run_dir = case_runs["zb-v"]
     s = summary(run_dir)
-    section = yaml.safe_load((run_dir / "config.yaml").read_text())["model"]
-    model = GPTConfig(**{f.name: section[f.name] for f in dataclasses.fields(GPTConfig)})
+    model = model_config(read_checkpoint(run_dir / "checkpoints"), "checkpoint")  # the run's model, as export reads it
     parts = [stage["layers"][0] for stage in s["layout"]] + [s["layout"][-1]["layers"][1]]
     run = RunShape(Topology(2), Target("cpu", "fp32"), micro_batches=4, micro_batch_size=2)
     layout = virtual_layout(model, SelectiveRecompute(), run, "uniform", 0, "zb-v", None, None, parts)
