@@ -129,7 +129,8 @@ def dry_run_prediction(cfg: GPTConfig, variant: Variant, scratch: Path) -> float
     result = subprocess.run(command, cwd=REPO, env=launch_env(), capture_output=True, text=True)
     if result.returncode != 0:
         return result.stderr.strip().splitlines()[-1]
-    return json.loads((run_dir / "plan.json").read_text())["predicted_step_time_s"]
+    plan = json.loads((run_dir / "plan.json").read_text())
+    return plan["predicted_step_time_s"] if plan["virtual"] is None else plan["virtual"]["predicted_step_time_s"]
 
 
 def kept_results(root: Path, shapes: dict[str, GPTConfig], todo: dict[str, list[Variant]]) -> dict[str, list[Result]]:

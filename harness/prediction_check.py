@@ -33,16 +33,17 @@ def traced_instruction_seconds(trace: StepTrace) -> list[dict[str, float]]:
 
 
 def prediction_record(plan: RunPlan, measured_step_s: float, trace: StepTrace | None) -> dict:
-    """summary.json's `prediction` (docs/outputs.md)."""
+    """summary.json's `prediction` (docs/outputs.md); a run under a schedule with virtual stages is not traced yet:
+    its step only."""
     estimate = plan.step_time
-    predicted = estimate.predicted_step_time_s
+    predicted = plan.predicted_step_time_s
     record = {
         "predicted_step_time_s": predicted,
         "measured_step_time_s": measured_step_s,
         "error": measured_step_s / predicted - 1,
-        "costs": estimate.costs,
+        "costs": plan.prediction_costs,
     }
-    if trace is not None:
+    if trace is not None and estimate is not None:
         record["per_stage"] = [
             {
                 name: {

@@ -229,7 +229,7 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
             **accounted,
             **publish_trace(traced, run_dir, metrics.wandb),  # trace.json, timeline.png, bubbles
         }
-        if plan.step_time:  # the prediction against the measured step, per instruction on a traced step
+        if plan.predicted_step_time_s:  # the prediction against the measured step, per instruction on a traced step
             summary["prediction"] = prediction_record(plan, summary["step_time_s"], traced)
         if plan.step_time and traced:  # the next plan at this shape learns from this run's residuals
             learnt = learn_residuals(summary["prediction"], plan.step_time.cost_source)
@@ -237,7 +237,7 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
         metrics.write_summary(summary)
         sync_command = wandb_sync_command(metrics.wandb)
         metrics.close()
-        missed = prediction_warning(summary["prediction"]) if plan.step_time else None
+        missed = prediction_warning(summary["prediction"]) if plan.predicted_step_time_s else None
         if missed:
             print(missed, flush=True)
         print(done_line(summary, run_dir, sync_command), flush=True)  # the run's last line, after W&B's finish

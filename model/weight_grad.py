@@ -121,7 +121,9 @@ class _Linear(torch.autograd.Function):
         grad_weight = None
         if ctx.needs_input_grad[1]:
             if _active is not None and _active._defers(weight):
-                _active._push(DeferredWeightGrad(weight, x, grad_output))
+                # Detached: under recompute x is the recomputed tensor, whose graph reaches back to the checkpoint's
+                # input (an AccumulateGrad holds it, with its .grad); the store would keep that input alive until W.
+                _active._push(DeferredWeightGrad(weight, x.detach(), grad_output))
             else:
                 grad_weight = weight_grad(x, grad_output)  # (out, in)
         return grad_x, grad_weight, grad_bias

@@ -136,6 +136,9 @@ def test_zb_v_trains_through_the_trainer_as_1f1b_does_and_resumes_under_v_half(c
     assert s["losses"] == summary(reference)["losses"]  # bit for bit: eval and checkpoints change nothing
     assert [v["step"] for v in s["val_losses"]] == [2, 3] and all(v["val_loss"] > 0 for v in s["val_losses"])
     assert [r["step"] for r in metrics(zb_v)] == [1, 2, 3]
+    # the schedule's simulated step, against the measured one (no traced step under virtual stages yet)
+    assert s["predicted_step_time_s"] > 0 and s["prediction"]["predicted_step_time_s"] == s["predicted_step_time_s"]
+    assert "per_stage" not in s["prediction"]
     (wandb_path,) = wandb_file.find_run_files(zb_v / "wandb")
     assert [r["loss"] for r in wandb_file.history(wandb_path) if "loss" in r] == s["losses"]
     # planned and measured activation bytes of each rank (its two chunks together), on the metered step
@@ -166,13 +169,13 @@ def test_zb_v_meters_each_rank_as_the_rank_replay_does(case_runs):
 
 def test_zb_v_under_auto_per_chunk_trains_as_none_does(case_runs):
     """+recompute=auto under zb-v: each rank's plan and peak printed at start-up, the "none" case's losses bit for bit,
-    and each rank's measured activation bytes at least its planned walked peak (the walk leaves out the backward's
-    working set: docs/virtual_stages.md)."""
+    and each rank's measured activation bytes its planned peak within 2% (tests/test_virtual_local.py's
+    PLANNED_WITHIN: docs/virtual_stages.md)."""
     s, reference = summary(case_runs["zb-v-auto"]), summary(case_runs["none"])
     assert s["schedule"] == "zb-v" and s["losses"] == reference["losses"]
     assert any(choice != "none" for stage in s["layout"] for choice in stage["choices"])
     planned, measured = s["planned_activation_bytes_per_rank"], s["measured_activation_bytes_per_rank"]
-    assert len(planned) == 2 and all(m >= p > 0 for m, p in zip(measured, planned))
+    assert len(planned) == 2 and all(abs(m - p) <= 0.02 * m for m, p in zip(measured, planned)), (planned, measured)
 
 
 def test_a_zb_v_checkpoint_holds_the_model_as_a_1f1b_one_does(case_runs):

@@ -131,7 +131,7 @@ def _rank_peaks(layout, auto: AutoRecompute, schedule: str) -> list[RankPeak]:
 @pytest.mark.parametrize("schedule", VIRTUAL_SCHEDULES)
 def test_auto_per_chunk_fits_each_ranks_peak_at_the_least_recompute_of_any_pair(schedule):
     """Between the largest rank floor and none's largest rank peak: every rank's walked peak within the budget, some
-    chunk recomputing, no pair of the chunks' candidates (brute force) cheaper, and the planner's walk counting what
+    chunk recomputing, no pair of the chunks' candidates (brute force) cheaper, and the planner's peak at least what
     the rank plan (virtual_plan) reports."""
     unbounded, _ = _auto_layout(schedule, 1e12)
     assert all(not (p.segments or p.selective) for p in unbounded.plans)
@@ -144,7 +144,10 @@ def test_auto_per_chunk_fits_each_ranks_peak_at_the_least_recompute_of_any_pair(
     activations = virtual_plan(MODEL, layout, RUN, schedule).activation_bytes_per_rank
     for b, peak, planned in zip(layout.rank_budgets, _rank_peaks(layout, auto, schedule), activations):
         first, second = peak.sides
-        assert peak.walk.peak_bytes([side.kept(c) for side, c in zip(peak.sides, b.choice)]) == planned
+        # the plan walks each backward's working set inside it; auto bounds it by the largest chunk's on top of the
+        # walk between instructions
+        walked = peak.walk.peak_bytes([side.kept(c) for side, c in zip(peak.sides, b.choice)])
+        assert walked < planned <= walked + max(side.work(c) for side, c in zip(peak.sides, b.choice))
         assert peak.bytes(b.choice) == b.peak_bytes
         fitting = [a.cost + c.cost for a in first.choices for c in second.choices if peak.bytes((a, c)) <= budget]
         assert sum(c.cost for c in b.choice) == min(fitting)

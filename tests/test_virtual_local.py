@@ -31,7 +31,7 @@ MODES = {
 
 AUTO_BUDGET_BYTES = {"interleaved-1f1b": 760_000, "zb-v": 790_000, "v-half": 685_000}
 """+recompute=auto per chunk (2 ranks): per schedule, a budget between its ranks' largest floor and none's largest
-rank peak (625792-955520, 753024-835456 and 662528-708480 bytes), so that some chunk recomputes."""
+rank peak (651072-955520, 763136-835456 and 667584-708480 bytes), so that some chunk recomputes."""
 
 
 def layout(stages: int, recompute):
@@ -97,7 +97,7 @@ def test_two_chunks_per_rank_train_as_1f1b_bit_for_bit(schedule, mode, batches, 
 
 
 @pytest.mark.parametrize(
-    "schedule, budget", [*AUTO_BUDGET_BYTES.items(), ("interleaved-1f1b", 625_792), ("zb-v", 753_024)]
+    "schedule, budget", [*AUTO_BUDGET_BYTES.items(), ("interleaved-1f1b", 651_072), ("zb-v", 763_136)]
 )
 def test_auto_per_chunk_trains_as_none_bit_for_bit(schedule, budget, batches, one_f_one_b):
     """Each rank's chunks under the plans auto chose for them together (some recomputing; at the largest rank floor,
@@ -121,17 +121,34 @@ def _measured(planned, schedule: str) -> list[int]:
     return [p.peak_bytes - p.baseline_bytes for p in peaks]
 
 
+PLANNED_WITHIN = 0.02
+"""Planned against measured activation bytes per rank: the walk (parallel/planning/virtual_walk.py) counts the first
+chunk's token ids, which on CPU are the loader's tensors, made before the metered window (-256 bytes per micro-batch in
+flight), and per-micro-batch recompute's plain micro-batches are 1.3% over on rank 1 of interleaved 1F1B; the other
+cases here are within 2 KiB (docs/virtual_stages.md)."""
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("schedule", ("interleaved-1f1b", "zb-v", "v-half"))
+def test_each_ranks_planned_activation_peak_is_what_its_replay_measures(schedule, mode):
+    """virtual_plan's activation bytes per rank against the rank replay's peak above its baseline."""
+    planned_layout, run = auto_layout(schedule, MODES[mode])
+    planned = virtual_plan(CFG, planned_layout, run, schedule).activation_bytes_per_rank
+    for p, m in zip(planned, _measured(planned_layout, schedule)):
+        assert abs(m - p) <= PLANNED_WITHIN * m, (p, m)
+
+
 @pytest.mark.parametrize("schedule", ("interleaved-1f1b", "zb-v"))
 def test_auto_per_chunk_lowers_each_ranks_measured_bytes_as_planned(schedule):
-    """The rank replay under auto's plans against no recompute: the planned activation peak per rank (virtual_plan's,
-    the walk) is what the replay holds at least (the walk leaves out the backward's working set and receive buffers:
-    docs/virtual_stages.md), and the measured bytes fall on every rank whose planned peak falls, never rise."""
+    """The rank replay under auto's plans against no recompute: the planned activation peak per rank (virtual_plan's
+    walk) is what the replay measures, within PLANNED_WITHIN, and the measured bytes fall on every rank whose planned
+    peak falls, never rise."""
     auto, run = auto_layout(schedule)
     none, _ = auto_layout(schedule, NoRecompute())
     planned = virtual_plan(CFG, auto, run, schedule).activation_bytes_per_rank
     planned_none = virtual_plan(CFG, none, run, schedule).activation_bytes_per_rank
     measured, measured_none = _measured(auto, schedule), _measured(none, schedule)
-    assert all(m >= p for m, p in zip(measured, planned))
+    assert all(abs(m - p) <= PLANNED_WITHIN * m for m, p in zip(measured, planned)), (planned, measured)
     for rank in range(2):
         assert measured[rank] <= measured_none[rank]
         if planned[rank] < planned_none[rank]:

@@ -9,11 +9,13 @@ import functools
 from collections import Counter
 
 import pytest
+import torch
 
 from model import BLOCK_CLASSES, GPTConfig, gpt_layers
 from parallel.planning import schedules
 from parallel.planning.config import AutoRecompute, NoRecompute
 from parallel.planning.layout import build_layout
+from parallel.planning.memory_model import CPU_RNG_STATE_BYTES
 from parallel.planning.partition import partition_layers
 from parallel.planning.schedule_walk import in_flight_micro_batches
 from parallel.planning.shapes import RunShape, Shape, Target, Topology
@@ -23,7 +25,7 @@ from parallel.planning.virtual_choice import virtual_lines, virtual_options
 from parallel.planning.virtual_memory import one_chunk_peaks, virtual_peaks
 from parallel.planning.virtual_schedules import SLOTS, VirtualProgram, virtual_schedule
 from parallel.planning.virtual_sim import simulate_virtual
-from parallel.planning.virtual_walk import virtual_activation_peak
+from parallel.planning.virtual_walk import ChunkBytes, RankMoments
 
 KINDS = [("interleaved-1f1b", 2), ("interleaved-1f1b", 3), ("zb-v", 2), ("v-half", 2)]
 RANKS = range(2, 9)
@@ -167,7 +169,8 @@ def test_one_chunk_per_rank_is_1f1b(ranks, micro_batches):
     """interleaved-1f1b with v = 1 holds what DeepSpeed's 1F1B holds and takes its simulated step."""
     progs = virtual_schedule("interleaved-1f1b", micro_batches, ranks, 1)
     for rank, program in enumerate(progs):
-        peak = virtual_activation_peak(program, [1], [0], [0], [0])
+        ones = ChunkBytes((1,) * micro_batches, (0,) * micro_batches, 0, 0, 0, 0)
+        peak = RankMoments.of(program).peak([ones])
         assert peak.in_flight == (in_flight_micro_batches(micro_batches, ranks, rank),)
     one_f_one_b = simulate_stages([costs(1.0)] * ranks, micro_batches, "1f1b").step_time_s
     assert simulate_virtual(progs, [[costs(1.0)]] * ranks).step_time_s == one_f_one_b
@@ -241,3 +244,8 @@ def test_clipping_makes_every_rank_wait_for_the_slowest_before_its_optimizer_ste
     per_rank = [dataclasses.replace(costs(1.0), optimizer=step) for step in (0.5, 4.0, 1.0, 0.5)]
     expected = simulate_stages(per_rank, 8, "1f1b", clip_barrier=True).step_time_s
     assert simulate_virtual(one, [[c] for c in per_rank], clip_barrier=True).step_time_s == expected
+
+
+def test_the_planner_counts_the_cpu_generators_state_each_checkpoint_keeps():
+    """memory_model.checkpoint_rng_bytes: torch's non-reentrant checkpoint keeps torch.get_rng_state() per call."""
+    assert torch.get_rng_state().untyped_storage().nbytes() == CPU_RNG_STATE_BYTES

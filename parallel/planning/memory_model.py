@@ -259,6 +259,19 @@ def stage_weight_grad_bytes(recipes: Sequence[LayerRecipe], layers: range, shape
     return held
 
 
+def weight_grad_transient_bytes(recipes: Sequence[LayerRecipe], layers: range, shape: Shape, target: Target) -> int:
+    """What a W allocates on top while it runs: one deferred Linear's weight gradient at a time, the largest of the
+    stage's (model/weight_grad.py's DeferredWeightGrad.apply forms it, then accumulates it into `.grad`)."""
+    largest = 0
+    for flat in layers:
+        if recipes[flat].module_class in BLOCK_CLASSES:
+            width = max(shape.mlp_width, shape.q_width) if shape.arch == "llama" else 4 * shape.h
+            largest = max(largest, shape.h * width)
+        elif is_head(recipes[flat]) and not shape.loss_chunk_tokens:
+            largest = max(largest, shape.vocab * shape.h)
+    return largest * target.dtype_bytes
+
+
 def selective_combinations() -> list[tuple[str, ...]]:
     """Every valid `recompute.modules` list (mlp and mlp_act exclude each other), in a fixed order."""
     combos = []
@@ -336,6 +349,25 @@ def causal_mask_bytes(shape: Shape, target: Target) -> int:
     """The (s, s) additive causal mask model/attention.py's explicit ops build once per block and keep for every
     later step (outside autograd); SDPA builds none."""
     return shape.s * shape.s * target.dtype_bytes if attention_kernel(shape, target) == "math" else 0
+
+
+CPU_RNG_STATE_BYTES = 5056
+"""torch.get_rng_state(): the CPU generator's state, a uint8 tensor (tests/test_virtual_schedules.py checks it)."""
+
+
+def checkpoint_rng_bytes(plan: StagePlan, target: Target) -> int:
+    """What a micro-batch's checkpoints keep besides their inputs: torch's non-reentrant checkpoint saves the CPU
+    generator's state at each checkpoint's forward (preserve_rng_state), one per full segment (and per block of a
+    nested one) and per `core_attn` or `mlp` checkpoint of a selective block (parallel/runtime/recompute.py;
+    `mlp_act` and `layernorm` discard outputs without a checkpoint). Host memory: counted on the CPU target only (on
+    CUDA the device's tensors are measured). The peak of a virtual-stage schedule's rank is measured as every live
+    tensor (parallel/measurement/tensor_peak.py), so its walk counts these; the activation meter of one stage per rank
+    sees only saved tensors."""
+    if target.device != "cpu":
+        return 0
+    selective = sum(("core_attn" in modules) + ("mlp" in modules) for modules in plan.selective.values())
+    nested = sum(stop - start for start, stop in plan.segments) if plan.nested else 0  # a checkpoint per block inside
+    return (len(plan.segments) + nested + selective) * CPU_RNG_STATE_BYTES
 
 
 def stage_input_bytes(stage_index: int, shape: Shape, target: Target) -> int:

@@ -220,7 +220,15 @@ class RunPlan:
 
     @property
     def predicted_step_time_s(self) -> float | None:
-        return self.step_time.predicted_step_time_s if self.step_time else None
+        """The run's simulated step: its schedule's over its stages, or over its ranks' chunks (`virtual`)."""
+        if self.step_time is not None:
+            return self.step_time.predicted_step_time_s
+        return self.virtual.predicted_step_time_s if self.virtual is not None else None
+
+    @property
+    def prediction_costs(self) -> str | None:
+        """What priced `predicted_step_time_s` (parallel/planning/block_prices.py's sources)."""
+        return self.step_time.costs if self.step_time is not None else self.virtual and self.virtual.costs
 
     def to_json(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "step_time"}

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from model import BLOCK_CLASSES
 from parallel.planning.auto_recompute import StageChoice, stage_choices, to_stage_plan
+from parallel.planning.memory_model import checkpoint_rng_bytes
 from parallel.planning.partition import StageRange
 from parallel.planning.shapes import gib_text
 from parallel.planning.stage_plan import StagePlan
@@ -48,10 +49,12 @@ class ChunkSide:
     """What its optimizer step allocates on top of the states."""
     working: StageWorking
     choices: tuple[StageChoice, ...]
+    rng_states: dict[StageChoice, int]
+    """Per choice: what its checkpoints keep besides their inputs (memory_model.checkpoint_rng_bytes)."""
 
     def kept(self, choice: StageChoice) -> int:
-        """What the chunk keeps per micro-batch under `choice` (virtual_memory.kept_bytes of its plan)."""
-        return self.others + choice.kept_bytes
+        """What the chunk keeps per micro-batch under `choice` (virtual_memory.micro_batch_bytes of its plan)."""
+        return self.others + choice.kept_bytes + self.rng_states[choice]
 
     @functools.cached_property
     def classes(self) -> list[tuple[int, list[StageChoice]]]:
@@ -128,6 +131,7 @@ def chunk_side(planner: StagePlanner, stage: StageRange) -> ChunkSide:
     positions = tuple(local for local, flat in enumerate(stage.layers) if recipes[flat].module_class in BLOCK_CLASSES)
     memory = price_stage(pricing, stage, StagePlan()).memory
     working = stage_working(memory.plain_layers, pricing.shape, pricing.run.target)
+    choices = tuple(stage_choices(len(positions), planner.table, working.blocks_end_stage))
     return ChunkSide(
         stage,
         positions,
@@ -135,7 +139,8 @@ def chunk_side(planner: StagePlanner, stage: StageRange) -> ChunkSide:
         sum(memory.states.values()) + memory.causal_masks,
         memory.optimizer_step,
         working,
-        tuple(stage_choices(len(positions), planner.table, working.blocks_end_stage)),
+        choices,
+        {c: checkpoint_rng_bytes(to_stage_plan(c, positions, planner.table), pricing.run.target) for c in choices},
     )
 
 

@@ -137,6 +137,7 @@ def virtual_plan(
         tuple(peak.bytes for peak in peaks),
         tuple(sum(sum(prices[v].memory.states.values()) for v in stages) for stages in mine),
         step,
+        layout.timing.source if layout.timing is not None else None,
     )
 
 

@@ -8,44 +8,80 @@ from dataclasses import dataclass
 
 from model import LayerRecipe
 from parallel.planning import schedules
-from parallel.planning.memory_model import stage_activations, stage_weight_grad_bytes
+from parallel.planning.memory_model import (
+    checkpoint_rng_bytes,
+    stage_activations,
+    stage_weight_grad_bytes,
+    weight_grad_transient_bytes,
+)
 from parallel.planning.partition import StageRange
 from parallel.planning.schedule_walk import ActivationPeak, activation_peak
 from parallel.planning.shapes import Shape, Target
 from parallel.planning.stage_plan import StagePlan
 from parallel.planning.virtual_schedules import virtual_schedule
-from parallel.planning.virtual_walk import RankMoments, VirtualPeak
+from parallel.planning.virtual_walk import ChunkBytes, RankMoments, VirtualPeak
+from parallel.planning.working_set import backward_working_sets
 
 
-def kept_bytes(recipes: Sequence[LayerRecipe], stage: StageRange, plan: StagePlan, shape: Shape, target: Target) -> int:
-    """What one micro-batch keeps on the (virtual) stage from its forward to its backward under `plan`."""
-    last = stage.stop == len(recipes)
-    return sum(a.bytes for a in stage_activations(recipes, stage.layers, plan, shape, target, last))
+def micro_batch_bytes(
+    recipes: Sequence[LayerRecipe],
+    stage: StageRange,
+    plan: StagePlan,
+    shape: Shape,
+    target: Target,
+    micro_batches: int,
+    split: bool,
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per micro-batch of the (virtual) stage: what it keeps from its forward to its backward (its checkpoints' RNG
+    states included: memory_model.checkpoint_rng_bytes), and what its backward
+    allocates on top (its largest working set; `split`: B defers the weight gradients), under `plan` for the
+    micro-batches it recomputes and `none` for the others (StagePlan.recomputes_micro_batch)."""
+    out = {}
+    for under_plan in {plan.recomputes_micro_batch(k) for k in range(micro_batches)}:
+        own = plan if under_plan else StagePlan()
+        layers = stage_activations(recipes, stage.layers, own, shape, target, stage.stop == len(recipes))
+        sets = backward_working_sets(layers, own, shape, target, split)
+        kept = sum(a.bytes for a in layers) + checkpoint_rng_bytes(own, target)
+        out[under_plan] = kept, max(sets.values(), default=0)
+    per_micro_batch = [out[plan.recomputes_micro_batch(k)] for k in range(micro_batches)]
+    return tuple(k for k, _ in per_micro_batch), tuple(w for _, w in per_micro_batch)
 
 
 @dataclass(frozen=True)
 class RankWalk:
     """One rank's programme walked once, with what its chunks hold whatever their plans (W-pending bytes, received
-    messages): its activation peak under any bytes its chunks keep per micro-batch."""
+    messages, outputs): its activation peak under any bytes its chunks keep and allocate per micro-batch."""
 
     virtual_stages: tuple[int, ...]
     """The rank's virtual stages, in chunk order."""
     moments: RankMoments
     weights_pending: tuple[int, ...]
-    message: tuple[int, ...]
+    weight_working: tuple[int, ...]
+    """Per chunk: what its W allocates on top while it runs (0 without a split backward)."""
+    message: int
     output: tuple[int, ...]
     """Per chunk: its output, held from its forward to its backward (none on the last virtual stage)."""
+    split: bool
+    """The schedule splits the backward into B and W."""
 
-    def peak(self, kept: Sequence[int]) -> VirtualPeak:
-        """`kept[c]`: what chunk c keeps per micro-batch (`kept_bytes`)."""
-        return self.moments.peak(kept, self.weights_pending, self.message, self.output)
+    def _chunks(self, kept: Sequence[Sequence[int]], working: Sequence[Sequence[int]]) -> list[ChunkBytes]:
+        return [
+            ChunkBytes(tuple(k), tuple(w), p, ww, self.message, o)
+            for k, w, p, ww, o in zip(kept, working, self.weights_pending, self.weight_working, self.output)
+        ]
+
+    def peak(self, kept: Sequence[Sequence[int]], working: Sequence[Sequence[int]]) -> VirtualPeak:
+        """`kept[c][m]`, `working[c][m]`: what chunk c's micro-batch m keeps and its backward allocates on top
+        (`micro_batch_bytes`)."""
+        return self.moments.peak(self._chunks(kept, working))
 
     @functools.cached_property
     def rows(self) -> tuple[tuple[tuple[int, ...], int], ...]:
-        return self.moments.linear(self.weights_pending, self.message, self.output)
+        return self.moments.linear(self._chunks([()] * len(self.output), [()] * len(self.output)))
 
     def peak_bytes(self, kept: Sequence[int]) -> int:
-        """`peak(kept).bytes`, from the walk's few moments that can hold the peak (auto per chunk asks often)."""
+        """The peak between instructions with `kept[c]` bytes per micro-batch of chunk c, every micro-batch alike,
+        from the walk's few moments that can hold it (auto per chunk asks often and adds a working set on top)."""
         return max([0] + [sum(n * k for n, k in zip(in_flight, kept)) + held for in_flight, held in self.rows])
 
 
@@ -73,8 +109,12 @@ def rank_walks(
     for program in programs:
         virtual = tuple(placement.virtual_stage(program.rank, c) for c in range(chunks))
         pending = [stage_weight_grad_bytes(recipes, stages[v].layers, shape, target) if split else 0 for v in virtual]
+        transient = [
+            weight_grad_transient_bytes(recipes, stages[v].layers, shape, target) if split else 0 for v in virtual
+        ]
         output = tuple(0 if v == len(stages) - 1 else message for v in virtual)
-        out.append(RankWalk(virtual, RankMoments.of(program), tuple(pending), (message,) * chunks, output))
+        moments = RankMoments.of(program)
+        out.append(RankWalk(virtual, moments, tuple(pending), tuple(transient), message, output, split))
     return out
 
 
@@ -88,11 +128,16 @@ def virtual_peaks(
     shape: Shape,
     target: Target,
 ) -> list[VirtualPeak]:
-    """Each rank's activation peak (`rank_walks`) with one plan per virtual stage."""
-    return [
-        walk.peak([kept_bytes(recipes, stages[v], plans[v], shape, target) for v in walk.virtual_stages])
-        for walk in rank_walks(recipes, stages, schedule, chunks, micro_batches, shape, target)
-    ]
+    """Each rank's activation peak (`rank_walks`) with one plan per virtual stage, each backward's working set
+    inside it."""
+    out = []
+    for walk in rank_walks(recipes, stages, schedule, chunks, micro_batches, shape, target):
+        per_chunk = [
+            micro_batch_bytes(recipes, stages[v], plans[v], shape, target, micro_batches, walk.split)
+            for v in walk.virtual_stages
+        ]
+        out.append(walk.peak([k for k, _ in per_chunk], [w for _, w in per_chunk]))
+    return out
 
 
 def one_chunk_peaks(
@@ -104,11 +149,15 @@ def one_chunk_peaks(
     shape: Shape,
     target: Target,
 ) -> list[ActivationPeak]:
-    """Each stage's peak under today's one-chunk schedules (1f1b, zb-h1), as schedule_walk walks them."""
+    """Each stage's peak under today's one-chunk schedules (1f1b, zb-h1), as schedule_walk walks them, each
+    backward's working set inside it (DeepSpeed's buffers left out)."""
     out = []
     for s, (stage, plan) in enumerate(zip(stages, plans)):
-        kept = kept_bytes(recipes, stage, plan, shape, target)
-        pending = stage_weight_grad_bytes(recipes, stage.layers, shape, target) if schedule == "zb-h1" else 0
+        split = schedule == "zb-h1"
+        kept, working = micro_batch_bytes(recipes, stage, plan, shape, target, micro_batches, split)
+        pending = stage_weight_grad_bytes(recipes, stage.layers, shape, target) if split else 0
         m = micro_batches
-        out.append(activation_peak(schedule, False, [kept] * m, pending, [0] * m, m, len(stages), s))
+        out.append(
+            activation_peak(schedule, False, kept, pending, [0] * m, m, len(stages), s, transient=working)
+        )
     return out

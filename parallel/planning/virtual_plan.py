@@ -20,6 +20,9 @@ class VirtualPlan:
     """Each rank's parameters, gradients and optimizer state: its chunks' together."""
     predicted_step_time_s: float | None
     """The ranks' programmes replayed with each chunk's seconds (parallel/planning/virtual_sim.py)."""
+    costs: str | None = None
+    """What priced the chunks' seconds (parallel/planning/block_prices.py's sources; None in plan.json files written
+    before it was recorded)."""
 
     @classmethod
     def from_json(cls, data: dict) -> "VirtualPlan":

@@ -22,36 +22,74 @@ class VirtualPeak:
     """Received activations and gradients held until their forward or backward runs."""
     returning: int = 0
     """Micro-batches through their backward whose input and its gradient wait for SendGrad."""
+    working_set: int = 0
+    """Of `bytes`, the transient of the backward (B) or W running at the peak (0 when the peak is between
+    instructions)."""
+    running: tuple[int, int, str] | None = None
+    """(chunk, micro-batch, "B" or "W") of the instruction running at the peak; None between instructions."""
+
+
+@dataclass(frozen=True)
+class ChunkBytes:
+    """What one chunk of a rank holds under its plan, whatever the schedule."""
+
+    kept: tuple[int, ...]
+    """Per micro-batch: kept from its forward to its backward (B), its plan's or, under per-micro-batch recompute,
+    `none`'s for the micro-batches that run without (StagePlan.recomputes_micro_batch)."""
+    working: tuple[int, ...]
+    """Per micro-batch: what its backward allocates on top while it runs (working_set.backward_working_sets)."""
+    weights_pending: int
+    """Per micro-batch through B whose W has not run: what its W's need."""
+    weight_working: int
+    """What a W allocates on top while it runs (memory_model.weight_grad_transient_bytes)."""
+    message: int
+    """One received activation or gradient."""
+    output: int
+    """Its output, held from its forward to its backward (0 on the last virtual stage)."""
 
 
 @dataclass(frozen=True)
 class RankMoments:
-    """A rank's programme walked once: after each instruction that changes what it holds, per chunk, the
-    micro-batches in flight, those whose W is pending, the received messages held and the micro-batches whose input
-    gradient waits for its SendGrad. What the rank holds is linear in each chunk's bytes per micro-batch, so its peak
-    under any of them is read from these moments (auto per chunk asks for thousands: parallel/planning/virtual_auto.py).
+    """A rank's programme walked once: after each instruction that changes what it holds, and inside each backward
+    and W before it frees anything, per chunk, the micro-batches in flight, those whose W is pending, the received
+    messages held and the micro-batches whose input gradient waits for its SendGrad.
 
-    A chunk holds each micro-batch in flight's output (parallel/runtime/chunk_work.py keeps it for the backward: the
-    `output` bytes of `peak`), and after the backward its received input with that input's gradient until SendGrad
-    sends the gradient (twice `message`); the input itself, from the forward to the backward, is its first layer's
-    kept input (memory_model.stage_activations)."""
+    A chunk holds each micro-batch in flight's output (parallel/runtime/chunk_work.py keeps it for the backward), and
+    after the backward its received input with that input's gradient until SendGrad sends the gradient (twice
+    `message`); the input itself, from the forward to the backward, is its first layer's kept input
+    (memory_model.stage_activations). What the rank holds is linear in each chunk's bytes per micro-batch, so auto per
+    chunk (parallel/planning/virtual_auto.py), which asks thousands of times, reads its peak from `linear`'s rows."""
 
-    in_flight: tuple[tuple[int, ...], ...]
+    live: tuple[tuple[frozenset[int], ...], ...]
+    """Per moment, per chunk: the micro-batches in flight."""
     pending: tuple[tuple[int, ...], ...]
     messages: tuple[tuple[int, ...], ...]
     returning: tuple[tuple[int, ...], ...]
+    running: tuple[tuple[int, int, str] | None, ...]
+    """Per moment: (chunk, micro-batch, "B" or "W") of the instruction it is inside, None between instructions."""
+
+    @property
+    def in_flight(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(len(ms) for ms in live) for live in self.live)
 
     @classmethod
     def of(cls, program: VirtualProgram) -> "RankMoments":
         """Per micro-batch of chunk c: in flight from its forward to its backward (B, or the whole backward), W-pending
         from its B to its W, and a received input or output gradient of the chunk held from its receive to the
-        forward or backward that reads it (counted after each instruction, as schedule_walk.activation_peak counts)."""
+        forward or backward that reads it (counted after each instruction, and inside each backward before it frees
+        its micro-batch, as schedule_walk.activation_peak counts)."""
         chunks = program.chunks
-        in_flight, pending, returning = [0] * chunks, [0] * chunks, [0] * chunks
+        live: list[set[int]] = [set() for _ in range(chunks)]
+        pending, returning = [0] * chunks, [0] * chunks
         # The first virtual stage's input is token ids, and no SendGrad follows its backwards.
         sends_grads = [program.placement.virtual_stage(program.rank, c) > 0 for c in range(chunks)]
         held: set[tuple[int, int, str]] = set()  # (chunk, micro-batch, what) of received messages not yet read
-        moments: list[tuple[tuple[int, ...], ...]] = []
+        moments: list[tuple] = []
+
+        def moment(running: tuple[int, int, str] | None = None) -> None:
+            messages = tuple(sum(k == chunk for k, _, _ in held) for chunk in range(chunks))
+            moments.append((tuple(map(frozenset, live)), tuple(pending), messages, tuple(returning), running))
+
         for command in program.commands():
             kind, c, m = command.kind, command.chunk, command.micro_batch
             if kind is schedules.RecvActivation:
@@ -60,55 +98,54 @@ class RankMoments:
                 held.add((c, m, "grad"))
             elif kind is schedules.ForwardPass:
                 held.discard((c, m, "activation"))
-                in_flight[c] += 1
+                live[c].add(m)
             elif kind in (schedules.BackwardPass, schedules.BackwardInput):
+                moment(running=(c, m, "B"))
                 held.discard((c, m, "grad"))
-                in_flight[c] -= 1
+                live[c].discard(m)
                 pending[c] += kind is schedules.BackwardInput
                 returning[c] += sends_grads[c]
             elif kind is schedules.BackwardWeight:
+                moment(running=(c, m, "W"))
                 pending[c] -= 1
             elif kind is schedules.SendGrad:
                 returning[c] -= 1
             else:
                 continue
-            messages = tuple(sum(k == chunk for k, _, _ in held) for chunk in range(chunks))
-            moments.append((tuple(in_flight), tuple(pending), messages, tuple(returning)))
-        return cls(*(tuple(m[i] for m in moments) for i in range(4)))
+            moment()
+        return cls(*(tuple(m[i] for m in moments) for i in range(5)))
 
-    def _held(
-        self,
-        i: int,
-        weights_pending: Sequence[int],
-        message: Sequence[int],
-        output: Sequence[int],
-    ) -> int:
-        """What moment `i` holds besides the chunks' kept bytes."""
-        terms = zip(self.in_flight[i], self.pending[i], self.messages[i], self.returning[i])
-        return sum(
-            n * o + p * w + h * m + 2 * r * m for (n, p, h, r), w, m, o in zip(terms, weights_pending, message, output)
-        )
+    def _held(self, i: int, chunks: Sequence[ChunkBytes]) -> int:
+        """What moment `i` holds besides the chunks' kept bytes and the working set."""
+        terms = zip(self.live[i], self.pending[i], self.messages[i], self.returning[i], chunks)
+        return sum(len(n) * b.output + p * b.weights_pending + (h + 2 * r) * b.message for n, p, h, r, b in terms)
 
-    def peak(
-        self, kept: Sequence[int], weights_pending: Sequence[int], message: Sequence[int], output: Sequence[int]
-    ) -> VirtualPeak:
-        """The most the rank holds with `kept[c]` bytes per micro-batch of chunk c in flight (and `output[c]`, its
-        output), `weights_pending[c]` per W-pending one and `message[c]` per held message."""
-        best = VirtualPeak(0, (0,) * len(kept), (0,) * len(kept), 0)
-        for i, in_flight in enumerate(self.in_flight):
-            live = sum(n * k for n, k in zip(in_flight, kept)) + self._held(i, weights_pending, message, output)
-            if live > best.bytes:
-                best = VirtualPeak(live, in_flight, self.pending[i], sum(self.messages[i]), sum(self.returning[i]))
+    def peak(self, chunks: Sequence[ChunkBytes]) -> VirtualPeak:
+        """The most the rank holds, `chunks[c]` being what chunk c holds."""
+        best = VirtualPeak(0, (0,) * len(chunks), (0,) * len(chunks), 0)
+        for i, live in enumerate(self.live):
+            kept = sum(sum(b.kept[m] for m in ms) for ms, b in zip(live, chunks))
+            running = self.running[i]
+            working = 0
+            if running is not None:
+                chunk = chunks[running[0]]
+                working = chunk.working[running[1]] if running[2] == "B" else chunk.weight_working
+            total = kept + working + self._held(i, chunks)
+            if total > best.bytes:
+                in_flight = tuple(len(ms) for ms in live)
+                held = sum(self.messages[i]), sum(self.returning[i])
+                best = VirtualPeak(total, in_flight, self.pending[i], *held, working, running)
         return best
 
-    def linear(
-        self, weights_pending: Sequence[int], message: Sequence[int], output: Sequence[int]
-    ) -> tuple[tuple[tuple[int, ...], int], ...]:
-        """The moments as (micro-batches in flight per chunk, the bytes held besides their kept ones), without those
-        another moment holds at least as much as in every term: the peak under any kept bytes per chunk is the
-        largest of these rows' sums (`peak`'s bytes, read fast)."""
+    def linear(self, chunks: Sequence[ChunkBytes]) -> tuple[tuple[tuple[int, ...], int], ...]:
+        """The moments between instructions as (micro-batches in flight per chunk, the bytes held besides their kept
+        ones), `chunks` giving every term but the kept bytes, without those another moment holds at least as much as
+        in every term: the peak without working sets under any kept bytes per chunk (the same for every micro-batch)
+        is the largest of these rows' sums."""
         rows = {
-            (in_flight, self._held(i, weights_pending, message, output)) for i, in_flight in enumerate(self.in_flight)
+            (tuple(len(ms) for ms in live), self._held(i, chunks))
+            for i, live in enumerate(self.live)
+            if self.running[i] is None
         }
         return tuple(
             row
@@ -117,14 +154,3 @@ class RankMoments:
                 other != row and other[1] >= row[1] and all(a >= b for a, b in zip(other[0], row[0])) for other in rows
             )
         )
-
-
-def virtual_activation_peak(
-    program: VirtualProgram,
-    kept: Sequence[int],
-    weights_pending: Sequence[int],
-    message: Sequence[int],
-    output: Sequence[int],
-) -> VirtualPeak:
-    """Walk the rank's programme (RankMoments) and read its peak under these bytes per micro-batch."""
-    return RankMoments.of(program).peak(kept, weights_pending, message, output)
