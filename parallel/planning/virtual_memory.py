@@ -157,7 +157,5 @@ def one_chunk_peaks(
         kept, working = micro_batch_bytes(recipes, stage, plan, shape, target, micro_batches, split)
         pending = stage_weight_grad_bytes(recipes, stage.layers, shape, target) if split else 0
         m = micro_batches
-        out.append(
-            activation_peak(schedule, False, kept, pending, [0] * m, m, len(stages), s, transient=working)
-        )
+        out.append(activation_peak(schedule, False, kept, pending, [0] * m, m, len(stages), s, transient=working))
     return out
