@@ -3,6 +3,7 @@ ZB-H1, for one pipeline shape (no process group, no timing: bytes are the planne
 in units of one block's forward).
 
     .venv/bin/python -m bench.virtual_schedule_bench [--ranks 4] [--micro-batches 8] [--layers 16] [--measure]
+        [--modes none selective full]
 
 Each schedule runs the same GPT-2 blocks (balanced over the stages by block count, parallel.partition_method
 type:Block) with no recompute: 1f1b and zb-h1 on `ranks` stages, interleaved-1f1b, zb-v and v-half on 2 x `ranks`
@@ -11,9 +12,10 @@ optimizer at 0: it compares the schedules' bubbles, not a device.
 
 `--measure` also measures, on CPU, each rank's activation bytes (its peak tensor bytes above the step's baseline of
 parameters, gradients and optimizer state: parallel/measurement/tensor_peak.py) with the stage replay (1f1b:
-parallel/measurement/stage_replay.py; the virtual-stage schedules: parallel/measurement/virtual_replay.py) for a
-small GPT-2 (8 blocks, h 64, s 128, dropout 0.1, fp32, 2 sequences per micro-batch), against the same plan. Bytes
-are exact, so the machine's load does not change them; about 3 minutes on 2 busy cores.
+parallel/measurement/stage_replay.py, DeepSpeed's buffers included, which its planned walk leaves out; the
+virtual-stage schedules: parallel/measurement/virtual_replay.py) for a small GPT-2 (8 blocks, h 64, s 128, dropout
+0.1, fp32, 2 sequences per micro-batch), under each of `--modes` (`selective`: core_attn; `full`: interval 1),
+against the same plans. Bytes are exact, so the machine's load does not change them; about a minute per mode.
 """
 
 import argparse
@@ -21,7 +23,7 @@ import argparse
 from model import BLOCK_CLASSES, GPTConfig, gpt_layers
 from parallel.measurement.stage_replay import StageReplay
 from parallel.measurement.virtual_replay import VirtualRankReplay
-from parallel.planning.config import NoRecompute
+from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.planning.layout import build_layout
 from parallel.planning.partition import partition_layers
 from parallel.planning.shapes import RunShape, Shape, Target, Topology
@@ -65,12 +67,15 @@ def rows(ranks: int, micro_batches: int, layers: int) -> list[tuple[str, list[in
 SMALL = GPTConfig(n_layer=8, n_head=2, n_embd=64, seq_len=128, vocab_size=64, dropout=0.1, attention="math")
 
 
-def measured_rows(ranks: int, micro_batches: int) -> list[tuple[str, list[int], list[int]]]:
-    """(schedule, each rank's measured activation bytes, each rank's planned) for SMALL on CPU."""
+MODES = {"none": NoRecompute(), "selective": SelectiveRecompute(), "full": FullRecompute()}
+
+
+def measured_rows(ranks: int, micro_batches: int, mode: str) -> list[tuple[str, list[int], list[int]]]:
+    """(schedule, each rank's measured activation bytes, each rank's planned) for SMALL on CPU under `mode`."""
 
     def layout(stages: int):
         run = RunShape(Topology(stages), Target("cpu", "fp32"), micro_batches=micro_batches, micro_batch_size=2)
-        return build_layout(SMALL, NoRecompute(), run, "type:Block", 0), run
+        return build_layout(SMALL, MODES[mode], run, "type:Block", 0), run
 
     def above_baseline(peak) -> int:
         return peak.peak_bytes - peak.baseline_bytes
@@ -81,7 +86,7 @@ def measured_rows(ranks: int, micro_batches: int) -> list[tuple[str, list[int], 
     planned = one_chunk_peaks(one.recipes, one.stages, one.plans, "1f1b", micro_batches, shape, target)
     out = [("1f1b", measured, [p.bytes for p in planned])]
     virtual, _ = layout(2 * ranks)
-    for schedule in ("zb-v", "v-half"):
+    for schedule in VIRTUAL_SCHEDULES:
         measured = [
             above_baseline(VirtualRankReplay(virtual, schedule, 2, r, micro_batches, 2).measure_peak())
             for r in range(ranks)
@@ -99,6 +104,7 @@ def main(argv=None) -> int:
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--measure", action="store_true", help="also measure activation bytes per rank on CPU")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=["none"], help="recompute modes measured")
     args = parser.parse_args(argv)
     results = rows(args.ranks, args.micro_batches, args.layers)
     base = max(results[0][1])
@@ -109,14 +115,19 @@ def main(argv=None) -> int:
         print(f"{schedule:<18}{max(peaks) / 2**20:>18.1f}{max(peaks) / base:>8.2f}{step:>18.1f}   {per_rank}")
     if not args.measure:
         return 0
-    print(f"\nmeasured on CPU (stage replay), {SMALL.n_layer} blocks h {SMALL.n_embd} s {SMALL.seq_len}, fp32")
-    print(f"{'schedule':<18}{'largest rank KiB':>18}{'x 1f1b':>8}{'planned KiB':>14}   per rank measured / planned KiB")
-    measured = measured_rows(args.ranks, args.micro_batches)
-    base = max(measured[0][1])
-    for schedule, bytes_, planned in measured:
-        per_rank = " ".join(f"{b // 1024}/{p // 1024}" for b, p in zip(bytes_, planned))
-        line = f"{schedule:<18}{max(bytes_) / 1024:>18.0f}{max(bytes_) / base:>8.2f}{max(planned) / 1024:>14.0f}"
-        print(f"{line}   {per_rank}")
+    for mode in args.modes:
+        shape = f"{SMALL.n_layer} blocks h {SMALL.n_embd} s {SMALL.seq_len}, fp32"
+        print(f"\nmeasured on CPU (stage replay), {shape}, {mode}")
+        print(
+            f"{'schedule':<18}{'largest rank KiB':>18}{'x 1f1b':>8}{'planned KiB':>14}{'x 1f1b':>8}"
+            "   per rank measured / planned bytes"
+        )
+        measured = measured_rows(args.ranks, args.micro_batches, mode)
+        base, planned_base = max(measured[0][1]), max(measured[0][2])
+        for schedule, bytes_, planned in measured:
+            per_rank = " ".join(f"{b}/{p}" for b, p in zip(bytes_, planned))
+            line = f"{schedule:<18}{max(bytes_) / 1024:>18.0f}{max(bytes_) / base:>8.2f}{max(planned) / 1024:>14.0f}"
+            print(f"{line}{max(planned) / planned_base:>8.2f}   {per_rank}")
     return 0
 
 

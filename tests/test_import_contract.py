@@ -62,8 +62,8 @@ PLANNING = [
         "parallel.planning.virtual_walk",
         "parallel.planning.virtual_sim",
     },
-    # the backward's working set, from memory_model's kept items; each rank's peak under a virtual-stage schedule
-    {"parallel.planning.working_set", "parallel.planning.virtual_memory"},
+    {"parallel.planning.working_set"},  # the backward's working set, from memory_model's kept items
+    {"parallel.planning.virtual_memory"},  # each rank's peak under a virtual-stage schedule, working sets inside
     # what a stage holds, and the one record of what each block option keeps and costs
     {"parallel.planning.stage_bytes", "parallel.planning.block_prices"},
     {"parallel.planning.auto_recompute"},

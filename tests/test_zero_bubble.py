@@ -5,9 +5,12 @@ schedule x early x recompute combination (tests/fixtures/zero_bubble_runs.py, in
 launches of 2 and 4 ranks), also with 2-way data parallelism and ZeRO-1; and what an early recompute holds until
 backward is what the memory model predicts. (A zb-h1 train.py run's trace and resume: tests/test_zero_bubble_run.py.)"""
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from model import FIRST_BLOCK_INDEX, GPT, Block, GPTConfig, gpt_layers, lm_loss
 from model.weight_grad import WeightGradStore, linear, split_backward
@@ -53,6 +56,23 @@ def test_linear_gradients_are_nn_linears_deferred_or_not(dtype, bias):
         assert all(torch.equal(p.grad, e) for p, e in zip(params, expected))
         for p in params:
             p.grad = None
+
+
+def test_a_deferred_weight_gradient_holds_no_recomputed_graph():
+    """Under recompute the Linear's saved input is the recomputed tensor, whose graph reaches back to the checkpoint's
+    input: the store keeps it detached, so after B the checkpoint's input (and its gradient) can be freed before W."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 32, generator=gen).requires_grad_()
+    x = torch.randn(2, 16, 32, generator=gen).requires_grad_()
+    store = WeightGradStore()
+    with split_backward(), store.deferring():
+        out = checkpoint(lambda t: linear(F.layer_norm(t, (32,)), weight), x, use_reentrant=False)
+        out.backward(torch.ones_like(out))
+    held = weakref.ref(x)
+    del x, out
+    assert held() is None and len(store) == 1  # nothing but the store's entry could keep the input alive
+    store.apply_oldest()
+    assert weight.grad is not None
 
 
 def gpt_grads(
