@@ -113,14 +113,17 @@ def read_residuals(prices: Path) -> tuple[dict[str, float], int]:
 
 def learn_residuals(record: dict, cost_source: dict) -> Path | None:
     """Fold this run's residuals into its measured prices' (a run priced otherwise, or untraced, teaches nothing):
-    each kind's factor is multiplied by this run's measured / predicted, so the next prediction meets this run's."""
+    each kind's factor becomes the geometric mean of what every run so far measured over its unscaled prices (this
+    run's measured / predicted was priced with the factor of the runs before it). A mean, not the last run's ratio:
+    on a shared machine one slow or fast run would otherwise set the next run's prices alone (docs/step_time_benchmark.md
+    measured the same instruction kind at 0.7x its price in one run and 1.6x in the next)."""
     if cost_source.get("kind") != "measured" or "by_kind" not in record:
         return None
     prices = Path(cost_source["path"])
     residuals, runs = read_residuals(prices)
     for name, kind in LEARNT_KINDS.items():
         if name in record["by_kind"]:
-            residuals[kind] = residuals.get(kind, 1.0) * record["by_kind"][name]["ratio"]
+            residuals[kind] = residuals.get(kind, 1.0) * record["by_kind"][name]["ratio"] ** (1 / (runs + 1))
     path = residuals_path(prices)
     atomic_write_json(path, {"runs": runs + 1, "residuals": residuals})
     return path

@@ -104,4 +104,5 @@ def test_a_run_priced_by_measured_prices_folds_its_residuals_into_them(tmp_path)
     assert learn_residuals(record, {"kind": "measured", "path": str(prices)}) == residuals_path(prices)
     assert read_residuals(prices) == ({"forward": 2.0, "backward": 0.5}, 1)  # a send's wait is not a price
     learn_residuals({"by_kind": {"ForwardPass": {"ratio": 1.5}}}, {"kind": "measured", "path": str(prices)})
-    assert read_residuals(prices) == ({"forward": 3.0, "backward": 0.5}, 2)
+    # the second run measured 1.5x the first run's factor: 3.0x the unscaled price; the mean of 2.0 and 3.0
+    assert read_residuals(prices) == ({"forward": pytest.approx((2.0 * 3.0) ** 0.5), "backward": 0.5}, 2)
