@@ -192,6 +192,9 @@ def main(argv=None) -> int:
     parser.add_argument("--from-json", type=Path, help="print the tables of an earlier run's --json file; run nothing")
     parser.add_argument("--frontier", type=Path, help="sweep auto's budget too, and draw the frontier into this PNG")
     parser.add_argument("--budgets", type=int, default=6, help="budgets of the --frontier sweep (floor to top)")
+    parser.add_argument(
+        "--only", nargs="+", help="run only these configurations, named as the tables name them (no auto runs)"
+    )
     args = parser.parse_args(argv)
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
@@ -207,6 +210,9 @@ def main(argv=None) -> int:
         fixed = [v for v in virtual_variants(args.micro_batches, ("none",)) if "zb-v" in v.name]
     else:
         fixed = fixed_variants(args.micro_batches) + virtual_variants(args.micro_batches)
+    if args.only:  # a side-by-side rerun of a few rows: the auto runs need every peer's peak
+        peers = [p for p in peers if p.name in args.only]
+        fixed = [v for v in fixed if v.name in args.only]
     print(
         f"torch {torch.__version__}; L={cfg.n_layer} h={cfg.n_embd} a={cfg.n_head} s={cfg.seq_len} b=1 "
         f"m={args.micro_batches} dropout={cfg.dropout} fp32 {cfg.attention} attention; 2 ranks on CPU "
@@ -231,7 +237,7 @@ def main(argv=None) -> int:
                     run = run_stagecheck(cfg, item, steps, run_dir, k)
                 runs.append(run)
                 _progress(run, args, peers, of_peer, runs)
-            if k == 0:
+            if k == 0 and not args.only:
                 peer_runs = [r for r in runs if r.name in {p.name for p in peers}]
                 autos, of_peer = auto_variants(cfg, peer_runs, args.micro_batches, work)
                 if args.frontier:

@@ -115,8 +115,8 @@ def learn_residuals(record: dict, cost_source: dict) -> Path | None:
     """Fold this run's residuals into its measured prices' (a run priced otherwise, or untraced, teaches nothing):
     each kind's factor becomes the geometric mean of what every run so far measured over its unscaled prices (this
     run's measured / predicted was priced with the factor of the runs before it). A mean, not the last run's ratio:
-    on a shared machine one slow or fast run would otherwise set the next run's prices alone (docs/step_time_benchmark.md
-    measured the same instruction kind at 0.7x its price in one run and 1.6x in the next)."""
+    on a shared machine one slow or fast run would otherwise set the next run's prices alone
+    (docs/step_time_benchmark.md measured one instruction kind at 0.7x its price in one run, 1.6x in another)."""
     if cost_source.get("kind") != "measured" or "by_kind" not in record:
         return None
     prices = Path(cost_source["path"])
