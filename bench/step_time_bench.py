@@ -12,7 +12,9 @@ once per round; bench/real_runs.py).
 
 - Figure 1: the run's own predicted step (`predicted_step_time_s`: the plan start-up made, the same the dry run
   prints, with no trace of the run) against the measured median step, for none, selective, full(1), full(stage) and
-  auto, under 1F1B, ZB-H1 and 1F1B with early recompute, at two shapes (priced as `--prices` says). The profile is
+  auto, under 1F1B, ZB-H1 and 1F1B with early recompute, and for none, selective and full(1) under interleaved 1F1B,
+  ZB-V and V-Half (2 chunks per rank; untraced, so without a trace replay), at two shapes (priced as `--prices`
+  says). The profile is
   measured once at the start (`python -m parallel.measurement.device_profile`'s measurement: 2 processes at once, one
   thread each, as the runs' ranks), or read from `--profile`; it never sees these shapes.
 - Figure 2: the time-objective auto (`--prices` costs, `balanced`, `parallel.schedule=auto`, `recompute.early=null`)
@@ -51,6 +53,7 @@ from parallel.planning.layout import build_layout
 from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import GIB, MIB, RunShape, Target, Topology
 from parallel.planning.step_sim import simulate_stages
+from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES
 
 SEED, TARGET, MICRO_BATCHES = 1234, Target("cpu", "fp32"), 4
 SHAPES = {
@@ -98,6 +101,12 @@ def variants(budget_gb: float, profile: Path, prices: str) -> list[Variant]:
             out.append(
                 Variant(f"{name} {kind}", MICRO_BATCHES, recompute, partition, (*priced, *overrides, *schedule), (1,))
             )
+    # the schedules with virtual stages (2 chunks per rank, one block each): their prediction is the virtual plan's
+    virtual = {"none": (NoRecompute(), ()), **{m: (modes[m][0], modes[m][2]) for m in ("selective", "full(1)")}}
+    for name, (recompute, overrides) in virtual.items():
+        for kind in VIRTUAL_SCHEDULES:
+            schedule = (*priced, *overrides, f"parallel.schedule={kind}")
+            out.append(Variant(f"{name} {kind}", MICRO_BATCHES, recompute, "type:Block", schedule, (1,)))
     out.append(
         Variant(
             "auto time",
