@@ -3,9 +3,11 @@
 (pure: no process group).
 
 A rank runs its instructions in order; a compute instruction takes its chunk's seconds (step_sim.StageCosts, one per
-chunk). A step's communication is one posted batch, as the engine's interpreter posts it
-(parallel/runtime/stage_interpreter.py): its sends cost the sender nothing, and it ends once each of its receives
-has crossed (its send posted, plus the transfer). ReduceTiedGrads is a collective of the ranks holding the first
+chunk). A step's communication is one batch, as the engine posts it (parallel/runtime/boundary_links.py's
+BoundaryBatch): every send and receive posted at once and all waited for, so it ends once each of its messages to or
+from another rank has crossed, both sides posted plus the transfer: a send is a rendezvous (gloo's, and NCCL's for
+large messages), so a rank that sends waits for its receiver to reach the same boundary. A message to the rank itself
+(the V's turn) is a copy. ReduceTiedGrads is a collective of the ranks holding the first
 and the last virtual stage when they differ (a V's rank 0 holds both: its reduce is local). Under gradient clipping
 (`clip_barrier`) the optimizer step is a barrier of every rank, as step_sim.simulate's: DeepSpeed clips inside its
 step, after an all-reduce of the norm over the pipeline's ranks, so no rank steps before the last has reached its own
@@ -37,9 +39,16 @@ def _seconds(command: ChunkCommand, costs: Sequence[StageCosts]) -> float:
     return costs[command.chunk or 0].by_instruction()[command.name]
 
 
-def _transfer_s(receive: ChunkCommand, rank: int, costs: Sequence[StageCosts]) -> float:
-    """A message from the rank itself (the V's turn) is a copy on the rank: no transfer."""
-    return 0.0 if receive.peer == rank else _seconds(receive, costs)
+_RECEIVE_OF = {schedules.SendActivation: "RecvActivation", schedules.SendGrad: "RecvGrad"}
+
+
+def _transfer_s(command: ChunkCommand, rank: int, costs: Sequence[StageCosts]) -> float:
+    """A message's crossing, priced as its receive (one hidden-state tensor either way); a message between the rank's
+    own chunks (the V's turn) is a copy on the rank: no transfer."""
+    if command.peer == rank:
+        return 0.0
+    name = _RECEIVE_OF.get(command.kind, command.name)
+    return costs[command.chunk or 0].by_instruction()[name]
 
 
 def simulate_virtual(
@@ -62,7 +71,7 @@ def simulate_virtual(
             items += [c for c in step if c.micro_batch is None]
         work.append(items)
     clock, pc, busy = [0.0] * ranks, [0] * ranks, [0.0] * ranks
-    sent: dict[tuple, float] = {}  # message -> when its send was posted
+    posted: dict[tuple, float] = {}  # (message, sending?) -> when that side's batch was posted
     reduce_posted: dict[int, float] = {}
     step_posted: dict[int, float] = {}  # rank -> when it reached its OptimizerStep (under clip_barrier)
     while any(pc[r] < len(work[r]) for r in range(ranks)):
@@ -72,12 +81,11 @@ def simulate_virtual(
                 item = work[r][pc[r]]
                 if isinstance(item, tuple):
                     for c in item:
-                        if c.kind in _SENDS:
-                            sent.setdefault(c.message(), clock[r])
-                    receives = [c for c in item if c.kind not in _SENDS]
-                    if any(c.message() not in sent for c in receives):
-                        break  # a peer has not sent yet
-                    ends = [max(clock[r], sent[c.message()]) + _transfer_s(c, r, costs[r]) for c in receives]
+                        posted.setdefault((c.message(), c.kind in _SENDS), clock[r])
+                    other = [(c.message(), c.kind not in _SENDS) for c in item]
+                    if any(side not in posted for side in other):
+                        break  # a peer has not reached this boundary yet
+                    ends = [max(clock[r], posted[side]) + _transfer_s(c, r, costs[r]) for c, side in zip(item, other)]
                     clock[r] = max([clock[r], *ends])
                 elif item.kind is schedules.ReduceTiedGrads and len(tied) > 1 and r in tied:
                     reduce_posted.setdefault(r, clock[r])
