@@ -42,6 +42,9 @@ class Run:
     loss: float | None = None
     error: str | None = None
     """Why the launch failed (its last output lines); no figures then."""
+    plan: str | None = None
+    """stagecheck's schedule and each (virtual) stage's block choices, as its summary.json records them (auto's
+    choice; None for a peer)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -104,6 +107,8 @@ def run_stagecheck(cfg: GPTConfig, variant: Variant, steps: int, run_dir: Path, 
     per_rank = summary.get("measured_peak_tensor_bytes_per_rank")
     run.peak_bytes = per_rank or summary["measured_peak_tensor_bytes_per_stage"]
     run.loss, run.load = result.summary["losses"][-1], os.getloadavg()[0]
+    stages = " | ".join(",".join(stage["choices"]) for stage in summary["layout"])
+    run.plan = f"{summary['schedule']}: {stages}"
     return run
 
 

@@ -268,7 +268,8 @@ def _progress(run: Run, args: argparse.Namespace, peers: list[Peer], of_peer: di
     peaks = " / ".join(f"{b / 2**20:.1f}" for b in run.peak_bytes)
     print(
         f"round {run.round + 1} {run.name}: {run.tokens_per_s:.0f} tok/s, peak {peaks} MiB, launch "
-        f"{run.launch_wall_s:.0f} s wall / {run.launch_cpu_s:.0f} s CPU, load {run.load:.1f}",
+        f"{run.launch_wall_s:.0f} s wall / {run.launch_cpu_s:.0f} s CPU, load {run.load:.1f}"
+        + (f"; {run.plan}" if run.plan else ""),
         flush=True,
     )
 

@@ -34,6 +34,8 @@ def test_the_smoke_run_measures_every_kind_of_peer_and_plans_auto_at_a_peers_pea
     for run in (ds, torch_1f1b, zb_v, auto):  # zb-v: each rank's peak over its 2 chunks
         assert run["error"] is None and len(run["peak_bytes"]) == 2 and all(b > 0 for b in run["peak_bytes"])
         assert len(run["step_s"]) >= 1 and run["loss"] > 0
+    assert zb_v["plan"] == "zb-v: none | none | none | none" and ds["plan"] is None  # what each stagecheck run ran
+    assert auto["plan"].split(":")[0] in ("1f1b", "zb-h1", "zb-v", "interleaved-1f1b", "v-half")
     budget = budget_gb(max(ds["peak_bytes"]))
     assert budget <= max(ds["peak_bytes"]) / 2**30 < budget + 1e-6
     assert float(auto["name"].split("@ ")[1].removesuffix(" GiB")) <= budget
