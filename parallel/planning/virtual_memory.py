@@ -33,9 +33,9 @@ def micro_batch_bytes(
     split: bool,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Per micro-batch of the (virtual) stage: what it keeps from its forward to its backward (its checkpoints' RNG
-    states included: memory_model.checkpoint_rng_bytes), and what its backward
-    allocates on top (its largest working set; `split`: B defers the weight gradients), under `plan` for the
-    micro-batches it recomputes and `none` for the others (StagePlan.recomputes_micro_batch)."""
+    states included: memory_model.checkpoint_rng_bytes), and what its backward allocates on top (its largest working
+    set; `split`: B defers the weight gradients), under `plan` for the micro-batches it recomputes and `none` for the
+    others (StagePlan.recomputes_micro_batch)."""
     out = {}
     for under_plan in {plan.recomputes_micro_batch(k) for k in range(micro_batches)}:
         own = plan if under_plan else StagePlan()
