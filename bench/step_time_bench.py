@@ -50,6 +50,7 @@ from bench.real_runs import (
 from model import GPTConfig
 from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.planning.layout import build_layout
+from parallel.planning.plan_record import RunPlan
 from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import GIB, MIB, RunShape, Target, Topology
 from parallel.planning.step_sim import simulate_stages
@@ -138,8 +139,7 @@ def dry_run_prediction(cfg: GPTConfig, variant: Variant, scratch: Path) -> float
     result = subprocess.run(command, cwd=REPO, env=launch_env(), capture_output=True, text=True)
     if result.returncode != 0:
         return result.stderr.strip().splitlines()[-1]
-    plan = json.loads((run_dir / "plan.json").read_text())
-    return plan["predicted_step_time_s"] if plan["virtual"] is None else plan["virtual"]["predicted_step_time_s"]
+    return RunPlan.from_json(json.loads((run_dir / "plan.json").read_text())).predicted_step_time_s
 
 
 def kept_results(root: Path, shapes: dict[str, GPTConfig], todo: dict[str, list[Variant]]) -> dict[str, list[Result]]:

@@ -2,6 +2,7 @@
 (parallel/planning/virtual_schedules.py; pure: no process group), as parallel/planning/schedule_walk.py does for one
 chunk per rank."""
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -68,8 +69,9 @@ class RankMoments:
     running: tuple[tuple[int, int, str] | None, ...]
     """Per moment: (chunk, micro-batch, "B" or "W") of the instruction it is inside, None between instructions."""
 
-    @property
+    @functools.cached_property
     def in_flight(self) -> tuple[tuple[int, ...], ...]:
+        """Per moment, per chunk: how many micro-batches are in flight."""
         return tuple(tuple(len(ms) for ms in live) for live in self.live)
 
     @classmethod
@@ -117,8 +119,8 @@ class RankMoments:
 
     def _held(self, i: int, chunks: Sequence[ChunkBytes]) -> int:
         """What moment `i` holds besides the chunks' kept bytes and the working set."""
-        terms = zip(self.live[i], self.pending[i], self.messages[i], self.returning[i], chunks)
-        return sum(len(n) * b.output + p * b.weights_pending + (h + 2 * r) * b.message for n, p, h, r, b in terms)
+        terms = zip(self.in_flight[i], self.pending[i], self.messages[i], self.returning[i], chunks)
+        return sum(n * b.output + p * b.weights_pending + (h + 2 * r) * b.message for n, p, h, r, b in terms)
 
     def peak(self, chunks: Sequence[ChunkBytes]) -> VirtualPeak:
         """The most the rank holds, `chunks[c]` being what chunk c holds."""
@@ -132,9 +134,8 @@ class RankMoments:
                 working = chunk.working[running[1]] if running[2] == "B" else chunk.weight_working
             total = kept + working + self._held(i, chunks)
             if total > best.bytes:
-                in_flight = tuple(len(ms) for ms in live)
                 held = sum(self.messages[i]), sum(self.returning[i])
-                best = VirtualPeak(total, in_flight, self.pending[i], *held, working, running)
+                best = VirtualPeak(total, self.in_flight[i], self.pending[i], *held, working, running)
         return best
 
     def linear(self, chunks: Sequence[ChunkBytes]) -> tuple[tuple[tuple[int, ...], int], ...]:
@@ -142,11 +143,8 @@ class RankMoments:
         ones), `chunks` giving every term but the kept bytes, without those another moment holds at least as much as
         in every term: the peak without working sets under any kept bytes per chunk (the same for every micro-batch)
         is the largest of these rows' sums."""
-        rows = {
-            (tuple(len(ms) for ms in live), self._held(i, chunks))
-            for i, live in enumerate(self.live)
-            if self.running[i] is None
-        }
+        between = [i for i, running in enumerate(self.running) if running is None]
+        rows = {(self.in_flight[i], self._held(i, chunks)) for i in between}
         return tuple(
             row
             for row in rows
