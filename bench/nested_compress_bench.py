@@ -5,8 +5,8 @@
 1. Nested: stage 0 of a 4-stage pipeline (8 micro-batches, so 4 in flight on stage 0) holding 8 blocks at the Llama
    family's proportions (MLP 3.5 x the width, grouped-query attention 4:2, untied head), scaled down to h = 128 and
    256 tokens: its activation bytes (the measured peak of live tensors, parallel/measurement/stage_replay.py, minus
-   the parameters, gradients and optimizer state) under full(1), full(stage) and nested full(stage), with what the
-   planner predicted.
+   the parameters, gradients and optimizer state) under full(1), full(stage) and nested full(2), full(4) and
+   full(stage), with what the planner predicted.
 2. Compressed stashes, same stage under full(1): the bytes one micro-batch keeps (the saved-tensor meter, on every
    stage of the pipeline run in one process) with the segment inputs stored as they are, as bf16 and as fp8; in an
    fp32 run and in a bf16 run; and stage 0's measured activation bytes in the fp32 run (the replay is fp32 only).
@@ -80,6 +80,8 @@ def nested_table() -> list[str]:
     modes = {
         "full(1)": FullRecompute(interval="1"),
         "full(stage)": FullRecompute(interval="stage"),
+        "nested full(2)": FullRecompute(interval="2", nested=True),
+        "nested full(4)": FullRecompute(interval="4", nested=True),
         "nested full(stage)": FullRecompute(interval="stage", nested=True),
     }
     rows = {name: stage0_activations(recompute) for name, recompute in modes.items()}

@@ -35,6 +35,8 @@ MODES = {
 }
 TIMEABLE = {
     **MODES,
+    "nested(2)": FullRecompute(interval="2", nested=True),
+    "nested(4)": FullRecompute(interval="4", nested=True),
     "nested(stage)": FullRecompute(interval="stage", nested=True),
     "full(1) bf16 stash": FullRecompute(interval="1", compress="bf16"),
     "full(1) fp8 stash": FullRecompute(interval="1", compress="fp8"),

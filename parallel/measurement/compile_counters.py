@@ -8,8 +8,6 @@ in eval mode without grad, graphs of their own) and at the end: a graph compiled
 
 from dataclasses import asdict, dataclass
 
-from torch._dynamo.utils import compilation_time_metrics, counters
-
 # dynamo's timer around one frame's whole compile (torch/_dynamo/convert_frame.py, phase entire_frame_compile)
 _FRAME_COMPILE = "_compile.compile_inner"
 
@@ -25,6 +23,9 @@ class CompileCount:
 
     @classmethod
     def now(cls) -> "CompileCount":
+        # Imported here, by a compiled run only: torch._dynamo costs every rank of every run about 1.2 s of CPU.
+        from torch._dynamo.utils import compilation_time_metrics, counters
+
         return cls(
             counters["stats"]["unique_graphs"],
             sum(counters["graph_break"].values()),
