@@ -80,3 +80,20 @@ def optimizer_step_bytes(largest: int, params: int, target: Target, zero_stage: 
     if target.precision == "fp32":
         return 2 * FP32 * largest
     return 2 * FP32 * -(-params // optimizer_shards(target.precision, zero_stage, data_parallel))
+
+
+REDUCE_BUCKET_ELEMENTS = 500_000_000
+"""DeepSpeed 0.19.8's MEMORY_OPT_ALLREDUCE_SIZE: the elements ReduceGrads flattens at once."""
+REDUCED_GRAD_BYTES = {"fp32": 4, "fp16": 2}
+"""Bytes per gradient element ReduceGrads flattens, by precision: the model's own gradients. bf16 runs reduce
+BF16_Optimizer's gradients instead (engine.buffered_allreduce_fallback through get_grads_for_reduction)."""
+
+
+def reduce_grads_bytes(largest: int, params: int, target: Target, zero_stage: int) -> int:
+    """What DeepSpeed's ReduceGrads allocates on top of the states, after every backward, at any data-parallel size
+    (one too): without ZeRO, engine.allreduce_no_retain flattens the gradients into one buffer, all-reduces it and
+    copies it back, a bucket at a time; a bucket closes once it holds more than REDUCE_BUCKET_ELEMENTS (so at most
+    that plus the largest parameter). ZeRO-1 reduces through its own buckets, bf16 its optimizer's: not counted."""
+    if zero_stage or target.precision not in REDUCED_GRAD_BYTES:
+        return 0
+    return REDUCED_GRAD_BYTES[target.precision] * min(params, REDUCE_BUCKET_ELEMENTS + largest)

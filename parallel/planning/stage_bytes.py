@@ -16,7 +16,12 @@ from parallel.planning.memory_model import (
     stage_output_bytes,
     stage_weight_grad_bytes,
 )
-from parallel.planning.model_states import largest_parameter, model_state_bytes, optimizer_step_bytes
+from parallel.planning.model_states import (
+    largest_parameter,
+    model_state_bytes,
+    optimizer_step_bytes,
+    reduce_grads_bytes,
+)
 from parallel.planning.partition import StageRange
 from parallel.planning.schedule_walk import ActivationPeak, activation_peak, in_flight_micro_batches, pipe_buffers
 from parallel.planning.shapes import RunShape, Shape, Target
@@ -53,8 +58,13 @@ class StageMemory:
     causal_masks: int = 0
     """The causal masks the stage's blocks keep from step to step (memory_model.causal_mask_bytes)."""
     optimizer_step: int = 0
-    """What the optimizer step allocates on top of the states, after every backward (memory_model's
+    """What the optimizer step allocates on top of the states, after every backward (model_states'
     optimizer_step_bytes)."""
+    reduce_grads: int = 0
+    """What ReduceGrads allocates on top of the states, after every backward and before the optimizer step
+    (model_states' reduce_grads_bytes: the flattened gradients)."""
+    after_backward_buffers: int = 0
+    """What DeepSpeed's pipe buffers still hold once every backward is done (`after_backward_buffers`)."""
     working_sets: dict[str, int] = field(default_factory=dict)
     """Transient bytes of the backward on top of what the stage keeps (parallel/planning/working_set.py)."""
     tensor_peak: ActivationPeak | None = None
@@ -102,8 +112,12 @@ class StageMemory:
         if self.causal_masks:
             terms["causal masks"] = self.causal_masks
         peak = self.tensor_peak
-        if self.optimizer_step > peak.bytes:  # no activations are left by then (the pipe buffers: an upper bound)
-            terms.update({"activations": 0, "working set: optimizer step": self.optimizer_step})
+        name, after = max(
+            ("optimizer step", self.optimizer_step), ("reduce grads", self.reduce_grads), key=lambda m: m[1]
+        )
+        # After every backward no activations are left
+        if self.after_backward_buffers + after > self.pipe_buffer_bytes + peak.bytes:
+            terms.update({"pipe buffers": self.after_backward_buffers, "activations": 0, f"working set: {name}": after})
             return terms
         terms["activations"] = peak.bytes - peak.working_set
         if self.tensor_peak_working_set:
@@ -111,11 +125,17 @@ class StageMemory:
         return terms
 
     @property
+    def after_backward(self) -> int:
+        """The most the step allocates on top of the states once every backward is done: ReduceGrads' flattened
+        gradients, then the optimizer step's transient."""
+        return max(self.optimizer_step, self.reduce_grads)
+
+    @property
     def optimizer_floor(self) -> int:
-        """The optimizer step's moment beyond `fixed_bytes` (which holds the other layers' in-flight activations the
-        step no longer has): working_set.StageWorking's floor."""
+        """`after_backward` beyond `fixed_bytes` (which holds the pipe buffers and the other layers' in-flight
+        activations as they are at the peak, not as the step leaves them): working_set.StageWorking's floor."""
         others = sum(layer.bytes for layer in self.layers if not layer.is_block)
-        return self.optimizer_step - self.in_flight * others
+        return self.after_backward + self.after_backward_buffers - self.pipe_buffer_bytes - self.in_flight * others
 
 
 def stage_memory(
@@ -134,6 +154,7 @@ def stage_memory(
     in_flight = in_flight_micro_batches(run.micro_batches, num_stages, stage.stage)
     buffers = pipe_buffers(run.micro_batches, num_stages, stage.stage)
     params = sum(param_counts[i] for i in stage.layers)
+    largest = largest_parameter(recipes, stage.layers, shape)
     layers = tuple(stage_activations(recipes, stage.layers, plan, shape, run.target, is_last))
     plain_layers = tuple(stage_activations(recipes, stage.layers, StagePlan(), shape, run.target, is_last))
     kept, plain = sum(a.bytes for a in layers), sum(a.bytes for a in plain_layers)
@@ -183,6 +204,7 @@ def stage_memory(
         in_flight=in_flight,
         pipe_buffers=buffers,
         pipe_buffer_bytes=pipe_buffer_bytes(stage.stage, is_last, shape, run.target, buffers, in_flight),
+        after_backward_buffers=after_backward_buffers(stage.stage, num_stages, buffers, in_flight, shape, run.target),
         layers=layers,
         recomputed_in_flight=plan.recomputed_in_flight(in_flight),
         plain_layers=plain_layers,
@@ -190,16 +212,30 @@ def stage_memory(
         transfer_buffers=transfer_buffers(stage.stage, num_stages, buffers, shape, run.target),
         causal_masks=sum(layer.is_block for layer in layers) * causal_mask_bytes(shape, run.target),
         optimizer_step=optimizer_step_bytes(
-            largest_parameter(recipes, stage.layers, shape),
-            params,
-            run.target,
-            run.zero_stage,
-            run.topology.data_parallel_size,
+            largest, params, run.target, run.zero_stage, run.topology.data_parallel_size
         ),
+        reduce_grads=reduce_grads_bytes(largest, params, run.target, run.zero_stage),
         working_sets=sets,
         tensor_peak=tensor_peak,
         tensor_peak_working_set="" if tensor_peak.backward_of is None else working[tensor_peak.backward_of][0],
     )
+
+
+def after_backward_buffers(
+    stage_index: int, num_stages: int, buffers: int, in_flight: int, shape: Shape, target: Target
+) -> int:
+    """What DeepSpeed 0.19.8's pipe buffers hold once every backward of the step is done (ReduceGrads and the
+    optimizer step come then; measured with the stage replay): a stage frees each output after its backward and each
+    received input once it sent the input's gradient. So the first stage keeps only its token ids (it sends no
+    gradient), a middle stage nothing, and the last stage, which never drops its outputs, every buffer's input and
+    output, each input's gradient (one more than `transfer_buffers`' kept input grads) and its labels."""
+    if stage_index == num_stages - 1:
+        outputs = pipe_buffer_bytes(stage_index, True, shape, target, buffers, in_flight)
+        if shape.loss_chunk_tokens:  # the fused loss's kept outputs, counted with the activations at the peak
+            outputs += in_flight * stage_output_bytes(True, shape, target)
+        grads = stage_input_bytes(stage_index, shape, target) if num_stages > 1 else 0
+        return outputs + grads + buffers * stage_input_bytes(0, shape, target)
+    return buffers * stage_input_bytes(0, shape, target) if stage_index == 0 else 0
 
 
 def transfer_buffers(stage_index: int, num_stages: int, buffers: int, shape: Shape, target: Target) -> dict[str, int]:

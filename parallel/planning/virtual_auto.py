@@ -47,6 +47,8 @@ class ChunkSide:
     """Its parameters, gradients, optimizer state and causal masks."""
     optimizer: int
     """What its optimizer step allocates on top of the states."""
+    reduce_grads: int
+    """Its gradients as ReduceGrads flattens them, with the rank's other chunks' (StageMemory.reduce_grads)."""
     working: StageWorking
     choices: tuple[StageChoice, ...]
     rng_states: dict[StageChoice, int]
@@ -116,7 +118,9 @@ class RankPeak:
     def __init__(self, walk: RankWalk, sides: Sequence[ChunkSide]):
         self.walk, self.sides = walk, sides
         self.fixed = sum(side.fixed for side in sides)
-        self.optimizer = max(side.optimizer for side in sides)
+        # After every backward: the rank's ReduceGrads flattens every chunk's gradients at once, then each chunk's
+        # optimizer step runs its own transient.
+        self.optimizer = max(max(side.optimizer for side in sides), sum(side.reduce_grads for side in sides))
 
     def bytes(self, choices: Sequence[StageChoice], moments: Sequence[float | None] = (None, None)) -> int:
         activations = self.walk.peak_bytes([side.kept(c) for side, c in zip(self.sides, choices)])
@@ -138,6 +142,7 @@ def chunk_side(planner: StagePlanner, stage: StageRange) -> ChunkSide:
         sum(layer.bytes for layer in memory.layers if not layer.is_block),
         sum(memory.states.values()) + memory.causal_masks,
         memory.optimizer_step,
+        memory.reduce_grads,
         working,
         choices,
         {c: checkpoint_rng_bytes(to_stage_plan(c, positions, planner.table), pricing.run.target) for c in choices},
