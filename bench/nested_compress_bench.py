@@ -4,9 +4,10 @@
 
 1. Nested: stage 0 of a 4-stage pipeline (8 micro-batches, so 4 in flight on stage 0) holding 8 blocks at the Llama
    family's proportions (MLP 3.5 x the width, grouped-query attention 4:2, untied head), scaled down to h = 128 and
-   256 tokens: its activation bytes (the measured peak of live tensors, parallel/measurement/stage_replay.py, minus
-   the parameters, gradients and optimizer state) under full(1), full(stage) and nested full(2), full(4) and
-   full(stage), with what the planner predicted.
+   256 tokens, and at 1,024 tokens (at 256 the gradients DeepSpeed's ReduceGrads flattens outweigh what nesting
+   keeps, and bound the peak: at a real model's length the activations dominate): its activation bytes (the measured
+   peak of live tensors, parallel/measurement/stage_replay.py, minus the parameters, gradients and optimizer state)
+   under full(1), full(stage) and nested full(2), full(4) and full(stage), with what the planner predicted.
 2. Compressed stashes, same stage under full(1): the bytes one micro-batch keeps (the saved-tensor meter, on every
    stage of the pipeline run in one process) with the segment inputs stored as they are, as bf16 and as fp8; in an
    fp32 run and in a bf16 run; and stage 0's measured activation bytes in the fp32 run (the replay is fp32 only).
@@ -15,10 +16,14 @@
    (8 micro-batches of 8 x 1024), llama3-8b on 4 stages x 2 data-parallel (8 micro-batches of 1 x 8192); its
    activation part is the floor less the parameters, gradients and optimizer state.
 
-Bytes are exact and do not depend on the machine's load; nothing here is timed. Prints markdown;
-docs/nested_compress.md holds a run.
+Bytes are exact and do not depend on the machine's load. `--time REPS` also times stage 0's step under each nested
+mode at 1,024 tokens (the stage replay, the modes interleaved in REPS rounds): run it on a quiet machine. Prints
+markdown; docs/nested_compress.md holds a run.
 """
 
+import argparse
+import statistics
+import time
 from dataclasses import replace
 
 import torch
@@ -55,10 +60,10 @@ def states_bytes(stage) -> int:
     return stage.param_bytes + stage.grad_bytes + stage.optimizer_bytes
 
 
-def stage0_activations(recompute: RecomputeConfig) -> tuple[int, int]:
+def stage0_activations(recompute: RecomputeConfig, model: GPTConfig = LLAMA_SCALED) -> tuple[int, int]:
     """Stage 0's (measured, predicted) activation bytes: the peak less the parameters, gradients and optimizer."""
-    layout = build_layout(LLAMA_SCALED, recompute, FOUR_STAGES, "type:Block", 0)
-    stage = plan_run(LLAMA_SCALED, recompute, layout, FOUR_STAGES).stages[0]
+    layout = build_layout(model, recompute, FOUR_STAGES, "type:Block", 0)
+    stage = plan_run(model, recompute, layout, FOUR_STAGES).stages[0]
     measured = StageReplay(layout, 0, FOUR_STAGES).measure_peak()
     assert measured.unaccounted_bytes == 0
     return measured.peak_bytes - states_bytes(stage), stage.predicted_peak_bytes - states_bytes(stage)
@@ -76,15 +81,17 @@ def kept_per_micro_batch(recompute: RecomputeConfig, precision: str) -> tuple[in
     return pipe.stages[0].meter.bytes_per_micro_batch()[0], plan.stages[0].activation_bytes_per_microbatch
 
 
-def nested_table() -> list[str]:
-    modes = {
-        "full(1)": FullRecompute(interval="1"),
-        "full(stage)": FullRecompute(interval="stage"),
-        "nested full(2)": FullRecompute(interval="2", nested=True),
-        "nested full(4)": FullRecompute(interval="4", nested=True),
-        "nested full(stage)": FullRecompute(interval="stage", nested=True),
-    }
-    rows = {name: stage0_activations(recompute) for name, recompute in modes.items()}
+NESTED_MODES = {
+    "full(1)": FullRecompute(interval="1"),
+    "full(stage)": FullRecompute(interval="stage"),
+    "nested full(2)": FullRecompute(interval="2", nested=True),
+    "nested full(4)": FullRecompute(interval="4", nested=True),
+    "nested full(stage)": FullRecompute(interval="stage", nested=True),
+}
+
+
+def nested_table(model: GPTConfig) -> list[str]:
+    rows = {name: stage0_activations(recompute, model) for name, recompute in NESTED_MODES.items()}
     base = rows["full(1)"][0]
     lines = [
         "| stage 0 under | activation bytes, measured (MiB) | predicted (MiB) | predicted / measured | / full(1) |",
@@ -148,10 +155,50 @@ def floor_table() -> list[str]:
     return lines
 
 
+def nested_step_table(model: GPTConfig, reps: int) -> list[str]:
+    """Stage 0's training step (its 8 micro-batches, in the stage replay) per nested mode, the modes interleaved
+    in each of `reps` rounds: process CPU seconds (min) and wall seconds (median), each against full(1)'s."""
+    replays = {}
+    for name, recompute in NESTED_MODES.items():
+        layout = build_layout(model, recompute, FOUR_STAGES, "type:Block", 0)
+        replays[name] = StageReplay(layout, 0, FOUR_STAGES)
+        replays[name].step()  # warm-up
+    times = {name: [] for name in replays}
+    for _ in range(reps):
+        for name, replay in replays.items():
+            cpu, wall = time.process_time(), time.perf_counter()
+            replay.step()
+            times[name].append((time.process_time() - cpu, time.perf_counter() - wall))
+    cpu = {name: min(c for c, _ in ts) for name, ts in times.items()}
+    wall = {name: statistics.median(w for _, w in ts) for name, ts in times.items()}
+    lines = [
+        f"| stage 0 under | CPU s/step (min of {reps}) | x full(1) | wall s/step (median) | x full(1) |",
+        "|---|---|---|---|---|",
+    ]
+    for name in replays:
+        lines.append(
+            f"| {name} | {cpu[name]:.3f} | {cpu[name] / cpu['full(1)']:.3f} | {wall[name]:.3f} | "
+            f"{wall[name] / wall['full(1)']:.3f} |"
+        )
+    return lines
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--time", type=int, default=0, metavar="REPS",
+        help="also time stage 0's step per nested mode at 1,024 tokens, REPS interleaved rounds (a quiet machine)",
+    )  # fmt: skip
+    args = parser.parse_args()
     torch.manual_seed(0)
-    print("## Nested checkpoints: stage 0 of 4, 8 blocks, 4 micro-batches in flight\n")
-    print("\n".join(nested_table()))
+    longer = replace(LLAMA_SCALED, seq_len=4 * LLAMA_SCALED.seq_len)
+    for model in (LLAMA_SCALED, longer):
+        print(f"## Nested checkpoints: stage 0 of 4, 8 blocks, 4 micro-batches in flight, {model.seq_len} tokens\n")
+        print("\n".join(nested_table(model)) + "\n")
+    if args.time:
+        print(f"## Stage 0's step at {longer.seq_len} tokens (stage replay, 8 micro-batches, one intra-op thread)\n")
+        torch.set_num_threads(1)
+        print("\n".join(nested_step_table(longer, args.time)) + "\n")
     print("\n## Compressed stashes under full(1), same stage\n")
     print("\n".join(compression_table()))
     print("\n## The floor auto reaches: today, with nesting, and with fp8 stashes allowed too (CUDA bf16, planned)\n")
