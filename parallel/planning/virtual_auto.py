@@ -4,7 +4,8 @@ budget, since they share its memory.
 A rank's planned peak is its chunks' states and causal masks, then the larger of its walked activation peak
 (parallel/planning/virtual_memory.py's RankWalk, each chunk keeping its other layers' bytes and its blocks' choice's per
 micro-batch) with the largest of its chunks' backward working sets on top (working_set.StageWorking, the 1F1B
-backward's, counted whenever it runs), and its optimizer step; it must fit recompute.budget_gb - recompute.reserve_gb.
+backward's, counted whenever it runs), and what comes after every backward (ReduceGrads' flattened gradients of all
+its chunks, each chunk's optimizer step); it must fit recompute.budget_gb - recompute.reserve_gb.
 
 Per chunk the candidates are auto_recompute.stage_choices (per-block choices, full and nested segments, compressed
 stashes where allowed; not per-micro-batch recompute, which the walk does not count), kept, per working set w a chunk's
