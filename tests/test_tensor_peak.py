@@ -147,7 +147,21 @@ CASES = {
         "train.micro_batch_size=2",
         "logger=none",
         "+recompute=selective",
-    )
+    ),
+    # Keeps far less than the stages' gradients: the peak is ReduceGrads flattening them (docs/measurement.md)
+    "nested": case(
+        *TINY,
+        "train.steps=2",
+        "train.trace_step=0",
+        "train.micro_batches=4",
+        "train.micro_batch_size=1",
+        "model.seq_len=32",
+        "model.dropout=0.0",
+        "logger=none",
+        "+recompute=full",
+        "recompute.interval=stage",
+        "recompute.nested=true",
+    ),
 }
 
 
@@ -184,3 +198,22 @@ def test_the_stage_replay_holds_the_real_runs_measured_peak(case_runs):
     replayed = [StageReplay(layout, index, run).measure_peak().peak_bytes for index in range(2)]
     print(f"replayed {replayed} B, the run measured {measured} B")
     assert all(0 <= m - r <= REPLAY_GAP for r, m in zip(replayed, measured))
+
+
+@pytest.mark.multiproc
+def test_a_real_runs_peak_at_reduce_grads_is_the_planned_one(case_runs):
+    """DeepSpeed's engine flattens every gradient in ReduceGrads, as the planner and the stage replay count: a stage
+    that keeps less than its gradients peaks there, in the real run too, within what the run's process holds beside
+    its stage (REPLAY_GAP). When a gloo thread freed that buffer (parallel/measurement/tensor_peak.py: the meter misses
+    the free and reports it unaccounted), the meter's count stays that much high from then on, so the true peak lies
+    between the measured one less the unaccounted bytes and the measured one (seen once in three runs, on stage 0)."""
+    s = summary(case_runs["nested"])
+    for measured, predicted, terms, unaccounted in zip(
+        s["measured_peak_tensor_bytes_per_stage"],
+        s["predicted_peak_bytes_per_stage"],
+        s["predicted_peak_tensor_terms_per_stage"],
+        s["tensor_peak_unaccounted_bytes_per_stage"],
+    ):
+        assert "working set: reduce grads" in terms and terms["activations"] == 0, terms
+        lowest = measured - max(0, -unaccounted)
+        assert lowest - REPLAY_GAP <= predicted <= measured, (measured, unaccounted, predicted, terms)
