@@ -10,6 +10,7 @@ rank's budget (parallel/planning/virtual_auto.py) on every boundaries tried; a s
 """
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -43,10 +44,15 @@ class VirtualOption:
 
 
 def virtual_options(
-    model: GPTConfig, recompute: RecomputeConfig, layout: PipelineLayout, run: RunShape
+    model: GPTConfig,
+    recompute: RecomputeConfig,
+    layout: PipelineLayout,
+    run: RunShape,
+    schedules: Sequence[str] = VIRTUAL_SCHEDULES,
 ) -> list[VirtualOption]:
-    """Every schedule of VIRTUAL_SCHEDULES that takes the run's micro-batches, on `layout`'s ranks x 2 chunks,
-    priced with `layout`'s time model, each on its own chunk boundaries (`_chunk_counts`)."""
+    """Every schedule of `schedules` that takes the run's micro-batches, on `layout`'s ranks x 2 chunks, priced with
+    `layout`'s time model, each on its own chunk boundaries (`_chunk_counts`: a search that prices, and under auto
+    plans, each boundary it tries, so a caller names only the schedules it reads)."""
     ranks = run.topology.pipeline_stages
     virtual_run = replace(run, topology=Topology(CHUNKS * ranks, run.topology.data_parallel_size))
     shape = Shape.of(model, run.micro_batch_size)
@@ -62,7 +68,7 @@ def virtual_options(
         return priced[stage]
 
     out = []
-    for schedule in VIRTUAL_SCHEDULES:
+    for schedule in schedules:
         try:
             programs = virtual_schedule(schedule, run.micro_batches, ranks, CHUNKS)
         except ValueError:  # interleaved-1f1b's rounds: micro-batches not a multiple of the ranks

@@ -55,7 +55,7 @@ def virtual_layout(
     fixed = NoRecompute() if auto else recompute  # auto's chunks are planned per rank below, not per stage
     if held_parts is None and partition_method == "balanced" and model.n_layer >= CHUNKS * run.topology.pipeline_stages:
         one_chunk = build_layout(model, fixed, run, "balanced", seed, costs, rates)
-        options = [o for o in virtual_options(model, recompute, one_chunk, run) if o.schedule == schedule]
+        options = virtual_options(model, recompute, one_chunk, run, (schedule,))
         # none under auto where no boundaries fit the budget: the even split is planned, and refused, below
         counts = (
             list(options[0].blocks) if options else even_counts(model.n_layer, CHUNKS * run.topology.pipeline_stages)
@@ -105,7 +105,7 @@ def faster_virtual_schedule(
     }
     if not runnable:
         return None
-    options = [o for o in virtual_options(model, recompute, one_chunk, run) if o.schedule in runnable]
+    options = virtual_options(model, recompute, one_chunk, run, [s for s in VIRTUAL_SCHEDULES if s in runnable])
     early = any(p.early for p in one_chunk.plans)
     chosen = next(o for o in one_chunk.schedule_options if o.schedule == one_chunk.schedule and o.early == early)
     fastest = min(options, key=lambda o: o.step_time_s, default=None)
