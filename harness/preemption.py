@@ -60,8 +60,8 @@ def install(rank: int) -> None:
         signal.signal(signum, _handler)
 
 
-def ignore_from_now() -> None:
-    """SIG_IGN for SIGTERM, SIGUSR1 and SIGINT for the rest of this process, once it is exiting on purpose.
+def ignore_from_now(signums: tuple[signal.Signals, ...] = SIGNALS) -> None:
+    """SIG_IGN for `signums` (SIGTERM, SIGUSR1 and SIGINT) for the rest of this process, once it is exiting on purpose.
 
     The Python handler above is not enough then: interpreter shutdown resets handlers written in Python
     to the default before it frees the modules (torch, the process group: seconds), while
@@ -70,7 +70,7 @@ def ignore_from_now() -> None:
     (seen with launch/slurm.sbatch on the 2-node test Slurm). SIG_IGN survives shutdown."""
     if threading.current_thread() is not threading.main_thread():
         return
-    for signum in SIGNALS:
+    for signum in signums:
         signal.signal(signum, signal.SIG_IGN)
 
 

@@ -205,7 +205,7 @@ class RunControl:
         if self.metrics is not None:
             try:  # a W&B failure must not turn a clean stop (the checkpoint is saved) into exit code 1
                 if code == faults.EXIT_PREEMPTED and self.metrics.wandb is not None:
-                    self.metrics.wandb.run.mark_preempting()
+                    self.metrics.wandb.mark_preempting()
                 self.metrics.close(exit_code=code)
             except Exception as error:  # noqa: BLE001
                 print(f"stagecheck: warning: closing the metrics/W&B run failed: {error}", file=sys.stderr, flush=True)

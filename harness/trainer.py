@@ -1,5 +1,6 @@
 """The training run: process group, pipeline engine, the step loop and its outputs."""
 
+import signal
 import time
 import warnings
 from dataclasses import asdict
@@ -8,6 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from data import open_token_source, save_run_tokenizer
+from harness import preemption
 from harness.accounting import Accounting
 from harness.context import RunContext
 from harness.evaluation import Evaluator, val_summary
@@ -190,6 +192,12 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
                 }
             )
         control.finish_step(step, verdict)  # checkpoint when due; exits on preemption or a non-finite step
+
+    # Every step is trained and the last saved: a preemption notice from now on (SLURM's warning USR1, a SIGTERM) has
+    # nothing left to save, and must not kill this rank while it finishes (interpreter shutdown resets the Python
+    # handlers to the default, death). Seen: a USR1 after the last step killed rank 0 at exit and failed the job.
+    # Ctrl-C keeps its handler: a second one still quits at once.
+    preemption.ignore_from_now((signal.SIGTERM, signal.SIGUSR1))
 
     # Every rank takes part; only the first and last stages hold a copy of the tied weight.
     gathered = [None] * topology.world_size  # (tied-weight digest, node name, compile counts) of every rank

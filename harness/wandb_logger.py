@@ -29,25 +29,45 @@ def init_wandb_run(mode: str, timeout_s: float, **kwargs):
 
 
 class WandbLogger:
-    """The W&B run of the rank that holds the loss."""
+    """The W&B run of the rank that holds the loss. A failure of W&B's service under the run (SLURM's `scancel
+    --signal` reaches the service with the ranks, and it dies of SIGUSR1) is said once and ends the W&B record; the
+    run goes on: logging never fails training."""
 
     def __init__(self, run):
         self.run = run
+        self.lost: str | None = None
+        """Why W&B stopped taking records, or None."""
+
+    def _send(self, what: str, call) -> None:
+        if self.lost is not None:
+            return
+        try:
+            call()
+        except Exception as error:  # noqa: BLE001 - whatever W&B's client raises when its service is gone
+            self.lost = f"{type(error).__name__}: {error}"
+            print(
+                f"stagecheck: warning: W&B {what} failed ({self.lost}): the run goes on, its W&B record ends here",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def log(self, record: dict, step: int) -> None:
-        self.run.log(record, step=step)
+        self._send("log", lambda: self.run.log(record, step=step))
 
     def update_summary(self, values: dict) -> None:
-        self.run.summary.update(values)
+        self._send("summary", lambda: self.run.summary.update(values))
 
     def save_files(self, paths: list[Path], base: Path) -> None:
         """Attach files to the run under their path below `base` (offline: copied into the run's files/ at
         once, uploaded by `wandb sync`)."""
         for path in paths:
-            self.run.save(str(path), base_path=str(base), policy="now")
+            self._send("save", lambda path=path: self.run.save(str(path), base_path=str(base), policy="now"))
+
+    def mark_preempting(self) -> None:
+        self._send("mark_preempting", self.run.mark_preempting)
 
     def finish(self, exit_code: int = 0) -> None:
-        self.run.finish(exit_code=exit_code)
+        self._send("finish", lambda: self.run.finish(exit_code=exit_code))
 
 
 def open_wandb(
