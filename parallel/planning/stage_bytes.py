@@ -112,9 +112,7 @@ class StageMemory:
         if self.causal_masks:
             terms["causal masks"] = self.causal_masks
         peak = self.tensor_peak
-        name, after = max(
-            ("optimizer step", self.optimizer_step), ("reduce grads", self.reduce_grads), key=lambda m: m[1]
-        )
+        name, after = self.after_backward
         # After every backward no activations are left
         if self.after_backward_buffers + after > self.pipe_buffer_bytes + peak.bytes:
             terms.update({"pipe buffers": self.after_backward_buffers, "activations": 0, f"working set: {name}": after})
@@ -125,17 +123,18 @@ class StageMemory:
         return terms
 
     @property
-    def after_backward(self) -> int:
-        """The most the step allocates on top of the states once every backward is done: ReduceGrads' flattened
-        gradients, then the optimizer step's transient."""
-        return max(self.optimizer_step, self.reduce_grads)
+    def after_backward(self) -> tuple[str, int]:
+        """The most the step allocates on top of the states once every backward is done, and its moment's name:
+        ReduceGrads' flattened gradients, then the optimizer step's transient."""
+        return max(("optimizer step", self.optimizer_step), ("reduce grads", self.reduce_grads), key=lambda m: m[1])
 
     @property
     def optimizer_floor(self) -> int:
         """`after_backward` beyond `fixed_bytes` (which holds the pipe buffers and the other layers' in-flight
         activations as they are at the peak, not as the step leaves them): working_set.StageWorking's floor."""
         others = sum(layer.bytes for layer in self.layers if not layer.is_block)
-        return self.after_backward + self.after_backward_buffers - self.pipe_buffer_bytes - self.in_flight * others
+        after = self.after_backward[1]
+        return after + self.after_backward_buffers - self.pipe_buffer_bytes - self.in_flight * others
 
 
 def stage_memory(

@@ -95,17 +95,17 @@ def faster_virtual_schedule(
     if one_chunk.timing is None:
         return None
     ranks = run.topology.pipeline_stages
-    runnable = {
+    runnable = [
         schedule
         for schedule in VIRTUAL_SCHEDULES
         if virtual_run_refusal(
             schedule, recompute, run.target.precision, zero_stage, run.micro_batches, ranks, model.n_layer
         )
         is None
-    }
+    ]
     if not runnable:
         return None
-    options = virtual_options(model, recompute, one_chunk, run, [s for s in VIRTUAL_SCHEDULES if s in runnable])
+    options = virtual_options(model, recompute, one_chunk, run, runnable)
     early = any(p.early for p in one_chunk.plans)
     chosen = next(o for o in one_chunk.schedule_options if o.schedule == one_chunk.schedule and o.early == early)
     fastest = min(options, key=lambda o: o.step_time_s, default=None)
