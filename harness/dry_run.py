@@ -26,7 +26,7 @@ def dry_run(ctx: RunContext, layout: PipelineLayout) -> RunPlan:
     plan = run_plan(ctx, layout)
     lines = layout.describe() + layout.empty_stage_warnings() + plan.lines()
     if layout.budgeted:
-        lines += layout.describe_budgets(run.recompute)
+        lines += layout.describe_budgets(run.recompute) + layout.describe_considered()
     if plan.virtual is not None:  # the layout's stages are virtual stages: each rank's chunks together
         lines += plan.virtual.lines()
     else:

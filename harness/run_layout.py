@@ -22,6 +22,9 @@ from parallel.planning.virtual_layout import (
 from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES
 from parallel.planning.virtual_support import CHUNKS
 
+CONSIDERED = 8
+"""How many of the plans +recompute=auto weighed a dry run lists (plan.json's `considered`), fastest first."""
+
 
 def layout_of(ctx: RunContext) -> PipelineLayout:
     """Priced by the device profile when there is one. Analytic step times charge at train.peak_tflops when set;
@@ -45,6 +48,7 @@ def layout_of(ctx: RunContext) -> PipelineLayout:
             run_rates(ctx),
             parallel.schedule,
             held_parts=held_parts(ctx, costs),
+            considered=CONSIDERED if run.dry_run else 0,
         )
         if parallel.schedule != "auto" or ctx.resume is not None:  # a resume keeps its checkpoint's placement
             return layout

@@ -11,14 +11,27 @@ from hydra.core.config_store import ConfigStore
 
 from data import MemmapDataConfig, SyntheticDataConfig, TextDataConfig
 from model import GPTConfig
-from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute, ParallelConfig, SelectiveRecompute
+from parallel.planning.config import (
+    AutoRecompute,
+    FullRecompute,
+    GivenRecompute,
+    NoRecompute,
+    ParallelConfig,
+    SelectiveRecompute,
+)
 from schema.logger import NoLoggerConfig, WandbLoggerConfig
 from schema.training import TrainConfig
 
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "data": {"synthetic": SyntheticDataConfig, "text": TextDataConfig, "memmap": MemmapDataConfig},
     "logger": {"wandb": WandbLoggerConfig, "none": NoLoggerConfig},
-    "recompute": {"none": NoRecompute, "full": FullRecompute, "selective": SelectiveRecompute, "auto": AutoRecompute},
+    "recompute": {
+        "none": NoRecompute,
+        "full": FullRecompute,
+        "selective": SelectiveRecompute,
+        "auto": AutoRecompute,
+        "plan": GivenRecompute,
+    },
 }
 
 

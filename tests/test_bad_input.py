@@ -12,7 +12,7 @@ from harness.run_dir import check_directory_overrides
 from tests.runs import REPO, TINY, cpu_env, launch, python_run
 
 CASES = [
-    (["+recompute=sometimes"], "recompute=sometimes is unknown: allowed values are auto, full, none, selective"),
+    (["+recompute=sometimes"], "recompute=sometimes is unknown: allowed values are auto, full, none, plan, selective"),
     (["model.n_embd=100", "model.n_head=3"], "model.n_embd=100 is not divisible by model.n_head=3"),
     (["parallel.pipeline_stages=3"], "parallel.pipeline_stages=3 does not divide the world size 1"),
     (["train.steps=0"], "train.steps=0 is invalid: it must be a positive integer"),

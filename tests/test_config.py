@@ -65,7 +65,7 @@ def test_presets_cover_the_gpt2_gpt3_and_llama_families():
 @pytest.mark.parametrize("group, option", [(g, o) for g, opts in GROUP_SCHEMAS.items() for o in opts])
 def test_every_group_option_composes_to_its_schema(group, option):
     prefix = "+" if group == "recompute" else ""
-    extra = ["data.path=/tmp"] if option == "memmap" else []
+    extra = {"memmap": ["data.path=/tmp"], "plan": ["recompute.file=plan.json"]}.get(option, [])
     run = compose_run(f"{prefix}{group}={option}", *extra)
     assert isinstance(getattr(run, group), GROUP_SCHEMAS[group][option])
 

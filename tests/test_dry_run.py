@@ -144,6 +144,10 @@ BAD = [
     (["model.attention=flash3"], "model.attention='flash3' is unknown: allowed values are sdpa, math"),
     (["train.device=cpu", "train.precision=fp16"], "train.precision='fp16' needs train.device=cuda"),
     (["train.peak_tflops=-1"], "train.peak_tflops=-1.0 is invalid: it must be > 0"),
+    (
+        ["+recompute=plan", "recompute.file=no/plan.json"],
+        "recompute.file=no/plan.json is not a file: give the plan.json",
+    ),
 ]
 
 

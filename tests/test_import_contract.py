@@ -55,6 +55,7 @@ PLANNING = [
     },
     {"parallel.planning.virtual_support"},  # what their multi-rank runtime runs so far, which resumes keep placement
     {"parallel.planning.compression"},  # compressed stashes: the bytes a stored segment input keeps, the lossy note
+    {"parallel.planning.given_plan"},  # +recompute=plan: a plan.json's stage boundaries and plans, read once
     {
         "parallel.planning.memory_model",
         "parallel.planning.flops",
@@ -77,6 +78,7 @@ PLANNING = [
         "parallel.planning.budget_refusal",
         "parallel.planning.virtual_auto",  # auto per chunk: a rank's chunks planned together against its budget
     },
+    {"parallel.planning.considered_plans"},  # the whole-run plans auto weighed, ranked by simulated step
     {"parallel.planning.virtual_plan"},  # what each rank of a virtual-stage schedule is planned to hold, as a record
     {"parallel.planning.layout", "parallel.planning.plan_record"},
     {"parallel.planning.virtual_choice"},  # the virtual-stage schedules priced on a layout's ranks, for the dry run

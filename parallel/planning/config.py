@@ -265,4 +265,28 @@ class AutoRecompute:
             )
 
 
-RecomputeConfig = NoRecompute | FullRecompute | SelectiveRecompute | AutoRecompute
+@dataclass
+class GivenRecompute:
+    """Run the per-stage plan a plan.json holds, as it is: each stage's layers and what each of its blocks recomputes
+    (segments, nesting, compressed stashes, selective modules, per-micro-batch counts), as a dry run or an earlier run
+    planned them, `+recompute=auto`'s included. Every rank then trains that plan whatever its own prices would choose
+    (parallel/planning/given_plan.py). Exact, like every mode, unless the plan stores compressed stashes (the start-up
+    print, plan.json and summary.json say so)."""
+
+    mode: str = "plan"
+    """Option of the `recompute` config group (`+recompute=plan`); must stay "plan"."""
+    file: str = ""
+    """The plan.json to run: the one `dry_run=true` writes to its run directory, or a run's own. Its stages set the
+    stage boundaries (parallel.partition_method is not consulted) and must match parallel.pipeline_stages and the
+    model's layers; plans with virtual stages cannot be given yet."""
+    early: bool = False
+    """Run each stage's recompute before it waits for the gradient (see `+recompute=full`'s `recompute.early`)."""
+
+    def __post_init__(self) -> None:
+        if not self.file:
+            raise ValueError(
+                "recompute.file is required with +recompute=plan: the plan.json of a dry run (dry_run=true) or of a run"
+            )
+
+
+RecomputeConfig = NoRecompute | FullRecompute | SelectiveRecompute | AutoRecompute | GivenRecompute

@@ -13,7 +13,9 @@ from parallel.planning.auto_recompute import StageBudget
 from parallel.planning.balanced_search import balanced_counts
 from parallel.planning.block_prices import BlockPrices, analytic_prices
 from parallel.planning.budget_refusal import BudgetTooSmall, alternatives, smallest_budget_gb
-from parallel.planning.config import AutoRecompute, RecomputeConfig
+from parallel.planning.config import AutoRecompute, GivenRecompute, RecomputeConfig
+from parallel.planning.considered_plans import ConsideredPlan, considered_plans
+from parallel.planning.given_plan import read_given_plan
 from parallel.planning.instruction_seconds import DeviceRates, TimeModel, analytic_rates, time_model
 from parallel.planning.partition import StageRange, partition_layers, stages_of_block_counts, stages_of_parts
 from parallel.planning.schedule_choice import ScheduleOption, choose_schedule
@@ -53,6 +55,9 @@ class PipelineLayout:
     rank_budgets: tuple[RankBudget, ...] = ()
     """`recompute=auto` under a schedule with virtual stages only: each rank's side of the budget, its chunks' plans
     chosen together (`budgets` is then None)."""
+    considered: tuple[ConsideredPlan, ...] = ()
+    """`recompute=auto`, when build_layout was asked for them (the dry run): the fastest whole-run plans auto weighed,
+    by simulated step under the layout's schedule (parallel/planning/considered_plans.py)."""
 
     @property
     def parts(self) -> list[int]:
@@ -72,6 +77,31 @@ class PipelineLayout:
                 "when model.n_layer >= parallel.pipeline_stages"
             )
         return warnings
+
+    def describe_considered(self) -> list[str]:
+        """The dry run's lines on the plans auto weighed: one per plan, its simulated step and each stage's blocks."""
+        if not self.considered:
+            return []
+        lines = [
+            f"auto weighed, fastest simulated step first ({len(self.considered)} shown; +recompute=plan runs one):"
+        ]
+        for rank, considered in enumerate(self.considered, 1):
+            stages = [
+                ",".join(
+                    plan.choice_of(local)
+                    for local, flat in enumerate(stage.layers)
+                    if self.recipes[flat].module_class in BLOCK_CLASSES
+                )
+                for stage, plan in zip(self.stages, considered.plans)
+            ]
+            chosen = (
+                " (chosen)"
+                if [replace(p, early=False) for p in considered.plans] == [replace(p, early=False) for p in self.plans]
+                else ""
+            )
+            peak = max(considered.peak_bytes) / GIB
+            lines.append(f"  {rank}. {considered.step_time_s:.4g} s, peak {peak:.4f} GiB: {' | '.join(stages)}{chosen}")
+        return lines
 
     def describe(self) -> list[str]:
         """One line per stage: its layers, each with its recompute choice."""
@@ -165,6 +195,7 @@ def build_layout(
     schedule: str = "1f1b",
     price_alternatives: bool = True,
     held_parts: list[int] | None = None,
+    considered: int = 0,
 ) -> PipelineLayout:
     """The layout training and the dry run use. `recompute=auto` plans each stage against the budget (with
     `costs`, else the analytic ones) and raises BudgetTooSmall (a ValueError) when a stage cannot fit, with the
@@ -172,7 +203,9 @@ def build_layout(
     charges at (default: parallel/planning/instruction_seconds.py's nominal rates for the target). `schedule`
     (parallel.schedule) and `recompute.early`: see schedule_choice.choose_schedule. `held_parts` (each stage's first
     layer, then one past the last) are boundaries kept rather than chosen: a resume's checkpoint's, a sweep's
-    (harness/run_layout.py); `partition_method` is then not consulted."""
+    (harness/run_layout.py); `partition_method` is then not consulted, nor under +recompute=plan, whose file holds
+    them. `considered`: under +recompute=auto, keep that many of the fastest whole-run plans it weighed (the dry run's
+    list: PipelineLayout.considered)."""
     recipes = gpt_layers(model, seed)
     shape = Shape.of(model, run.micro_batch_size)
     table = costs or analytic_prices(shape, run.target)
@@ -181,6 +214,10 @@ def build_layout(
     num_stages = run.topology.pipeline_stages
     early = getattr(recompute, "early", False)
     candidates: tuple[tuple[str, float | None], ...] = ()
+    if isinstance(recompute, GivenRecompute):  # the file's boundaries, unless a resume holds its own
+        given = read_given_plan(recompute.file)
+        given.check_run(len(recipes), num_stages)
+        held_parts = held_parts or list(given.parts)
     if held_parts is not None:
         stages = stages_of_parts(held_parts)
     elif partition_method != "balanced":
@@ -204,8 +241,20 @@ def build_layout(
             priced = _priced_alternatives(model, recompute, run, partition_method, seed) if price_alternatives else []
             raise BudgetTooSmall(recompute, budgets, priced)
     chosen, options = choose_schedule(planner, stages, plans, schedule, early)
+    weighed = ()
+    if considered and isinstance(recompute, AutoRecompute):
+        weighed = considered_plans(planner, stages, chosen.schedule, chosen.early, considered)
     return PipelineLayout(
-        recipes, stages, list(chosen.plans), budgets, timing, chosen.schedule, options, candidates, seed
+        recipes,
+        stages,
+        list(chosen.plans),
+        budgets,
+        timing,
+        chosen.schedule,
+        options,
+        candidates,
+        seed,
+        considered=weighed,
     )
 
 

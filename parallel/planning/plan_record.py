@@ -68,6 +68,9 @@ class StageEstimate:
     """The named terms of `predicted_peak_bytes` (StageMemory.peak_tensor_terms): the states, the buffers, the
     activations live at the peak and the backward's working set running then. Absent from plan.json files before
     them."""
+    plan: dict | None = None
+    """What the stage recomputes (StagePlan.to_record), which `+recompute=plan recompute.file=plan.json` runs as it
+    is. Absent from plan.json files before it."""
 
     def to_json(self) -> dict:
         out = {
@@ -217,6 +220,10 @@ class RunPlan:
     lossy: str | None = None
     """What compressed stashes (recompute.compress) lose, on which stages (parallel/planning/compression.py's
     lossy_note); None: the run is exact (and in plan.json files written before compression)."""
+    considered: tuple[dict, ...] = ()
+    """`+recompute=auto` in a dry run: the fastest whole-run plans it weighed (parallel/planning/considered_plans.py's
+    ConsideredPlan.to_json: each stage's plan, the simulated step, each stage's peak), each runnable with
+    `+recompute=plan`; empty otherwise."""
 
     @property
     def predicted_step_time_s(self) -> float | None:
@@ -247,7 +254,9 @@ class RunPlan:
 
     @classmethod
     def from_json(cls, data: dict) -> "RunPlan":
-        simple = {f.name: data[f.name] for f in fields(cls) if f.name not in ("step_time", "lossy", "virtual")}
+        simple = {
+            f.name: data[f.name] for f in fields(cls) if f.name not in ("step_time", "lossy", "virtual", "considered")
+        }
         step_time = None
         if "predicted_step_time_s" in data:
             keys = [f.name for f in fields(StepTimeEstimate) if f.name != "costs"]
@@ -258,6 +267,7 @@ class RunPlan:
                 **simple,
                 "step_time": step_time,
                 "lossy": data.get("lossy"),
+                "considered": tuple(data.get("considered", ())),
                 "virtual": VirtualPlan.from_json(data["virtual"]) if data.get("virtual") else None,
                 "target": PlanTarget(**data["target"]),
                 "stages": tuple(StageEstimate.from_json(s) for s in data["stages"]),

@@ -93,6 +93,7 @@ def plan_run(model: GPTConfig, recompute: RecomputeConfig, layout: PipelineLayou
                 recomputed_in_flight=memory.recomputed_in_flight,
                 plain_activation_bytes_per_microbatch=memory.plain_activation_bytes,
                 recomputed_microbatches_per_step=recomputed,
+                plan=price.plan.to_record(),
             )
         )
     data_parallel = run.topology.data_parallel_size
@@ -130,6 +131,7 @@ def plan_run(model: GPTConfig, recompute: RecomputeConfig, layout: PipelineLayou
         ),
         model=vars(model),
         step_time=step_time,
+        considered=tuple(plan.to_json() for plan in layout.considered),
     )
 
 

@@ -51,7 +51,7 @@ def choose_schedule(
         for kind in SCHEDULES:
             # With nothing to recompute, early=true has nothing to move: its setting is early=false's.
             allowed = schedule in ("auto", kind) and (early is None or early == early_here or not recomputes)
-            options.append(_price_schedule(planner, stages, plans, kind, early_here, allowed))
+            options.append(price_schedule(planner, stages, plans, kind, early_here, allowed))
     candidates = [o for o in options if o.allowed and o.fits]
     if not candidates:
         usable = planner.usable / GIB
@@ -81,7 +81,7 @@ def setting_prices(
     return [price_stage(pricing, st, p, kind) for st, p in zip(stages, plans)]
 
 
-def _price_schedule(
+def price_schedule(
     planner: StagePlanner, stages: list[StageRange], plans: list[StagePlan], kind: str, early: bool, allowed: bool
 ) -> ScheduleOption:
     prices = setting_prices(planner.pricing, stages, plans, kind, early)

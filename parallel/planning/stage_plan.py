@@ -38,6 +38,18 @@ class StagePlan:
     """zb-h1: the most micro-batches B'd but not W'd at a forward (ZeroBubbleH1Schedule's `deferred`), chosen
     by the layout within 1F1B's peak; None: the schedule's own default (the stage index)."""
 
+    def to_record(self) -> dict:
+        """What the stage recomputes as plain data (plan.json's per-stage `plan`, which +recompute=plan reads back:
+        parallel/planning/given_plan.py): by local layer index, without what the run that reads it sets itself (the
+        schedule's `early` and `deferred_weights`, and `in_flight`)."""
+        return {
+            "segments": [list(segment) for segment in self.segments],
+            "nested": self.nested,
+            "compress": self.compress,
+            "selective": {str(index): list(modules) for index, modules in sorted(self.selective.items())},
+            "micro_batches": self.micro_batches,
+        }
+
     def choice_of(self, local_index: int) -> str:
         """`none`, `full`, `nested` (a block of a nested segment) or `selective:<modules>` for one local layer (for
         print-outs and W&B)."""

@@ -14,7 +14,8 @@ from parallel.planning.auto_recompute import (
 )
 from parallel.planning.block_prices import BlockPrices
 from parallel.planning.compression import stored_input_bytes
-from parallel.planning.config import AutoRecompute, NoRecompute, RecomputeConfig
+from parallel.planning.config import AutoRecompute, GivenRecompute, NoRecompute, RecomputeConfig
+from parallel.planning.given_plan import read_given_plan
 from parallel.planning.partition import StageRange
 from parallel.planning.shapes import GIB
 from parallel.planning.stage_bytes import StageMemory
@@ -43,6 +44,8 @@ class StagePlanner:
         if isinstance(self.recompute, NoRecompute) or (not auto and not positions):
             return StagePlan(), None
         memory = price_stage(self.pricing, stage, StagePlan()).memory
+        if isinstance(self.recompute, GivenRecompute):  # as the file holds it, lowering the peak or not
+            return read_given_plan(self.recompute.file).stage_plan(stage, is_block, memory.in_flight), None
         if not auto:  # which micro-batches recompute depends on how many the stage holds
             return self._lowering(stage, plan_stage(is_block, self.recompute, memory.in_flight), memory), None
         room = self.usable - memory.fixed_bytes

@@ -16,7 +16,7 @@ from functools import partial
 
 from model import GPTConfig
 from parallel.planning.balanced_search import shortened_by_single_moves
-from parallel.planning.config import AutoRecompute, RecomputeConfig
+from parallel.planning.config import AutoRecompute, GivenRecompute, RecomputeConfig
 from parallel.planning.layout import PipelineLayout
 from parallel.planning.partition import StageRange, stages_of_block_counts
 from parallel.planning.shapes import GIB, RunShape, Shape, Topology
@@ -129,6 +129,8 @@ def virtual_lines(model: GPTConfig, recompute: RecomputeConfig, layout: Pipeline
         return []
     if model.n_layer < CHUNKS * run.topology.pipeline_stages:
         return ["virtual stages (2 chunks per rank): fewer blocks than chunks"]
+    if isinstance(recompute, GivenRecompute):
+        return ["virtual stages: not priced, +recompute=plan's file plans one stage per rank"]
     shape = Shape.of(model, run.micro_batch_size)
     peaks = one_chunk_peaks(layout.recipes, layout.stages, layout.plans, "1f1b", run.micro_batches, shape, run.target)
     one_f_one_b = max(peak.bytes for peak in peaks)

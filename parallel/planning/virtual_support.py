@@ -2,7 +2,7 @@
 resumes may change the schedule, each as one refusal line naming the option to change, or None: pure, so that
 start-up can read it before DeepSpeed loads."""
 
-from parallel.planning.config import AutoRecompute, RecomputeConfig
+from parallel.planning.config import AutoRecompute, GivenRecompute, RecomputeConfig
 from parallel.planning.virtual_schedules import V_SHAPED, VIRTUAL_SCHEDULES, virtual_schedule
 
 CHUNKS = 2
@@ -10,6 +10,11 @@ CHUNKS = 2
 
 
 def virtual_refusal(schedule: str, recompute: RecomputeConfig, precision: str, zero_stage: int) -> str | None:
+    if isinstance(recompute, GivenRecompute):
+        return (
+            f"+recompute=plan is not supported with parallel.schedule={schedule} yet (a plan file holds one stage per "
+            f"rank): use parallel.schedule=1f1b, zb-h1 or auto"
+        )
     if recompute.early:
         return (
             f"recompute.early=true is not supported with parallel.schedule={schedule} yet (early recompute is not "

@@ -16,7 +16,7 @@ only among what compiles (`compiled_auto`).
 from dataclasses import replace
 
 from model import BLOCK_CLASSES
-from parallel.planning.config import AutoRecompute, SelectiveRecompute
+from parallel.planning.config import AutoRecompute, GivenRecompute, SelectiveRecompute
 
 
 def compile_refusal(schedule: str, recompute) -> str | None:
@@ -40,6 +40,12 @@ def compile_refusal(schedule: str, recompute) -> str | None:
             "train.compile=true cannot run recompute.nested=true or recompute.compress: nested segments and compressed "
             "stashes are not yet checked against compiled blocks; set recompute.nested=false and "
             "recompute.compress=none, or train.compile=false"
+        )
+    if isinstance(recompute, GivenRecompute):
+        # A plan file may hold any per-block choice, layernorm, nesting and stashes included: see the ones below.
+        return (
+            "train.compile=true cannot run +recompute=plan: a plan file may hold choices that compiled blocks cannot "
+            "run; use +recompute=auto with train.compile=true (it plans only what compiles), or train.compile=false"
         )
     if isinstance(recompute, SelectiveRecompute) and "layernorm" in recompute.modules:
         # `mlp_act` compiles as a checkpoint of the activation and its one consumer Linear, whose output backward never
