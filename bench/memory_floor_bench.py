@@ -16,12 +16,11 @@ Bytes are exact. Prints markdown tables; docs/memory_floor.md holds a run.
 
 import argparse
 import dataclasses
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
+from bench.interleaved import interleaved, median_cpu
 from model import GPTConfig
 from parallel.measurement.local_stages import LocalPipeline
 from parallel.planning.config import NoRecompute, RecomputeConfig, SelectiveRecompute
@@ -34,20 +33,6 @@ TINY = GPTConfig(n_layer=4, n_head=4, n_embd=128, seq_len=128, vocab_size=256, d
 GPT2 = GPTConfig(n_layer=12, n_head=12, n_embd=768, seq_len=1024, vocab_size=50257)
 # 5 a s / h = 80 (a = 4, s = 512, h = 128): Korthikanti et al.'s GPT-3 175B has 5 a s / h = 80 too.
 MASK_SHAPE = GPTConfig(n_layer=2, n_head=4, n_embd=128, seq_len=512, vocab_size=256, dropout=0.1, attention="math")
-
-
-def interleaved_medians(variants: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
-    """Median process CPU seconds of each variant over `rounds` interleaved rounds (after one warm-up each)."""
-    for run in variants.values():
-        run()
-    seconds: dict[str, list[float]] = {name: [] for name in variants}
-    names = list(variants)
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            start = time.process_time()
-            variants[name]()
-            seconds[name].append(time.process_time() - start)
-    return {name: statistics.median(s) for name, s in seconds.items()}
 
 
 def pipeline(cfg: GPTConfig, recompute: RecomputeConfig, micro_batch_size: int, precision: str = "fp32"):
@@ -129,7 +114,7 @@ def fused_time_table(cfg: GPTConfig, micro_batch_size: int, chunks: list[int], r
         chunk: last_stage_step(dataclasses.replace(cfg, loss_chunk_tokens=chunk), micro_batch_size)
         for chunk in [0, *chunks]
     }
-    medians = interleaved_medians({str(c): v for c, v in variants.items()}, rounds)
+    medians = median_cpu(interleaved({str(c): v for c, v in variants.items()}, rounds))
     base = medians["0"]
     lines = [
         f"vocab {cfg.vocab_size}, h {cfg.n_embd}, {micro_batch_size} x {cfg.seq_len} tokens, "
@@ -188,7 +173,7 @@ def mask_time_table(micro_batch_size: int, rounds: int) -> list[str]:
         str(packed): block_step(dataclasses.replace(MASK_SHAPE, packed_dropout=packed), micro_batch_size)
         for packed in (False, True)
     }
-    medians = interleaved_medians(variants, rounds)
+    medians = median_cpu(interleaved(variants, rounds))
     return [
         f"a whole 2-stage step (2 blocks, attention=math, dropout 0.1, {micro_batch_size} x {MASK_SHAPE.seq_len}, "
         f"fp32), {rounds} rounds: unpacked {medians['False']:.4f} s, packed {medians['True']:.4f} s "

@@ -22,12 +22,11 @@ markdown; docs/nested_compress.md holds a run.
 """
 
 import argparse
-import statistics
-import time
 from dataclasses import replace
 
 import torch
 
+from bench.interleaved import interleaved, least_cpu, median_wall
 from model import GPTConfig
 from parallel.measurement.local_stages import LocalPipeline
 from parallel.measurement.stage_replay import StageReplay
@@ -162,15 +161,8 @@ def nested_step_table(model: GPTConfig, reps: int) -> list[str]:
     for name, recompute in NESTED_MODES.items():
         layout = build_layout(model, recompute, FOUR_STAGES, "type:Block", 0)
         replays[name] = StageReplay(layout, 0, FOUR_STAGES)
-        replays[name].step()  # warm-up
-    times = {name: [] for name in replays}
-    for _ in range(reps):
-        for name, replay in replays.items():
-            cpu, wall = time.process_time(), time.perf_counter()
-            replay.step()
-            times[name].append((time.process_time() - cpu, time.perf_counter() - wall))
-    cpu = {name: min(c for c, _ in ts) for name, ts in times.items()}
-    wall = {name: statistics.median(w for _, w in ts) for name, ts in times.items()}
+    seconds = interleaved({name: replay.step for name, replay in replays.items()}, reps)
+    cpu, wall = least_cpu(seconds), median_wall(seconds)
     lines = [
         f"| stage 0 under | CPU s/step (min of {reps}) | x full(1) | wall s/step (median) | x full(1) |",
         "|---|---|---|---|---|",

@@ -13,12 +13,12 @@ holds a run.
 
 import argparse
 import platform
-import statistics
-import time
+from functools import partial
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from bench.interleaved import interleaved, least_cpu, median_wall
 from model import GPTConfig
 from parallel.measurement.local_stages import LocalPipeline
 from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
@@ -73,13 +73,10 @@ class Mode:
     def planned(self) -> list[int]:
         return [s.activation_bytes_per_microbatch for s in self.plan.stages]
 
-    def step_time(self, batches) -> tuple[float, float]:
-        """(process CPU seconds, wall-clock seconds) of one step."""
-        cpu, wall = time.process_time(), time.perf_counter()
+    def step(self, batches) -> None:
+        """One training step, its gradients then dropped."""
         self.pipe.step(batches)
-        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
         self.zero_grad()
-        return cpu, wall
 
     def counted_flops(self, batches) -> int:
         with FlopCounterMode(display=False) as counter:
@@ -132,14 +129,8 @@ def bytes_table(shapes, dropout: float, attention: str, modes: dict) -> list[str
 def timing_table(cfg: GPTConfig, b: int, micro_batches: int, reps: int, modes: dict) -> list[str]:
     built = {name: Mode(cfg, recompute, b, micro_batches, "fp32") for name, recompute in modes.items()}
     batches = batches_for(cfg, b, micro_batches)
-    for mode in built.values():  # warm-up
-        mode.step_time(batches)
-    times = {name: [] for name in built}
-    for _ in range(reps):  # interleaved: every mode sees the same machine state
-        for name, mode in built.items():
-            times[name].append(mode.step_time(batches))
-    cpu = {name: min(c for c, _ in ts) for name, ts in times.items()}
-    wall = {name: statistics.median(w for _, w in ts) for name, ts in times.items()}
+    seconds = interleaved({name: partial(mode.step, batches) for name, mode in built.items()}, reps)
+    cpu, wall = least_cpu(seconds), median_wall(seconds)
     base = cpu["none"]
     full_overhead = cpu["full(1)"] - base
     lines = [
