@@ -96,6 +96,10 @@ LEARNT_KINDS = {
 }
 """The traced instructions whose residual the prices learn, and the kind of parts each scales
 (parallel/planning/block_prices.py's RESIDUAL_PARTS); sends, receives and reductions are waits as much as work."""
+ONE_REPLICA_KINDS = {"ReduceGrads": "reduce_grads"}
+"""Learnt too where the data-parallel group is one rank: DeepSpeed's ReduceGrads then waits for no peer (it flattens
+the gradients, all-reduces them over a group of one and copies them back), so its time is work, priced per
+parameter (it ran at 2x its price in every run docs/step_time_benchmark.md read)."""
 
 
 def residuals_path(prices: Path) -> Path:
@@ -111,17 +115,18 @@ def read_residuals(prices: Path) -> tuple[dict[str, float], int]:
     return {kind: float(factor) for kind, factor in data["residuals"].items()}, int(data["runs"])
 
 
-def learn_residuals(record: dict, cost_source: dict) -> Path | None:
+def learn_residuals(record: dict, cost_source: dict, data_parallel: int) -> Path | None:
     """Fold this run's residuals into its measured prices' (a run priced otherwise, or untraced, teaches nothing):
     each kind's factor becomes the geometric mean of what every run so far measured over its unscaled prices (this
     run's measured / predicted was priced with the factor of the runs before it). A mean, not the last run's ratio:
     on a shared machine one slow or fast run would otherwise set the next run's prices alone
-    (docs/step_time_benchmark.md measured one instruction kind at 0.7x its price in one run, 1.6x in another)."""
+    (docs/step_time_benchmark.md measured one instruction kind at 0.7x its price in one run, 1.6x in another).
+    `data_parallel`: the run's replicas (ONE_REPLICA_KINDS are learnt at one)."""
     if cost_source.get("kind") != "measured" or "by_kind" not in record:
         return None
     prices = Path(cost_source["path"])
     residuals, runs = read_residuals(prices)
-    for name, kind in LEARNT_KINDS.items():
+    for name, kind in (LEARNT_KINDS | (ONE_REPLICA_KINDS if data_parallel == 1 else {})).items():
         if name in record["by_kind"]:
             residuals[kind] = residuals.get(kind, 1.0) * record["by_kind"][name]["ratio"] ** (1 / (runs + 1))
     path = residuals_path(prices)

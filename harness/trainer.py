@@ -240,7 +240,7 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
         if plan.predicted_step_time_s:  # the prediction against the measured step, per instruction on a traced step
             summary["prediction"] = prediction_record(plan, summary["step_time_s"], traced)
         if plan.step_time and traced:  # the next plan at this shape learns from this run's residuals
-            learnt = learn_residuals(summary["prediction"], plan.step_time.cost_source)
+            learnt = learn_residuals(summary["prediction"], plan.step_time.cost_source, plan.data_parallel_size)
             summary["prediction"]["residuals_file"] = str(learnt) if learnt else None
         metrics.write_summary(summary)
         sync_command = wandb_sync_command(metrics.wandb)

@@ -15,11 +15,13 @@ from harness.prediction_check import (
 )
 from model import GPTConfig
 from parallel.measurement.trace import Interval, RankTrace, StepTrace
+from parallel.planning.block_prices import with_residuals
 from parallel.planning.config import FullRecompute
 from parallel.planning.layout import build_layout
 from parallel.planning.plan_record import RunPlan
 from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import RunShape, Target, Topology
+from tests.test_step_sim import PROFILE
 
 CFG = GPTConfig(n_layer=4, n_head=2, n_embd=32, seq_len=16, vocab_size=64)
 RUN = RunShape(Topology(2), Target("cpu", "fp32"), micro_batches=2, micro_batch_size=2)
@@ -100,9 +102,22 @@ def test_a_run_priced_by_measured_prices_folds_its_residuals_into_them(tmp_path)
     """Each kind's factor is multiplied by the run's measured / predicted: the next prediction meets this run."""
     prices = tmp_path / "cpu-x-fp32-abc.json"
     record = {"by_kind": {"ForwardPass": {"ratio": 2.0}, "BackwardInput": {"ratio": 0.5}, "SendGrad": {"ratio": 9.0}}}
-    assert learn_residuals(record, {"kind": "analytic", "path": None}) is None  # nothing measured to correct
-    assert learn_residuals(record, {"kind": "measured", "path": str(prices)}) == residuals_path(prices)
-    assert read_residuals(prices) == ({"forward": 2.0, "backward": 0.5}, 1)  # a send's wait is not a price
-    learn_residuals({"by_kind": {"ForwardPass": {"ratio": 1.5}}}, {"kind": "measured", "path": str(prices)})
+    record["by_kind"]["ReduceGrads"] = {"ratio": 2.0}
+    assert learn_residuals(record, {"kind": "analytic", "path": None}, 2) is None  # nothing measured to correct
+    assert learn_residuals(record, {"kind": "measured", "path": str(prices)}, 2) == residuals_path(prices)
+    # a send's wait is not a price, nor ReduceGrads' where it waits for other replicas
+    assert read_residuals(prices) == ({"forward": 2.0, "backward": 0.5}, 1)
+    learn_residuals({"by_kind": {"ForwardPass": {"ratio": 1.5}}}, {"kind": "measured", "path": str(prices)}, 2)
     # the second run measured 1.5x the first run's factor: 3.0x the unscaled price; the mean of 2.0 and 3.0
     assert read_residuals(prices) == ({"forward": pytest.approx((2.0 * 3.0) ** 0.5), "backward": 0.5}, 2)
+
+
+def test_reduce_grads_is_learnt_where_a_run_has_one_replica(tmp_path):
+    """At one replica ReduceGrads waits for nobody: its time is the flat gradient's copies, priced per parameter."""
+    prices = tmp_path / "cpu-x-fp32-abc.json"
+    record = {"by_kind": {"ReduceGrads": {"ratio": 2.0}, "ReduceTiedGrads": {"ratio": 3.0}}}
+    learn_residuals(record, {"kind": "measured", "path": str(prices)}, 1)
+    assert read_residuals(prices) == ({"reduce_grads": 2.0}, 1)
+    scaled = with_residuals(PROFILE, {"reduce_grads": 2.0})
+    assert scaled.reduce_grads_per_param == pytest.approx(2 * PROFILE.reduce_grads_per_param)
+    assert dataclasses.replace(scaled, reduce_grads_per_param=PROFILE.reduce_grads_per_param) == PROFILE
