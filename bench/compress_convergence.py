@@ -1,9 +1,10 @@
 """Convergence of compressed stashes (issue 29, item 5): the loss and the val loss of full(1) with its segment inputs
-stored as bf16 and as fp8, against the same run stored exactly, on the embedded corpus (data=text's default: this
+stored as bf16, fp8 and int8, against the same run stored exactly, on the embedded corpus (data=text's default: this
 Python's standard library, byte tokens), for 3 seeds; and the cosine between each compressed run's step-1 gradient and
 the exact one, per stage.
 
-    DS_ACCELERATOR=cpu nice -n 19 .venv/bin/python -m bench.compress_convergence [--steps 500] [--out DIR]
+    DS_ACCELERATOR=cpu nice -n 19 .venv/bin/python -m bench.compress_convergence [--steps 500] [--out DIR] \
+        [--formats bf16 fp8 int8]
 
 The model is a 2-stage tiny Llama (untied head, so no tied weight is shared between stages) run in one process
 (parallel/measurement/local_stages.py: every stage's programme through the interpreter the engine runs), trained by
@@ -32,7 +33,7 @@ MODEL = GPTConfig(
     n_layer=4, n_head=4, n_kv_head=2, n_embd=64, intermediate_size=176, seq_len=64, vocab_size=256,
 )  # fmt: skip
 RUN = RunShape(Topology(2), Target("cpu", "fp32"), micro_batches=4, micro_batch_size=4)
-VARIANTS = ("none", "bf16", "fp8")
+FORMATS = ("bf16", "fp8", "int8")
 SEEDS = (0, 1, 2)
 VAL_BATCHES = 32
 TAIL = 50
@@ -83,7 +84,7 @@ def train(compress: str, seed: int, steps: int, source) -> dict:
     return result
 
 
-def plot(runs: dict, out: Path) -> None:
+def plot(runs: dict, variants: tuple[str, ...], out: Path) -> None:
     import matplotlib  # a benchmark's figure: imported only when drawn
 
     matplotlib.use("Agg")
@@ -91,7 +92,7 @@ def plot(runs: dict, out: Path) -> None:
 
     fig, axes = plt.subplots(1, len(SEEDS), figsize=(5 * len(SEEDS), 3.5), sharey=True)
     for ax, seed in zip(axes, SEEDS):
-        for compress in VARIANTS:
+        for compress in variants:
             ax.plot(runs[compress, seed]["losses"], label=compress, linewidth=1)
         ax.set_title(f"seed {seed}")
         ax.set_xlabel("step")
@@ -105,10 +106,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--formats", nargs="+", choices=FORMATS, default=FORMATS, help="beside the exact run")
     args = parser.parse_args()
+    variants = ("none", *args.formats)
     torch.set_num_threads(1)  # a model this small gains nothing from a second thread, which fights for a busy core
     source = open_token_source(TextDataConfig(), MODEL.vocab_size)
-    runs = {(c, s): train(c, s, args.steps, source) for s in SEEDS for c in VARIANTS}
+    runs = {(c, s): train(c, s, args.steps, source) for s in SEEDS for c in variants}
     print(
         f"{args.steps} steps of {RUN.micro_batches} x {RUN.micro_batch_size} x {MODEL.seq_len} tokens, lr {PEAK_LR} "
         f"warmed up over {WARMUP_STEPS} steps, cosine to {MIN_LR_RATIO} x, clipped at {GRAD_CLIP}\n"
@@ -120,7 +123,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for seed in SEEDS:
         exact = runs["none", seed]
-        for compress in VARIANTS:
+        for compress in variants:
             r = runs[compress, seed]
             cosines = " / ".join(
                 f"{float(F.cosine_similarity(g.double(), e.double(), dim=0)):.6f}"  # fp32's rounds past 1
@@ -132,7 +135,7 @@ def main() -> None:
                 f"{r['val_loss'] / exact['val_loss']:.4f} | {cosines} |"
             )
     args.out.mkdir(parents=True, exist_ok=True)
-    plot(runs, args.out)
+    plot(runs, variants, args.out)
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ CASES = [
     ),
     (
         ["+recompute=full", "recompute.compress=int4"],
-        "recompute.compress='int4' is unknown: allowed values are none, bf16, fp8",
+        "recompute.compress='int4' is unknown: allowed values are none, bf16, fp8, int8",
     ),
     (
         ["+recompute=auto", "recompute.compress=bf16", "train.precision=bf16"],

@@ -1,6 +1,6 @@
-"""Compressed stashes (`recompute.compress`): full recompute's segment inputs stored in bf16 or fp8 (e4m3, a scale per
-token) until their recompute. Lossy by design, so not bit-exact: the gradients are those of the decompressed input,
-close to the exact ones; the kept bytes and the peak are what the planner says; `auto` stores compressed only when
+"""Compressed stashes (`recompute.compress`): full recompute's segment inputs stored in bf16, fp8 (e4m3, a scale per
+token) or int8 (a scale per token) until their recompute. Lossy by design, so not bit-exact: the gradients are those
+of the decompressed input, close to the exact ones; the kept bytes and the peak are what the planner says; `auto` stores compressed only when
 allowed (`recompute.compress`), where that lets a stage fit, and counts the peak as the plan does; a run says it is
 lossy in its plan, its start-up print and its summary; and what cannot work is refused in one line."""
 
@@ -29,8 +29,9 @@ COMPRESSED = [
     FullRecompute(interval="1", compress="bf16"),
     FullRecompute(interval="2", compress="fp8"),
     FullRecompute(interval="stage", nested=True, compress="fp8"),
+    FullRecompute(interval="2", compress="int8"),
 ]
-IDS = ["full(1) bf16", "full(2) fp8", "nested full(stage) fp8"]
+IDS = ["full(1) bf16", "full(2) fp8", "nested full(stage) fp8", "full(2) int8"]
 CASES = {"fp8": case(*TINY, "train.steps=2", "logger=none", "+recompute=full", "recompute.compress=fp8")}
 
 
@@ -68,14 +69,29 @@ def test_planned_kept_bytes_equal_measured_bytes(recompute):
         assert stage.meter.bytes_per_micro_batch() == [planned.activation_bytes_per_microbatch] * 2
 
 
-def test_fp8_keeps_a_quarter_of_fp32_plus_a_scale_per_token():
+@pytest.mark.parametrize("compress", ["fp8", "int8"])
+def test_8_bits_keep_a_quarter_of_fp32_plus_a_scale_per_token(compress):
     def measured(compress: str) -> list[int]:
         pipe, _ = measured_and_planned(FullRecompute(interval="1", compress=compress))
         return [stage.meter.bytes_per_micro_batch()[0] for stage in pipe.stages]
 
     tokens, h = 2 * 16, 32  # measured_and_planned's micro-batch: 2 sequences of 16 tokens, n_embd 32
     # each stage holds 3 one-block segments: each input 4 bytes an element down to 1, plus a 4-byte scale a token
-    assert [a - b for a, b in zip(measured("none"), measured("fp8"))] == [3 * (3 * tokens * h - 4 * tokens)] * 2
+    assert [a - b for a, b in zip(measured("none"), measured(compress))] == [3 * (3 * tokens * h - 4 * tokens)] * 2
+
+
+def test_int8_rounds_each_value_to_the_nearest_of_255_steps_of_its_tokens_range():
+    x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(0))  # (b, s, h)
+    stored = []
+    stash = CompressedStash("int8", lambda *parts: stored.extend(parts))
+    back = stash.unpack(stash.pack(x))
+    step = x.abs().amax(dim=-1, keepdim=True) / 127
+    assert stored[0].dtype == torch.int8 and stored[1].shape == (2, 8, 1)
+    assert bool(((back - x).abs() <= step / 2 * (1 + 1e-5)).all())  # nearest, not truncated toward zero
+    assert torch.equal(back.abs().amax(dim=-1), x.abs().amax(dim=-1))  # each token's largest value is exact
+    fp8 = CompressedStash("fp8", lambda *parts: None)
+    fp8_error = (fp8.unpack(fp8.pack(x)) - x).pow(2).mean()
+    assert (back - x).pow(2).mean() < fp8_error / 4  # the same bytes, under a quarter of fp8's squared error
 
 
 def test_a_compressed_stages_planned_peak_is_its_measured_peak():
@@ -108,7 +124,7 @@ def test_what_cannot_be_compressed_is_refused_in_one_line():
         stash.pack(torch.zeros(2, 3, dtype=torch.long))
     with pytest.raises(ValueError, match=r"^recompute.compress=bf16 stores nothing less under train.precision=bf16"):
         check_compress("bf16", "bf16")
-    with pytest.raises(ValueError, match=r"^recompute.compress='int4' is unknown: allowed values are none, bf16, fp8"):
+    with pytest.raises(ValueError, match=r"^recompute.compress='int4' is unknown: allowed values are none, bf16, fp8, int8"):
         FullRecompute(compress="int4")
 
 
@@ -134,7 +150,7 @@ def test_auto_stores_compressed_only_when_allowed_and_where_that_lets_a_stage_fi
     assert lossy_note(build_layout(AUTO_MODEL, roomy, AUTO_RUN, "type:Block", 0).plans) is None
 
 
-@pytest.mark.parametrize("compress", ["bf16", "fp8"])
+@pytest.mark.parametrize("compress", ["bf16", "fp8", "int8"])
 def test_auto_counts_a_compressed_stages_peak_as_the_plan_does(compress):
     """Auto's own count of each stage's peak (by parts) against the peak of the plan it chose (every block walked),
     at budgets from its floor up, with lossy storage allowed."""

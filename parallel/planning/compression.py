@@ -11,6 +11,7 @@ from parallel.planning.stage_plan import StagePlan
 FORMAT_WORDS = {
     "bf16": "bfloat16 (rounded to 8 significant bits)",
     "fp8": "float8 e4m3 with one fp32 scale per token (its largest magnitude maps to 448)",
+    "int8": "int8 with one fp32 scale per token (its largest magnitude maps to 127, rounded to the nearest step)",
 }
 
 
@@ -19,7 +20,7 @@ def stored_input_bytes(shape: Shape, target: Target, compress: str) -> int:
     elements, rows = shape.bsh, shape.b * shape.s
     if compress == "bf16":
         return 2 * elements
-    if compress == "fp8":
+    if compress in ("fp8", "int8"):
         return elements + rows * FP32
     return elements * target.dtype_bytes
 

@@ -104,7 +104,7 @@ class ParallelConfig:
             )
 
 
-COMPRESS_FORMATS = ("none", "bf16", "fp8")
+COMPRESS_FORMATS = ("none", "bf16", "fp8", "int8")
 
 
 def check_compress_name(compress: str) -> None:
@@ -177,10 +177,11 @@ class FullRecompute(PlannedRecompute):
     mode. Needs segments of more than one block (`recompute.interval` 2 or more, `stage` or `sqrt`)."""
     compress: str = "none"
     """Store what each segment keeps, its input (the stage's boundary input included), in fewer bits until its
-    recompute: `none` (as it is), `bf16` (from an fp32 run: half the bytes) or `fp8` (float8 e4m3 with one fp32 scale
-    per token: a quarter of fp32's bytes, plus 4 bytes a token). LOSSY, so never on by default: the recompute and the
-    backward run on the decompressed input, and the gradients are those of the decompressed input. plan.json,
-    summary.json and the start-up print say so."""
+    recompute: `none` (as it is), `bf16` (from an fp32 run: half the bytes), `fp8` (float8 e4m3 with one fp32 scale
+    per token: a quarter of fp32's bytes, plus 4 bytes a token) or `int8` (the bytes of fp8, 255 even steps per token's
+    range: its error is even across a token's values, fp8's proportional to each). LOSSY, so never on by default:
+    the recompute and the backward run on the decompressed input, and the gradients are those of the decompressed
+    input. plan.json, summary.json and the start-up print say so."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -248,7 +249,7 @@ class AutoRecompute:
     run with no recompute; see `+recompute=full`'s `recompute.micro_batches`): the least recompute time per
     step that fits, plans between the all-micro-batch ones. Off: every micro-batch runs its stage's plan."""
     compress: str = "none"
-    """Lossy storage auto may use: `none` (auto stays exact), `bf16` or `fp8` (see `+recompute=full`'s
+    """Lossy storage auto may use: `none` (auto stays exact), `bf16`, `fp8` or `int8` (see `+recompute=full`'s
     `recompute.compress`). Allowed, it is one more choice per stage: a stage's full-recompute segments store their
     inputs in it wherever that lets the stage recompute less within the budget (its (de)compression is not priced;
     at equal cost exact storage wins). The run then says LOSSY, and on which stages, at start-up, in plan.json and

@@ -7,7 +7,8 @@ from collections.abc import Callable
 import torch
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448
+SCALED = {"fp8": (FP8, torch.finfo(FP8).max), "int8": (torch.int8, 127.0)}
+"""A format stored with one fp32 scale per row: its dtype, and the value a row's largest magnitude maps to."""
 
 
 class Packed:
@@ -18,7 +19,7 @@ class Packed:
 
 
 class CompressedStash:
-    """Packs floating tensors as `compress` says (`bf16` or `fp8`), reporting each stored part to `note`."""
+    """Packs floating tensors as `compress` says (`bf16`, `fp8` or `int8`), reporting each stored part to `note`."""
 
     def __init__(self, compress: str, note: Callable[..., None]):
         self.compress, self.note = compress, note
@@ -33,9 +34,13 @@ class CompressedStash:
         if self.compress == "bf16":
             parts = (x.to(torch.bfloat16),)
         else:
-            # one scale per row (token): its largest magnitude maps to e4m3's largest finite value
-            scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX
-            parts = ((x.float() / scale).to(FP8), scale)  # (b, s, h) fp8, (b, s, 1) fp32
+            # one scale per row (token): its largest magnitude maps to the format's largest value
+            dtype, largest = SCALED[self.compress]
+            scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=torch.finfo(torch.float32).tiny) / largest
+            scaled = x.float() / scale
+            if dtype == torch.int8:  # a cast would truncate toward zero: round to the nearest step
+                scaled = scaled.round()
+            parts = (scaled.to(dtype), scale)  # (b, s, h) fp8 or int8, (b, s, 1) fp32
         self.note(*parts)
         return Packed(parts, t.dtype, t.requires_grad)
 
