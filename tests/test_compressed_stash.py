@@ -1,8 +1,9 @@
 """Compressed stashes (`recompute.compress`): full recompute's segment inputs stored in bf16, fp8 (e4m3, a scale per
 token) or int8 (a scale per token) until their recompute. Lossy by design, so not bit-exact: the gradients are those
-of the decompressed input, close to the exact ones; the kept bytes and the peak are what the planner says; `auto` stores compressed only when
-allowed (`recompute.compress`), where that lets a stage fit, and counts the peak as the plan does; a run says it is
-lossy in its plan, its start-up print and its summary; and what cannot work is refused in one line."""
+of the decompressed input, close to the exact ones; the kept bytes and the peak are what the planner says; `auto`
+stores compressed only when allowed (`recompute.compress`), where that lets a stage fit, and counts the peak as the
+plan does; a run says it is lossy in its plan, its start-up print and its summary; and what cannot work is refused in
+one line."""
 
 import pytest
 import torch
@@ -124,7 +125,7 @@ def test_what_cannot_be_compressed_is_refused_in_one_line():
         stash.pack(torch.zeros(2, 3, dtype=torch.long))
     with pytest.raises(ValueError, match=r"^recompute.compress=bf16 stores nothing less under train.precision=bf16"):
         check_compress("bf16", "bf16")
-    with pytest.raises(ValueError, match=r"^recompute.compress='int4' is unknown: allowed values are none, bf16, fp8, int8"):
+    with pytest.raises(ValueError, match=r"^recompute.compress='int4' is unknown: allowed values are none, bf16, fp8"):
         FullRecompute(compress="int4")
 
 
