@@ -22,6 +22,7 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from harness.config_errors import config_errors  # noqa: E402
+from harness.process_exit import exit_after_cleanup  # noqa: E402
 from harness.run_dir import register_run_stamp_resolver  # noqa: E402
 from harness.startup import run_from_hydra  # noqa: E402
 from schema import register_schemas  # noqa: E402
@@ -37,5 +38,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    with config_errors(sys.argv[1:]):  # an unknown option or key, a wrong type: one line, exit 2
+    # the teardown of torch's C++ statics can abort a finished run: harness/process_exit.py
+    with exit_after_cleanup(), config_errors(sys.argv[1:]):  # an unknown option or key, a wrong type: one line, exit 2
         main()
