@@ -26,9 +26,9 @@ TRACE_STEP = 3
 """Traced step (train.trace_step): after the allocator warm-up. It stays in the bench's own median (as in
 summary.json's): its timers and one barrier cost milliseconds against steps of seconds."""
 EXIT_ABORT = "terminate called without an active exception"
-"""What a rank prints when gloo's threads abort it at interpreter exit, after its run finished and wrote summary.json
-(parallel/runtime/engine.py's _destroy_process_group; still seen in about 1 of 60 launches of bench/planner_regret.py,
-rank 1 of shape B)."""
+"""What a rank printed when the teardown of torch's C++ statics aborted it at exit, after its run finished and wrote
+summary.json (4 of about 230 launches of bench/planner_regret.py); train.py now skips that teardown
+(harness/process_exit.py), and a bench still says so should it come back."""
 SKIPPED_STEPS = 2
 """Left out of the bench's own median: step 1 (allocator warm-up) and step 2 (train.measure_step: the activation
 meter's saved-tensor hooks), as harness/metrics.py's median_after_warmup."""

@@ -86,7 +86,8 @@ def _destroy_process_group() -> None:
     """At a normal exit, and at the exits every rank agreed on (3, 75): destroy the process group while the
     interpreter is whole. Left to interpreter shutdown, gloo's threads can abort the process ("terminate
     called without an active exception", pytorch#190489): seen here once in ~15 two-node SLURM runs, rank 0
-    exiting 134 after a finished run, which srun then reported as a failed job. A failing rank ends with
+    exiting 134 after a finished run, which srun then reported as a failed job (still seen after this: train.py now
+    also skips the C++ teardown, harness/process_exit.py). A failing rank ends with
     os._exit (harness/faults.py) and skips this, as it should: a destroy while peers may still be inside a
     collective can block (torchtitan#1342)."""
     if c10d.is_initialized():
