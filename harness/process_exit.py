@@ -15,16 +15,25 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch.distributed as dist
+
 
 @contextmanager
 def exit_after_cleanup() -> Iterator[None]:
-    """Around the entry point: a normal return or a SystemExit ends the process as described above, with the same exit
-    code and message Python would give; any other exception passes through, as Python reports it."""
+    """Around the entry point: once a process group exists (the run trained), a normal return or a SystemExit ends the
+    process as described above, with the same exit code and message Python would give. Before (a dry run, a start-up
+    refusal) the process ends as Python ends it: a refusal's message comes from rank 0 alone, and a rank that exited at
+    once would have the launcher kill rank 0 before it printed. Any other exception passes through, as Python reports
+    it."""
     try:
         yield
         code = 0
     except SystemExit as stop:
+        if not dist.is_initialized():
+            raise
         code = stop.code
+    if not dist.is_initialized():
+        return
     if code is None:
         code = 0
     elif not isinstance(code, int):  # sys.exit("message"): Python prints it and exits 1
