@@ -22,8 +22,6 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -33,11 +31,10 @@ from bench.real_runs import (
     STAGES,
     TRACE_STEP,
     Variant,
-    launch_env,
+    dry_run_plan,
     read_result,
     run_dir_of,
     run_rounds,
-    train_args,
 )
 from bench.step_time_bench import MICRO_BATCHES, SEED, SHAPES, TARGET, measure_profile
 from model import GPTConfig
@@ -62,13 +59,11 @@ def budgets(cfg: GPTConfig) -> list[float]:
 
 
 def dry_run(cfg: GPTConfig, overrides: tuple[str, ...], run_dir: Path) -> dict:
-    """plan.json of `train.py ... dry_run=true` (no launcher, one thread, as a rank plans)."""
-    variant = Variant("dry run", MICRO_BATCHES, None, "type:Block", overrides, ())
-    command = [sys.executable, *train_args(cfg, variant, 5, run_dir), f"parallel.pipeline_stages={STAGES}"]
-    result = subprocess.run([*command, "dry_run=true"], env=launch_env(), capture_output=True, text=True)
-    if result.returncode != 0:
-        raise SystemExit(f"{' '.join(command)}: {result.stderr.strip()[-2000:]}")
-    return json.loads((run_dir / "plan.json").read_text())
+    """plan.json of the dry run of `overrides` (real_runs.dry_run_plan); a refusal ends the bench."""
+    plan = dry_run_plan(cfg, Variant("dry run", MICRO_BATCHES, None, "type:Block", overrides, ()), run_dir)
+    if isinstance(plan, str):
+        raise SystemExit(f"dry run of {' '.join(overrides)}: {plan}")
+    return plan
 
 
 def plan_text(stages: list[dict]) -> str:

@@ -123,6 +123,17 @@ def train_args(cfg: GPTConfig, variant: Variant, steps: int, run_dir: Path) -> l
     ]
 
 
+def dry_run_plan(cfg: GPTConfig, variant: Variant, run_dir: Path) -> dict | str:
+    """The variant's plan.json from its dry run (`train.py ... dry_run=true`, no launcher, one thread as a rank has),
+    or the start-up's refusal line."""
+    command = [sys.executable, *train_args(cfg, variant, 5, run_dir), f"parallel.pipeline_stages={STAGES}"]
+    command.append("dry_run=true")  # without a launcher, the dry run's stages are parallel.pipeline_stages
+    result = subprocess.run(command, cwd=REPO, env=launch_env(), capture_output=True, text=True)
+    if result.returncode != 0:
+        return result.stderr.strip().splitlines()[-1]
+    return json.loads((run_dir / "plan.json").read_text())
+
+
 def launch(cfg: GPTConfig, variant: Variant, steps: int, run_dir: Path) -> tuple[float, float]:
     """One real 2-rank training run; returns (CPU seconds, wall seconds) of the whole launch."""
     cmd = [str(DEEPSPEED), "--num_gpus", str(STAGES), "--master_port", str(free_port())]

@@ -24,7 +24,6 @@ Not a test: timings depend on the machine. docs/step_time_benchmark.md gives the
 """
 
 import argparse
-import json
 import math
 import statistics
 import subprocess
@@ -40,12 +39,12 @@ from bench.real_runs import (
     TRACE_STEP,
     Result,
     Variant,
+    dry_run_plan,
     launch_env,
     read_result,
     run_dir_of,
     run_rounds,
     traced_costs,
-    train_args,
 )
 from model import GPTConfig
 from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute
@@ -133,13 +132,8 @@ def measure_profile(path: Path, smoke: bool) -> None:
 def dry_run_prediction(cfg: GPTConfig, variant: Variant, scratch: Path) -> float | str:
     """The variant's dry run (`train.py ... dry_run=true`, no launcher, one thread as a rank has): its
     predicted_step_time_s, or the start-up's refusal (a budget the schedule cannot fit)."""
-    run_dir = scratch / variant.name.replace(" ", "-").replace("(", "").replace(")", "")
-    command = [sys.executable, *train_args(cfg, variant, 5, run_dir), f"parallel.pipeline_stages={STAGES}"]
-    command.append("dry_run=true")  # without a launcher, the dry run's stages are parallel.pipeline_stages
-    result = subprocess.run(command, cwd=REPO, env=launch_env(), capture_output=True, text=True)
-    if result.returncode != 0:
-        return result.stderr.strip().splitlines()[-1]
-    return RunPlan.from_json(json.loads((run_dir / "plan.json").read_text())).predicted_step_time_s
+    plan = dry_run_plan(cfg, variant, scratch / variant.name.replace(" ", "-").replace("(", "").replace(")", ""))
+    return plan if isinstance(plan, str) else RunPlan.from_json(plan).predicted_step_time_s
 
 
 def kept_results(root: Path, shapes: dict[str, GPTConfig], todo: dict[str, list[Variant]]) -> dict[str, list[Result]]:

@@ -11,9 +11,8 @@ together under the layout's schedule and early setting, as the layout's own plan
 import itertools
 from dataclasses import dataclass
 
-from model import BLOCK_CLASSES
 from parallel.planning.auto_recompute import stage_choices, to_stage_plan
-from parallel.planning.partition import StageRange
+from parallel.planning.partition import StageRange, block_positions
 from parallel.planning.schedule_choice import price_schedule
 from parallel.planning.stage_plan import StagePlan
 from parallel.planning.stage_planner import StagePlanner
@@ -65,8 +64,8 @@ def considered_plans(
 def _fitting(planner: StagePlanner, stage: StageRange) -> list[tuple[float, StagePlan]]:
     """The stage's distinct plans among those auto weighs whose 1F1B peak fits its budget, cheapest (recompute cost)
     first."""
-    recipes, pricing = planner.pricing.recipes, planner.pricing
-    positions = [local for local, flat in enumerate(stage.layers) if recipes[flat].module_class in BLOCK_CLASSES]
+    pricing = planner.pricing
+    positions = block_positions(pricing.recipes, stage)
     plain = price_stage(pricing, stage, StagePlan()).memory
     ends_stage = stage_working(plain.plain_layers, pricing.shape, pricing.run.target).blocks_end_stage
     seen, fitting = set(), []

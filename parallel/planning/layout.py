@@ -17,7 +17,13 @@ from parallel.planning.config import AutoRecompute, GivenRecompute, RecomputeCon
 from parallel.planning.considered_plans import ConsideredPlan, considered_plans
 from parallel.planning.given_plan import read_given_plan
 from parallel.planning.instruction_seconds import DeviceRates, TimeModel, analytic_rates, time_model
-from parallel.planning.partition import StageRange, partition_layers, stages_of_block_counts, stages_of_parts
+from parallel.planning.partition import (
+    StageRange,
+    block_positions,
+    partition_layers,
+    stages_of_block_counts,
+    stages_of_parts,
+)
 from parallel.planning.schedule_choice import ScheduleOption, choose_schedule
 from parallel.planning.shapes import GIB, RunShape, Shape
 from parallel.planning.stage_plan import StagePlan
@@ -78,6 +84,10 @@ class PipelineLayout:
             )
         return warnings
 
+    def _choices(self, stage: StageRange, plan: StagePlan) -> list[str]:
+        """Each block of `stage`'s choice under `plan`, in order."""
+        return [plan.choice_of(local) for local in block_positions(self.recipes, stage)]
+
     def describe_considered(self) -> list[str]:
         """The dry run's lines on the plans auto weighed: one per plan, its simulated step and each stage's blocks."""
         if not self.considered:
@@ -86,14 +96,7 @@ class PipelineLayout:
             f"auto weighed, fastest simulated step first ({len(self.considered)} shown; +recompute=plan runs one):"
         ]
         for rank, considered in enumerate(self.considered, 1):
-            stages = [
-                ",".join(
-                    plan.choice_of(local)
-                    for local, flat in enumerate(stage.layers)
-                    if self.recipes[flat].module_class in BLOCK_CLASSES
-                )
-                for stage, plan in zip(self.stages, considered.plans)
-            ]
+            stages = [",".join(self._choices(stage, plan)) for stage, plan in zip(self.stages, considered.plans)]
             chosen = (
                 " (chosen)"
                 if [replace(p, early=False) for p in considered.plans] == [replace(p, early=False) for p in self.plans]
@@ -172,11 +175,7 @@ class PipelineLayout:
             {
                 "stage": s.stage,
                 "layers": [s.start, s.stop],
-                "choices": [
-                    p.choice_of(local)
-                    for local, flat in enumerate(s.layers)
-                    if self.recipes[flat].module_class in BLOCK_CLASSES
-                ],
+                "choices": self._choices(s, p),
                 # full(1) and full(stage) make the same choices: the segments tell them apart
                 "segments": [[s.start + a, s.start + b] for a, b in p.segments],
             }

@@ -128,6 +128,11 @@ def balanced_block_counts(
     return list(best[blocks][2]) if blocks in best else None
 
 
+def block_positions(recipes: Sequence[LayerRecipe], stage: "StageRange") -> list[int]:
+    """The local indices of `stage`'s transformer blocks."""
+    return [local for local, flat in enumerate(stage.layers) if recipes[flat].module_class in BLOCK_CLASSES]
+
+
 def stages_of_block_counts(recipes: Sequence[LayerRecipe], counts: Sequence[int]) -> list[StageRange]:
     """Stage ranges holding `counts` blocks each: the layers before the first block (embeddings) on the
     first stage, those after the last block (final norm, head) on the last."""

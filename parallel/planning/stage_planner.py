@@ -16,7 +16,7 @@ from parallel.planning.block_prices import BlockPrices
 from parallel.planning.compression import stored_input_bytes
 from parallel.planning.config import AutoRecompute, GivenRecompute, NoRecompute, RecomputeConfig
 from parallel.planning.given_plan import read_given_plan
-from parallel.planning.partition import StageRange
+from parallel.planning.partition import StageRange, block_positions
 from parallel.planning.shapes import GIB
 from parallel.planning.stage_bytes import StageMemory
 from parallel.planning.stage_plan import StagePlan, plan_stage
@@ -38,7 +38,7 @@ class StagePlanner:
 
     def plan(self, stage: StageRange) -> tuple[StagePlan, StageBudget | None]:
         recipes, run = self.pricing.recipes, self.pricing.run
-        positions = [local for local, flat in enumerate(stage.layers) if recipes[flat].module_class in BLOCK_CLASSES]
+        positions = block_positions(recipes, stage)
         is_block = [recipes[i].module_class in BLOCK_CLASSES for i in stage.layers]
         auto = isinstance(self.recompute, AutoRecompute)
         if isinstance(self.recompute, NoRecompute) or (not auto and not positions):
