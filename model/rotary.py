@@ -29,8 +29,11 @@ def inverse_frequencies(config: GPTConfig) -> torch.Tensor:
 
 
 def _rotary_key(config: GPTConfig) -> tuple:
-    """The fields the angles depend on: configs that agree on them share one table."""
+    """The fields the angles depend on, and the sequence length: configs that agree on them share one table. The
+    length is in the key so that a table's size never depends on which models the process built before: compiled blocks
+    save the table for backward, so its size is bytes the planner counts (parallel/measurement/compiled_bytes.py)."""
     return (
+        config.seq_len,
         config.head_size,
         config.rope_theta,
         config.rope_scaling,

@@ -81,11 +81,16 @@ def _measure_block(
 
     stage(hidden().requires_grad_()).backward(hidden())  # compiles both graphs; the parameters get their gradients
     x, output_grad = hidden().requires_grad_(), hidden()
-    held = set(live_storages(target.device)) - {x.untyped_storage().data_ptr()}
+    # Storages are told apart by address: no garbage may die in the forward and hand its address to a saved tensor
+    # (collected first, and what is held stays referenced until the forward has ended).
+    gc.collect()
+    held = live_storages(target.device)
     with stage.meter.record(stage_input=x):
         y = stage(x)
     saved = stage.meter.micro_batches[-1]  # {storage address: bytes}
+    held.pop(x.untyped_storage().data_ptr())
     shared = sum(nbytes for ptr, nbytes in saved.items() if ptr in held)
+    del held
     gc.collect()  # the warm-up's garbage would otherwise count as alive in the window
     meter = TensorPeakMeter(target.device)
     with meter.window() as result:
