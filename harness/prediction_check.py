@@ -106,29 +106,46 @@ def residuals_path(prices: Path) -> Path:
     return prices.with_name(prices.stem + ".residuals.json")
 
 
+RESIDUAL_WINDOW = 20
+"""The runs a kind's factor averages over, at most: past them each new run weighs 1/RESIDUAL_WINDOW, so the factors
+follow a host whose speed changed (a shared machine moved to another host, or another load) within a few dozen runs."""
+
+
 def read_residuals(prices: Path) -> tuple[dict[str, float], int]:
     """The residuals learnt for these prices so far, and from how many runs ({} and 0: none)."""
+    residuals, runs, _ = _read_learnt(prices)
+    return residuals, runs
+
+
+def _read_learnt(prices: Path) -> tuple[dict[str, float], int, dict[str, int]]:
+    """The residuals, the runs learnt from, and per kind how many of them measured it."""
     path = residuals_path(prices)
     if not path.exists():
-        return {}, 0
+        return {}, 0, {}
     data = json.loads(path.read_text())
-    return {kind: float(factor) for kind, factor in data["residuals"].items()}, int(data["runs"])
+    residuals = {kind: float(factor) for kind, factor in data["residuals"].items()}
+    runs = int(data["runs"])
+    observed = {kind: int(data.get("observed", {}).get(kind, runs)) for kind in residuals}
+    return residuals, runs, observed
 
 
 def learn_residuals(record: dict, cost_source: dict, data_parallel: int) -> Path | None:
     """Fold this run's residuals into its measured prices' (a run priced otherwise, or untraced, teaches nothing):
-    each kind's factor becomes the geometric mean of what every run so far measured over its unscaled prices (this
-    run's measured / predicted was priced with the factor of the runs before it). A mean, not the last run's ratio:
-    on a shared machine one slow or fast run would otherwise set the next run's prices alone
+    each kind's factor becomes the geometric mean of what the runs that measured that kind (the last RESIDUAL_WINDOW of
+    them, in effect) measured over its unscaled prices (this run's measured / predicted was priced with the factor of
+    the runs before it). Counted per kind: BackwardWeight only runs under zb-h1, and a mean over every run would weigh
+    each zb-h1 run as one of all (a factor that stayed at 1.01 while every zb-h1 run measured 1.2x). A mean, not the
+    last run's ratio: on a shared machine one slow or fast run would otherwise set the next run's prices alone
     (docs/step_time_benchmark.md measured one instruction kind at 0.7x its price in one run, 1.6x in another).
     `data_parallel`: the run's replicas (ONE_REPLICA_KINDS are learnt at one)."""
     if cost_source.get("kind") != "measured" or "by_kind" not in record:
         return None
     prices = Path(cost_source["path"])
-    residuals, runs = read_residuals(prices)
+    residuals, runs, observed = _read_learnt(prices)
     for name, kind in (LEARNT_KINDS | (ONE_REPLICA_KINDS if data_parallel == 1 else {})).items():
         if name in record["by_kind"]:
-            residuals[kind] = residuals.get(kind, 1.0) * record["by_kind"][name]["ratio"] ** (1 / (runs + 1))
+            observed[kind] = min(observed.get(kind, 0) + 1, RESIDUAL_WINDOW)
+            residuals[kind] = residuals.get(kind, 1.0) * record["by_kind"][name]["ratio"] ** (1 / observed[kind])
     path = residuals_path(prices)
-    atomic_write_json(path, {"runs": runs + 1, "residuals": residuals})
+    atomic_write_json(path, {"runs": runs + 1, "residuals": residuals, "observed": observed})
     return path

@@ -2,10 +2,12 @@
 end-of-run line when the measured step is more than 10% off the predicted one."""
 
 import dataclasses
+import json
 
 import pytest
 
 from harness.prediction_check import (
+    RESIDUAL_WINDOW,
     learn_residuals,
     prediction_record,
     prediction_warning,
@@ -110,6 +112,25 @@ def test_a_run_priced_by_measured_prices_folds_its_residuals_into_them(tmp_path)
     learn_residuals({"by_kind": {"ForwardPass": {"ratio": 1.5}}}, {"kind": "measured", "path": str(prices)}, 2)
     # the second run measured 1.5x the first run's factor: 3.0x the unscaled price; the mean of 2.0 and 3.0
     assert read_residuals(prices) == ({"forward": pytest.approx((2.0 * 3.0) ** 0.5), "backward": 0.5}, 2)
+
+
+def test_a_kind_is_averaged_over_the_runs_that_measured_it_and_over_the_last_window_of_them(tmp_path):
+    """BackwardWeight runs under zb-h1 only: 1f1b runs before and after it leave its factor as the zb-h1 run measured
+    it. A file with many runs behind a factor moves by 1/RESIDUAL_WINDOW of a new run's log-ratio, no less."""
+    prices, source = (
+        tmp_path / "cpu-x-fp32-abc.json",
+        {"kind": "measured", "path": str(tmp_path / "cpu-x-fp32-abc.json")},
+    )
+    for record in (
+        {"ForwardPass": {"ratio": 1.0}},
+        {"BackwardWeight": {"ratio": 1.2}},
+        {"ForwardPass": {"ratio": 1.0}},
+    ):
+        learn_residuals({"by_kind": record}, source, 2)
+    assert read_residuals(prices) == ({"forward": 1.0, "weight_grad": pytest.approx(1.2)}, 3)
+    residuals_path(prices).write_text(json.dumps({"runs": 500, "residuals": {"forward": 1.0}}))  # counts unrecorded
+    learn_residuals({"by_kind": {"ForwardPass": {"ratio": 2.0}}}, source, 2)
+    assert read_residuals(prices) == ({"forward": pytest.approx(2.0 ** (1 / RESIDUAL_WINDOW))}, 501)
 
 
 def test_reduce_grads_is_learnt_where_a_run_has_one_replica(tmp_path):
