@@ -33,6 +33,7 @@ MAY_CHANGE = frozenset(
         "train.eval_every",
         "train.eval_batches",
         "train.measure_step",
+        "train.gc_interval",
         "train.trace_step",
         "train.peak_tflops",
         "train.save_every",

@@ -14,6 +14,7 @@ from harness.accounting import Accounting
 from harness.context import RunContext
 from harness.evaluation import Evaluator, val_summary
 from harness.files import atomic_write_text
+from harness.garbage_collection import GarbageCollection
 from harness.hf.source import record_hf_source
 from harness.metrics import MetricsLog, median_after_warmup
 from harness.prediction_check import learn_residuals, prediction_record, prediction_warning
@@ -150,48 +151,51 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
     t = run.train
     tokens_per_step = ctx.shape.tokens_per_step(run.model.seq_len)
     compiling = CompileWatch() if run.train.compile else None  # graphs, breaks and compile seconds of this process
-    for step in range(control.start_step + 1, t.steps + 1):
-        batches = None
-        if source is not None:
-            batches = iter(
-                [
-                    source.batch(run.seed, step, dp_rank, micro, t.micro_batch_size, run.model.seq_len)
-                    for micro in range(t.micro_batches)
-                ]
-            )
-        lr = engine.get_lr()[0]
-        accounting.before_step(step)
-        tracer.begin(step)  # on the traced step: a barrier, then every rank's clock starts
-        synchronize()  # the device's queued work is not this step's
-        start = time.perf_counter()
-        loss = engine.train_batch(data_iter=batches)
-        synchronize()  # the step's kernels have run, not only been queued
-        step_time = time.perf_counter() - start
-        tracer.end(step)
-        accounting.after_step(step, step_time)
-        verdict = control.check_step(step, loss)  # collective: preemption request, non-finite loss/grads
-        evaluated = evaluator.evaluate_if_due(step)  # collective when due; after the step's timing and metering
-        if compiling and step == control.start_step + 1:  # what compiling cost: the first step and its evaluation
-            line = compiling.first_step_done()
-            if rank == 0:
-                print(f"stagecheck: {line} (stage 0; the training step took {step_time:.1f} s)", flush=True)
-        if metrics:
-            grad_norm = engine.get_global_grad_norm()
-            metrics.log_step(
-                {
-                    "step": step,
-                    "loss": loss.item(),
-                    "lr": lr,
-                    "tokens_per_s": tokens_per_step / step_time,
-                    "step_time_s": step_time,
-                    "tokens": tokens_per_step * step,
-                    **accounting.step_record(step_time),
-                    **({"grad_norm": float(grad_norm)} if grad_norm is not None else {}),
-                    **evaluated,
-                    **verdict.record,
-                }
-            )
-        control.finish_step(step, verdict)  # checkpoint when due; exits on preemption or a non-finite step
+    with GarbageCollection(t.gc_interval) as collector:  # restored after the loop: a sweep's next job starts afresh
+        for step in range(control.start_step + 1, t.steps + 1):
+            batches = None
+            if source is not None:
+                batches = iter(
+                    [
+                        source.batch(run.seed, step, dp_rank, micro, t.micro_batch_size, run.model.seq_len)
+                        for micro in range(t.micro_batches)
+                    ]
+                )
+            lr = engine.get_lr()[0]
+            accounting.before_step(step)
+            tracer.begin(step)  # on the traced step: a barrier, then every rank's clock starts
+            synchronize()  # the device's queued work is not this step's
+            start = time.perf_counter()
+            loss = engine.train_batch(data_iter=batches)
+            synchronize()  # the step's kernels have run, not only been queued
+            step_time = time.perf_counter() - start
+            tracer.end(step)
+            accounting.after_step(step, step_time)
+            collected = collector.after_step(step)  # outside the step's time: every rank collects here, none mid-step
+            verdict = control.check_step(step, loss)  # collective: preemption request, non-finite loss/grads
+            evaluated = evaluator.evaluate_if_due(step)  # collective when due; after the step's timing and metering
+            if compiling and step == control.start_step + 1:  # what compiling cost: the first step and its evaluation
+                line = compiling.first_step_done()
+                if rank == 0:
+                    print(f"stagecheck: {line} (stage 0; the training step took {step_time:.1f} s)", flush=True)
+            if metrics:
+                grad_norm = engine.get_global_grad_norm()
+                metrics.log_step(
+                    {
+                        "step": step,
+                        "loss": loss.item(),
+                        "lr": lr,
+                        "tokens_per_s": tokens_per_step / step_time,
+                        "step_time_s": step_time,
+                        "tokens": tokens_per_step * step,
+                        **accounting.step_record(step_time),
+                        **({"grad_norm": float(grad_norm)} if grad_norm is not None else {}),
+                        **evaluated,
+                        **collected,
+                        **verdict.record,
+                    }
+                )
+            control.finish_step(step, verdict)  # checkpoint when due; exits on preemption or a non-finite step
 
     # Every step is trained and the last saved: a preemption notice from now on (SLURM's warning USR1, a SIGTERM) has
     # nothing left to save, and must not kill this rank while it finishes (interpreter shutdown resets the Python

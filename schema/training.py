@@ -66,6 +66,11 @@ class TrainConfig(OptimConfig):
     """Step whose forward passes are metered for activation bytes per micro-batch (saved-tensor hooks
     cost Python calls per op, so only this one step); a resumed run meters its first step after it;
     0 disables the measurement."""
+    gc_interval: int = 0
+    """Python's garbage collector: what start-up built is frozen out of every later collection either way (a full
+    collection scanned it all, pausing one rank mid-step while the pipeline's others waited). 0: the collector runs
+    on its own thresholds; N >= 1: it runs only after every N-th step, on every rank at once (Megatron-LM's
+    --manual-gc), and metrics.jsonl's gc_s says what it took."""
     trace_step: int | None = None
     """Step whose pipeline instructions every rank times (trace.json, timeline.png, the bubble fraction per
     stage in summary.json); null: step 3 (after warm-up), or the last step when train.steps < 3; 0 disables
@@ -161,6 +166,10 @@ class TrainConfig(OptimConfig):
         if self.measure_step < 0:
             raise ValueError(
                 f"train.measure_step={self.measure_step} is invalid: it must be a step >= 1, or 0 to disable"
+            )
+        if self.gc_interval < 0:
+            raise ValueError(
+                f"train.gc_interval={self.gc_interval} is invalid: it must be steps >= 1, or 0 for Python's collector"
             )
         if self.trace_step is not None and not 0 <= self.trace_step <= self.steps:
             raise ValueError(

@@ -265,6 +265,7 @@ def test_free_space_check_refuses_and_warns():
         ("save_every", -1, "train.save_every=-1 is invalid"),
         ("collective_timeout_s", 0, "train.collective_timeout_s=0 is invalid"),
         ("inject_nan_at_steps", [0], "train.inject_nan_at_steps=[0] is invalid"),
+        ("gc_interval", -1, "train.gc_interval=-1 is invalid: it must be steps >= 1, or 0 for Python's collector"),
     ],
 )
 def test_new_train_options_are_validated(field, value, message):

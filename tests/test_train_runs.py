@@ -21,7 +21,11 @@ from tests.runs import TINY, metrics, summary
 from tests.shared_runs import case
 
 pytestmark = pytest.mark.multiproc
-MODES = {"none": ["logger=none"], "full": ["+recompute=full"], "selective": ["+recompute=selective", "logger=none"]}
+MODES = {
+    "none": ["logger=none"],
+    "full": ["+recompute=full", "train.gc_interval=2"],  # Python's collector after step 2 only, on both ranks
+    "selective": ["+recompute=selective", "logger=none"],
+}
 STEPS = ["train.steps=3", "train.micro_batches=4", "train.micro_batch_size=2", "train.trace_step=0"]
 VIRTUAL = ["parallel.schedule=zb-v", "train.eval_every=2", "train.save_every=2"]
 CASES = {
@@ -96,6 +100,13 @@ def test_summary_and_metrics_hold_the_run(mode_runs):
     # defaults lr 6e-4, 2 warm-up steps, decay to 0.1 x at the last step: no step trains with lr 0
     assert [r["lr"] for r in rows] == pytest.approx([3e-4, 6e-4, 6e-5])
     assert (run_dir / "config.yaml").exists()
+
+
+def test_a_run_that_collects_every_n_steps_says_what_each_collection_took(mode_runs):
+    rows = metrics(mode_runs["full"])
+    assert [r["step"] for r in rows if "gc_s" in r] == [2]
+    assert 0 < rows[1]["gc_s"] < rows[1]["step_time_s"]
+    assert not any("gc_s" in r for r in metrics(mode_runs["none"]))  # Python's own collector: nothing to say
 
 
 def test_tied_weights_stay_identical_on_first_and_last_stage(mode_runs):
