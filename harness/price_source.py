@@ -126,8 +126,9 @@ PRICE_CACHE_ENV = "STAGECHECK_PRICE_DIR"
 ~/.cache/stagecheck/stage_prices)."""
 WAIT_S = 1800.0
 """How long a rank waits for local rank 0's measurement."""
-PRICES_FORMAT = 2
-"""The measured seconds' fields (MeasuredSeconds): 2 added the loads, ReduceGrads' own work and clipping."""
+PRICES_FORMAT = 3
+"""The measured seconds' fields (MeasuredSeconds): 2 added the loads, ReduceGrads' own work and clipping; 3 what
+splitting the backward adds to B."""
 
 
 def price_cache_dir() -> Path:

@@ -17,7 +17,7 @@ from parallel.measurement.trace import RankTrace, StepTrace
 from parallel.planning.block_prices import MeasuredSeconds, measured_prices
 from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.planning.device_profile_file import CostSource
-from parallel.planning.instruction_seconds import PEAK_EFFICIENCY, analytic_rates
+from parallel.planning.instruction_seconds import PEAK_EFFICIENCY, analytic_rates, time_model
 from parallel.planning.layout import build_layout
 from parallel.planning.memory_model import stage_weight_grad_bytes
 from parallel.planning.run_plan import plan_run
@@ -193,6 +193,8 @@ PROFILE = MeasuredSeconds(
     reduce_grads_per_param=2e-9,
     block_weight_grad=0.004,
     head_weight_grad=0.0015,
+    block_split_extra=0.0005,
+    head_split_extra=0.0002,
     transfer=None,
     link_bytes_per_s=None,
 )
@@ -293,6 +295,20 @@ def test_early_recompute_leaves_the_backward_of_every_stage_but_the_last():
     last = [i.instruction.name for i in timeline.of_stage(1)]
     assert "RecomputeEarly" not in last
     assert {i.end_s - i.start_s for i in timeline.of_stage(1) if i.instruction.name == "BackwardPass"} == {2.5}
+
+
+def test_a_split_backward_prices_its_b_with_what_splitting_adds():
+    """ZB-H1's B keeps each Linear's input and output gradient for W: the replay times it above backward less W."""
+    split = dataclasses.replace(unit_stage(0.5), split_extra=0.25).by_instruction()
+    assert split["BackwardInput"] == 2.0 - 1.0 + 0.25 + 0.5 and split["BackwardWeight"] == 1.0
+    assert split["BackwardPass"] == 2.5  # 1F1B's fused backward splits nothing
+    stage = time_model(
+        Shape.of(TINY_CFG, 2),
+        RUN,
+        measured_prices(Shape.of(TINY_CFG, 2), RUN.target, PROFILE, SOURCE),
+        analytic_rates("cpu", "fp32"),
+    ).stage(0, 2, blocks=2, recompute_cost=0.0, params=1, run=RUN)
+    assert stage.split_extra == pytest.approx(2 * PROFILE.block_split_extra)
 
 
 def test_clipping_makes_every_stage_wait_for_the_slowest_before_its_optimizer_step():

@@ -218,6 +218,7 @@ def profile_seconds(profile: DeviceProfile, shape: Shape, target: Target) -> Mea
         block_forward=forward,
         block_backward=_seconds(profile, block.backward),
         block_weight_grad=_seconds(profile, (op for op in block.backward if op.weight_grad)),
+        block_split_extra=0.0,  # the kernels the split runs are the fused backward's
         embedding_forward=_seconds(profile, (Op("embedding", tokens * h), *positions, *drop)),
         embedding_backward=_seconds(profile, (*drop_back, Op("embedding_backward", tokens * h), *positions)),
         head_forward=_seconds(profile, (Op(arch.norm, tokens * h), Op(loss, head))),
@@ -226,6 +227,7 @@ def profile_seconds(profile: DeviceProfile, shape: Shape, target: Target) -> Mea
         # model/llama_layers.py's LMHead, the same matmul); the fused one makes it chunk by chunk (none to defer:
         # instruction_seconds.time_model).
         head_weight_grad=0.0 if shape.loss_chunk_tokens else profile.seconds("matmul", 2 * head),
+        head_split_extra=0.0,
         optimizer_per_param=profile.seconds("adamw", block_params) / block_params,
         load=0.0,  # no curve times it: a copy of b x s token ids (measured, a thousandth of the tiny shape's step)
         # flattening the gradients and copying them back: two passes, each priced as a residual add's

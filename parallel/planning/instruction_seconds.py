@@ -92,6 +92,9 @@ class TimeModel:
     """The part of `block_backward` that is the Linear layers' weight gradients (ZB-H1's W)."""
     head_weight_grad: float
     """The part of `head_backward` that is the tied LM head's weight gradient."""
+    block_split_extra: float
+    """What splitting a block's backward into B and W adds to B."""
+    head_split_extra: float
     transfer: float
     """One micro-batch's hidden states between neighbouring stages (activation or gradient)."""
     tied_weight_bytes: int
@@ -124,6 +127,7 @@ class TimeModel:
         backward = blocks * self.block_backward + first * self.embedding_backward + last * self.head_backward
         # The embeddings' gradients are B's (a lookup has no matmul to defer).
         weight_grad = blocks * self.block_weight_grad + last * self.head_weight_grad
+        split_extra = blocks * self.block_split_extra + last * self.head_split_extra
         link = self.rates.link_bytes_per_s
         dp = run.topology.data_parallel_size
         return StageCosts(
@@ -142,6 +146,7 @@ class TimeModel:
             optimizer=params * self.optimizer_per_param,
             load=self.load if first or last else 0.0,
             weight_grad=weight_grad,
+            split_extra=split_extra,
         )
 
 
@@ -166,12 +171,14 @@ def analytic_seconds(shape: Shape, run: RunShape, table: BlockPrices, rates: Dev
         # W, the weight-gradient matmuls: one forward's worth of each Linear's FLOPs (the attention core has no
         # weight)
         block_weight_grad=(block_forward_flops(shape) - attention_core_forward_flops(shape)) / flops,
+        block_split_extra=0.0,  # a count of FLOPs and bytes: splitting moves them, adds none
         embedding_forward=embedding,
         embedding_backward=embedding,
         head_forward=head + head_elementwise,
         # the fused loss (model.loss_chunk_tokens) makes the logits once more in backward
         head_backward=(2 + bool(shape.loss_chunk_tokens)) * head + head_elementwise,
         head_weight_grad=head,
+        head_split_extra=0.0,
         optimizer_per_param=ADAM_BYTES_PER_PARAM / bandwidth,
         load=tokens * TOKEN_BYTES / bandwidth,
         reduce_grads_per_param=REDUCE_BYTES_PER_PARAM / bandwidth,
@@ -205,6 +212,8 @@ def time_model(shape: Shape, run: RunShape, table: BlockPrices, rates: DeviceRat
         head_backward=seconds.head_backward,
         block_weight_grad=seconds.block_weight_grad,
         head_weight_grad=head_w,
+        block_split_extra=seconds.block_split_extra,
+        head_split_extra=seconds.head_split_extra if head_w else 0.0,
         transfer=transfer,
         tied_weight_bytes=shape.vocab * shape.h * run.target.dtype_bytes if shape.tied else 0,  # untied: no reduce
         param_bytes=run.target.dtype_bytes,

@@ -58,6 +58,8 @@ class StageCosts:
     load: float = 0.0
     weight_grad: float = 0.0
     """The part of `backward` that ZB-H1 defers into a BackwardWeight: the Linear layers' weight gradients."""
+    split_extra: float = 0.0
+    """What splitting the backward adds to its BackwardInput (the split B keeps what W needs)."""
 
     def by_instruction(self, early: bool = False) -> dict[str, float]:
         """Seconds by instruction name (DeepSpeed's and parallel/planning/schedules.py's); `early`: the stage runs
@@ -67,7 +69,7 @@ class StageCosts:
             "LoadMicroBatch": self.load,
             "ForwardPass": self.forward,
             "BackwardPass": self.backward + inside,
-            "BackwardInput": self.backward - self.weight_grad + inside,
+            "BackwardInput": self.backward - self.weight_grad + self.split_extra + inside,
             "BackwardWeight": self.weight_grad,
             "RecomputeEarly": self.recompute,
             "SendActivation": self.send_activation,
