@@ -90,7 +90,7 @@ def prediction_warning(record: dict) -> str | None:
 LEARNT_KINDS = {
     "ForwardPass": "forward",
     "BackwardPass": "backward",
-    "BackwardInput": "backward",
+    "BackwardInput": "backward_input",
     "BackwardWeight": "weight_grad",
     "OptimizerStep": "optimizer",
 }

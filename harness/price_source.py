@@ -127,8 +127,8 @@ PRICE_CACHE_ENV = "STAGECHECK_PRICE_DIR"
 WAIT_S = 1800.0
 """How long a rank waits for local rank 0's measurement."""
 PRICES_FORMAT = 3
-"""The measured seconds' fields (MeasuredSeconds): 2 added the loads, ReduceGrads' own work and clipping; 3 what
-splitting the backward adds to B."""
+"""The measured seconds' fields (MeasuredSeconds): 2 added the loads, ReduceGrads' own work and clipping; 3 ZB-H1's B
+as the replay times it."""
 
 
 def price_cache_dir() -> Path:

@@ -108,10 +108,10 @@ def test_a_run_priced_by_measured_prices_folds_its_residuals_into_them(tmp_path)
     assert learn_residuals(record, {"kind": "analytic", "path": None}, 2) is None  # nothing measured to correct
     assert learn_residuals(record, {"kind": "measured", "path": str(prices)}, 2) == residuals_path(prices)
     # a send's wait is not a price, nor ReduceGrads' where it waits for other replicas
-    assert read_residuals(prices) == ({"forward": 2.0, "backward": 0.5}, 1)
+    assert read_residuals(prices) == ({"forward": 2.0, "backward_input": 0.5}, 1)
     learn_residuals({"by_kind": {"ForwardPass": {"ratio": 1.5}}}, {"kind": "measured", "path": str(prices)}, 2)
     # the second run measured 1.5x the first run's factor: 3.0x the unscaled price; the mean of 2.0 and 3.0
-    assert read_residuals(prices) == ({"forward": pytest.approx((2.0 * 3.0) ** 0.5), "backward": 0.5}, 2)
+    assert read_residuals(prices) == ({"forward": pytest.approx((2.0 * 3.0) ** 0.5), "backward_input": 0.5}, 2)
 
 
 def test_a_kind_is_averaged_over_the_runs_that_measured_it_and_over_the_last_window_of_them(tmp_path):

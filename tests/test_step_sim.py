@@ -193,8 +193,8 @@ PROFILE = MeasuredSeconds(
     reduce_grads_per_param=2e-9,
     block_weight_grad=0.004,
     head_weight_grad=0.0015,
-    block_split_extra=0.0005,
-    head_split_extra=0.0002,
+    block_backward_input=0.0055,
+    head_backward_input=0.0017,
     transfer=None,
     link_bytes_per_s=None,
 )
@@ -297,18 +297,20 @@ def test_early_recompute_leaves_the_backward_of_every_stage_but_the_last():
     assert {i.end_s - i.start_s for i in timeline.of_stage(1) if i.instruction.name == "BackwardPass"} == {2.5}
 
 
-def test_a_split_backward_prices_its_b_with_what_splitting_adds():
+def test_a_split_backward_prices_its_b_as_the_replay_timed_it():
     """ZB-H1's B keeps each Linear's input and output gradient for W: the replay times it above backward less W."""
-    split = dataclasses.replace(unit_stage(0.5), split_extra=0.25).by_instruction()
-    assert split["BackwardInput"] == 2.0 - 1.0 + 0.25 + 0.5 and split["BackwardWeight"] == 1.0
+    split = dataclasses.replace(unit_stage(0.5), backward_input=1.25).by_instruction()
+    assert split["BackwardInput"] == 1.25 + 0.5 and split["BackwardWeight"] == 1.0
     assert split["BackwardPass"] == 2.5  # 1F1B's fused backward splits nothing
-    stage = time_model(
-        Shape.of(TINY_CFG, 2),
-        RUN,
-        measured_prices(Shape.of(TINY_CFG, 2), RUN.target, PROFILE, SOURCE),
-        analytic_rates("cpu", "fp32"),
-    ).stage(0, 2, blocks=2, recompute_cost=0.0, params=1, run=RUN)
-    assert stage.split_extra == pytest.approx(2 * PROFILE.block_split_extra)
+    assert unit_stage(0.5).by_instruction()["BackwardInput"] == 2.0 - 1.0 + 0.5  # a trace's costs: backward less W
+    shape = Shape.of(TINY_CFG, 2)
+    model = time_model(shape, RUN, measured_prices(shape, RUN.target, PROFILE, SOURCE), analytic_rates("cpu", "fp32"))
+    first, last = (model.stage(stage, 2, blocks=2, recompute_cost=0.0, params=1, run=RUN) for stage in (0, 1))
+    assert first.backward_input == pytest.approx(2 * PROFILE.block_backward_input + PROFILE.embedding_backward)
+    # the fused loss (the default) defers none of the head's backward: its B is all of it
+    assert shape.loss_chunk_tokens and last.backward_input == pytest.approx(
+        2 * PROFILE.block_backward_input + PROFILE.head_backward
+    )
 
 
 def test_clipping_makes_every_stage_wait_for_the_slowest_before_its_optimizer_step():

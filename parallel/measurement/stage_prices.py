@@ -150,13 +150,6 @@ def measure_stage_prices(
         torch._dynamo.reset()
     plain = timed[("1f1b", BLOCK, "none")]
 
-    def split_extra(stage: int) -> float:
-        # ZB-H1's B measured, beyond the fused backward less its W (noise can make it negative: nothing then)
-        split, fused = timed[("zb-h1", stage, "none")], timed[("1f1b", stage, "none")]
-        if "BackwardWeight" not in split:  # the fused loss's head: nothing deferred, nothing split
-            return 0.0
-        return max(0.0, split["BackwardInput"] - (fused["BackwardPass"] - split["BackwardWeight"]))
-
     def recompute(choice: str) -> float:
         # what the option adds to the block's backward (noise can make it negative: nothing is added then)
         return max(0.0, timed[("1f1b", BLOCK, choice)]["BackwardPass"] - plain["BackwardPass"])
@@ -169,13 +162,13 @@ def measure_stage_prices(
         block_forward=plain["ForwardPass"],
         block_backward=plain["BackwardPass"],
         block_weight_grad=timed[("zb-h1", BLOCK, "none")]["BackwardWeight"],
-        block_split_extra=split_extra(BLOCK),
+        block_backward_input=timed[("zb-h1", BLOCK, "none")]["BackwardInput"],
         embedding_forward=timed[("1f1b", EMBEDDING, "none")]["ForwardPass"],
         embedding_backward=timed[("1f1b", EMBEDDING, "none")]["BackwardPass"],
         head_forward=timed[("1f1b", HEAD, "none")]["ForwardPass"],
         head_backward=timed[("1f1b", HEAD, "none")]["BackwardPass"],
         head_weight_grad=timed[("zb-h1", HEAD, "none")].get("BackwardWeight", 0.0),
-        head_split_extra=split_extra(HEAD),
+        head_backward_input=timed[("zb-h1", HEAD, "none")]["BackwardInput"],
         optimizer_per_param=plain["OptimizerStep"] / block_params,
         load=timed[("1f1b", EMBEDDING, "none")]["LoadMicroBatch"],
         reduce_grads_per_param=plain["ReduceGrads"] / block_params,

@@ -55,9 +55,10 @@ class MeasuredSeconds:
     """A block's backward, weight gradients included."""
     block_weight_grad: float
     """The part of `block_backward` that makes the Linear layers' weight gradients (ZB-H1's W)."""
-    block_split_extra: float
-    """What splitting a block's backward adds to ZB-H1's B, beyond `block_backward` - `block_weight_grad`: the split B
-    also keeps each Linear's input and output gradient for its W (measured: 9% of B at one shape, 18% at another)."""
+    block_backward_input: float
+    """ZB-H1's B of a block: its backward without the weight gradients, which also keeps each Linear's input and output
+    gradient for its W, so it takes longer than `block_backward` - `block_weight_grad` (the replay timed 9% and 18%
+    longer at the step-time benchmark's two shapes)."""
     embedding_forward: float
     embedding_backward: float
     head_forward: float
@@ -65,8 +66,8 @@ class MeasuredSeconds:
     head_backward: float
     head_weight_grad: float
     """The part of `head_backward` that is the LM head's weight-gradient matmul (0 under the fused loss)."""
-    head_split_extra: float
-    """What splitting the head's backward adds to its B (as `block_split_extra`)."""
+    head_backward_input: float
+    """ZB-H1's B of the head (its whole backward under the fused loss, which defers nothing)."""
     optimizer_per_param: float
     """The optimizer step per parameter (with clipping's scaling of the gradients where the run clips)."""
     load: float
@@ -262,11 +263,10 @@ RESIDUAL_PARTS = {
         "block_backward",
         "embedding_backward",
         "head_backward",
-        "block_split_extra",
-        "head_split_extra",
         "block_recompute",
         *SELECTIVE_PARTS,
     ),
+    "backward_input": ("block_backward_input", "head_backward_input"),
     "weight_grad": ("block_weight_grad", "head_weight_grad"),
     "optimizer": ("optimizer_per_param",),
     "reduce_grads": ("reduce_grads_per_param",),

@@ -212,22 +212,25 @@ def profile_seconds(profile: DeviceProfile, shape: Shape, target: Target) -> Mea
     block_params = arch.block_params(shape)
     transfer, link_rate = link_seconds(profile, shape, target)
     forward = _seconds(profile, block.forward)
+    weight_grad = _seconds(profile, (op for op in block.backward if op.weight_grad))
+    head_backward = _seconds(profile, (Op(arch.norm + "_backward", tokens * h), Op(loss + "_backward", head)))
+    # The unfused head's backward holds one weight-gradient matmul, tied (gpt2) or the untied head's own (llama:
+    # model/llama_layers.py's LMHead, the same matmul); the fused one makes it chunk by chunk (none to defer:
+    # instruction_seconds.time_model).
+    head_weight_grad = 0.0 if shape.loss_chunk_tokens else profile.seconds("matmul", 2 * head)
     return MeasuredSeconds(
         **{part: _seconds(profile, block.parts[part]) for part in SELECTIVE_PARTS},
         block_recompute=forward,
         block_forward=forward,
         block_backward=_seconds(profile, block.backward),
-        block_weight_grad=_seconds(profile, (op for op in block.backward if op.weight_grad)),
-        block_split_extra=0.0,  # the kernels the split runs are the fused backward's
+        block_weight_grad=weight_grad,
+        block_backward_input=_seconds(profile, block.backward) - weight_grad,  # the curves time no split's extra
         embedding_forward=_seconds(profile, (Op("embedding", tokens * h), *positions, *drop)),
         embedding_backward=_seconds(profile, (*drop_back, Op("embedding_backward", tokens * h), *positions)),
         head_forward=_seconds(profile, (Op(arch.norm, tokens * h), Op(loss, head))),
-        head_backward=_seconds(profile, (Op(arch.norm + "_backward", tokens * h), Op(loss + "_backward", head))),
-        # The unfused head's backward holds one weight-gradient matmul, tied (gpt2) or the untied head's own (llama:
-        # model/llama_layers.py's LMHead, the same matmul); the fused one makes it chunk by chunk (none to defer:
-        # instruction_seconds.time_model).
-        head_weight_grad=0.0 if shape.loss_chunk_tokens else profile.seconds("matmul", 2 * head),
-        head_split_extra=0.0,
+        head_backward=head_backward,
+        head_weight_grad=head_weight_grad,
+        head_backward_input=max(0.0, head_backward - head_weight_grad),
         optimizer_per_param=profile.seconds("adamw", block_params) / block_params,
         load=0.0,  # no curve times it: a copy of b x s token ids (measured, a thousandth of the tiny shape's step)
         # flattening the gradients and copying them back: two passes, each priced as a residual add's

@@ -92,9 +92,9 @@ class TimeModel:
     """The part of `block_backward` that is the Linear layers' weight gradients (ZB-H1's W)."""
     head_weight_grad: float
     """The part of `head_backward` that is the tied LM head's weight gradient."""
-    block_split_extra: float
-    """What splitting a block's backward into B and W adds to B."""
-    head_split_extra: float
+    block_backward_input: float
+    """ZB-H1's B of a block (its backward without the weight gradients, as the split runs it)."""
+    head_backward_input: float
     transfer: float
     """One micro-batch's hidden states between neighbouring stages (activation or gradient)."""
     tied_weight_bytes: int
@@ -125,9 +125,10 @@ class TimeModel:
         first, last = stage == 0, stage == stages - 1
         forward = blocks * self.block_forward + first * self.embedding_forward + last * self.head_forward
         backward = blocks * self.block_backward + first * self.embedding_backward + last * self.head_backward
-        # The embeddings' gradients are B's (a lookup has no matmul to defer).
         weight_grad = blocks * self.block_weight_grad + last * self.head_weight_grad
-        split_extra = blocks * self.block_split_extra + last * self.head_split_extra
+        # The embeddings' gradients are B's (a lookup has no matmul to defer).
+        backward_input = blocks * self.block_backward_input + first * self.embedding_backward
+        backward_input += last * self.head_backward_input
         link = self.rates.link_bytes_per_s
         dp = run.topology.data_parallel_size
         return StageCosts(
@@ -146,7 +147,7 @@ class TimeModel:
             optimizer=params * self.optimizer_per_param,
             load=self.load if first or last else 0.0,
             weight_grad=weight_grad,
-            split_extra=split_extra,
+            backward_input=backward_input,
         )
 
 
@@ -163,22 +164,23 @@ def analytic_seconds(shape: Shape, run: RunShape, table: BlockPrices, rates: Dev
     # Head: final LayerNorm, the (h x V) matmul, then softmax and cross-entropy over fp32 logits.
     head_elementwise = (4 * bsh * d + 3 * tokens * shape.vocab * FP32) / bandwidth
     head = head_forward_flops(shape) / flops
+    backward = block + block_forward_flops(shape) / flops
+    # W, the weight-gradient matmuls: one forward's worth of each Linear's FLOPs (the attention core has no weight)
+    weight_grad = (block_forward_flops(shape) - attention_core_forward_flops(shape)) / flops
     return MeasuredSeconds(
         **{part: table.selective_cost((part,)) / flops for part in SELECTIVE_PARTS},
         block_recompute=block,
         block_forward=block,
-        block_backward=block + block_forward_flops(shape) / flops,
-        # W, the weight-gradient matmuls: one forward's worth of each Linear's FLOPs (the attention core has no
-        # weight)
-        block_weight_grad=(block_forward_flops(shape) - attention_core_forward_flops(shape)) / flops,
-        block_split_extra=0.0,  # a count of FLOPs and bytes: splitting moves them, adds none
+        block_backward=backward,
+        block_weight_grad=weight_grad,
+        block_backward_input=backward - weight_grad,  # a count of FLOPs and bytes: splitting moves them, adds none
         embedding_forward=embedding,
         embedding_backward=embedding,
         head_forward=head + head_elementwise,
         # the fused loss (model.loss_chunk_tokens) makes the logits once more in backward
         head_backward=(2 + bool(shape.loss_chunk_tokens)) * head + head_elementwise,
         head_weight_grad=head,
-        head_split_extra=0.0,
+        head_backward_input=(1 + bool(shape.loss_chunk_tokens)) * head + head_elementwise,
         optimizer_per_param=ADAM_BYTES_PER_PARAM / bandwidth,
         load=tokens * TOKEN_BYTES / bandwidth,
         reduce_grads_per_param=REDUCE_BYTES_PER_PARAM / bandwidth,
@@ -212,8 +214,9 @@ def time_model(shape: Shape, run: RunShape, table: BlockPrices, rates: DeviceRat
         head_backward=seconds.head_backward,
         block_weight_grad=seconds.block_weight_grad,
         head_weight_grad=head_w,
-        block_split_extra=seconds.block_split_extra,
-        head_split_extra=seconds.head_split_extra if head_w else 0.0,
+        block_backward_input=seconds.block_backward_input,
+        # the fused loss's head defers nothing: its B is its whole backward
+        head_backward_input=seconds.head_backward_input if head_w else seconds.head_backward,
         transfer=transfer,
         tied_weight_bytes=shape.vocab * shape.h * run.target.dtype_bytes if shape.tied else 0,  # untied: no reduce
         param_bytes=run.target.dtype_bytes,

@@ -58,8 +58,9 @@ class StageCosts:
     load: float = 0.0
     weight_grad: float = 0.0
     """The part of `backward` that ZB-H1 defers into a BackwardWeight: the Linear layers' weight gradients."""
-    split_extra: float = 0.0
-    """What splitting the backward adds to its BackwardInput (the split B keeps what W needs)."""
+    backward_input: float | None = None
+    """ZB-H1's B without the recompute: the split backward as it runs it (it keeps what W needs); None: `backward` less
+    `weight_grad` (a traced run's costs, where B and W were timed apart)."""
 
     def by_instruction(self, early: bool = False) -> dict[str, float]:
         """Seconds by instruction name (DeepSpeed's and parallel/planning/schedules.py's); `early`: the stage runs
@@ -69,7 +70,8 @@ class StageCosts:
             "LoadMicroBatch": self.load,
             "ForwardPass": self.forward,
             "BackwardPass": self.backward + inside,
-            "BackwardInput": self.backward - self.weight_grad + self.split_extra + inside,
+            "BackwardInput": (self.backward - self.weight_grad if self.backward_input is None else self.backward_input)
+            + inside,
             "BackwardWeight": self.weight_grad,
             "RecomputeEarly": self.recompute,
             "SendActivation": self.send_activation,
