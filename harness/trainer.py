@@ -151,7 +151,7 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
     t = run.train
     tokens_per_step = ctx.shape.tokens_per_step(run.model.seq_len)
     compiling = CompileWatch() if run.train.compile else None  # graphs, breaks and compile seconds of this process
-    with GarbageCollection(t.gc_interval) as collector:  # restored after the loop: a sweep's next job starts afresh
+    with GarbageCollection(t.gc_interval) as collector:  # restored after the loop: a sweep's next job trains here
         for step in range(control.start_step + 1, t.steps + 1):
             batches = None
             if source is not None:
