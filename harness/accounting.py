@@ -105,6 +105,11 @@ class Accounting:
         interpreter = self.engine.interpreter
         interpreter.early_recompute.measure = interpreter.weight_grads.measure = armed
 
+    @property
+    def metering_done(self) -> bool:
+        """Whether no step is left to meter (the meters walk the collector's objects: harness/garbage_collection.py)."""
+        return self.measure_step <= 0 or self.measured_step is not None
+
     def after_step(self, step: int, step_time: float) -> None:
         if self.meter.armed:
             self.tensor_peak = self.tensor_meter.stop()

@@ -171,7 +171,8 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
             step_time = time.perf_counter() - start
             tracer.end(step)
             accounting.after_step(step, step_time)
-            collected = collector.after_step(step)  # outside the step's time: every rank collects here, none mid-step
+            # outside the step's time: every rank collects here, none mid-step
+            collected = collector.after_step(step, accounting.metering_done)
             verdict = control.check_step(step, loss)  # collective: preemption request, non-finite loss/grads
             evaluated = evaluator.evaluate_if_due(step)  # collective when due; after the step's timing and metering
             if compiling and step == control.start_step + 1:  # what compiling cost: the first step and its evaluation

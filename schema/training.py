@@ -67,10 +67,11 @@ class TrainConfig(OptimConfig):
     cost Python calls per op, so only this one step); a resumed run meters its first step after it;
     0 disables the measurement."""
     gc_interval: int = 0
-    """Python's garbage collector. 0: it runs on its own thresholds, and a full collection may pause one rank mid-step
-    while the pipeline's other ranks wait (36 ms at a 0.22 s step in docs/step_time_benchmark.md); N >= 1: it runs
-    only after every N-th step, on every rank at once (Megatron-LM's --manual-gc), and metrics.jsonl's gc_s says what
-    it took (the garbage of N steps' reference cycles waits for it)."""
+    """Python's garbage collector. Either way, once train.measure_step has been metered, what the run holds is frozen
+    out of later collections, whose full scans paused one rank mid-step while the pipeline's other ranks waited (36 ms
+    at a 0.22 s step in docs/step_time_benchmark.md). 0: the collector runs on its own thresholds; N >= 1: it runs only
+    after every N-th step, on every rank at once (Megatron-LM's --manual-gc), and metrics.jsonl's gc_s says what it
+    took."""
     trace_step: int | None = None
     """Step whose pipeline instructions every rank times (trace.json, timeline.png, the bubble fraction per
     stage in summary.json); null: step 3 (after warm-up), or the last step when train.steps < 3; 0 disables
