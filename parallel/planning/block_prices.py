@@ -259,21 +259,15 @@ def _table(
 
 RESIDUAL_PARTS = {
     "forward": ("block_forward", "embedding_forward", "head_forward"),
-    "backward": (
-        "block_backward",
-        "embedding_backward",
-        "head_backward",
-        "block_recompute",
-        *SELECTIVE_PARTS,
-    ),
+    "backward": ("block_backward", "embedding_backward", "head_backward", "block_recompute", *SELECTIVE_PARTS),
     "backward_input": ("block_backward_input", "head_backward_input"),
     "weight_grad": ("block_weight_grad", "head_weight_grad"),
     "optimizer": ("optimizer_per_param",),
     "reduce_grads": ("reduce_grads_per_param",),
 }
 """The parts each kind of instruction's residual scales (harness/prediction_check.py learns them from a traced run:
-ForwardPass, the backward (BackwardPass or ZB-H1's BackwardInput), BackwardWeight, OptimizerStep, and ReduceGrads
-where a run has one replica)."""
+ForwardPass, BackwardPass, ZB-H1's BackwardInput and BackwardWeight, OptimizerStep, and ReduceGrads where a run has
+one replica)."""
 
 
 def with_residuals(seconds: MeasuredSeconds, residuals: dict[str, float]) -> MeasuredSeconds:

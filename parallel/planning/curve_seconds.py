@@ -212,6 +212,7 @@ def profile_seconds(profile: DeviceProfile, shape: Shape, target: Target) -> Mea
     block_params = arch.block_params(shape)
     transfer, link_rate = link_seconds(profile, shape, target)
     forward = _seconds(profile, block.forward)
+    backward = _seconds(profile, block.backward)
     weight_grad = _seconds(profile, (op for op in block.backward if op.weight_grad))
     head_backward = _seconds(profile, (Op(arch.norm + "_backward", tokens * h), Op(loss + "_backward", head)))
     # The unfused head's backward holds one weight-gradient matmul, tied (gpt2) or the untied head's own (llama:
@@ -222,9 +223,9 @@ def profile_seconds(profile: DeviceProfile, shape: Shape, target: Target) -> Mea
         **{part: _seconds(profile, block.parts[part]) for part in SELECTIVE_PARTS},
         block_recompute=forward,
         block_forward=forward,
-        block_backward=_seconds(profile, block.backward),
+        block_backward=backward,
         block_weight_grad=weight_grad,
-        block_backward_input=_seconds(profile, block.backward) - weight_grad,  # the curves time no split's extra
+        block_backward_input=backward - weight_grad,  # the curves time no split's extra
         embedding_forward=_seconds(profile, (Op("embedding", tokens * h), *positions, *drop)),
         embedding_backward=_seconds(profile, (*drop_back, Op("embedding_backward", tokens * h), *positions)),
         head_forward=_seconds(profile, (Op(arch.norm, tokens * h), Op(loss, head))),

@@ -164,6 +164,8 @@ def analytic_seconds(shape: Shape, run: RunShape, table: BlockPrices, rates: Dev
     # Head: final LayerNorm, the (h x V) matmul, then softmax and cross-entropy over fp32 logits.
     head_elementwise = (4 * bsh * d + 3 * tokens * shape.vocab * FP32) / bandwidth
     head = head_forward_flops(shape) / flops
+    # the fused loss (model.loss_chunk_tokens) makes the logits once more in backward
+    head_backward = (2 + bool(shape.loss_chunk_tokens)) * head + head_elementwise
     backward = block + block_forward_flops(shape) / flops
     # W, the weight-gradient matmuls: one forward's worth of each Linear's FLOPs (the attention core has no weight)
     weight_grad = (block_forward_flops(shape) - attention_core_forward_flops(shape)) / flops
@@ -177,10 +179,9 @@ def analytic_seconds(shape: Shape, run: RunShape, table: BlockPrices, rates: Dev
         embedding_forward=embedding,
         embedding_backward=embedding,
         head_forward=head + head_elementwise,
-        # the fused loss (model.loss_chunk_tokens) makes the logits once more in backward
-        head_backward=(2 + bool(shape.loss_chunk_tokens)) * head + head_elementwise,
+        head_backward=head_backward,
         head_weight_grad=head,
-        head_backward_input=(1 + bool(shape.loss_chunk_tokens)) * head + head_elementwise,
+        head_backward_input=head_backward - head,
         optimizer_per_param=ADAM_BYTES_PER_PARAM / bandwidth,
         load=tokens * TOKEN_BYTES / bandwidth,
         reduce_grads_per_param=REDUCE_BYTES_PER_PARAM / bandwidth,
