@@ -17,16 +17,21 @@ def frozen_again():
     gc.freeze()
 
 
+def _frozen(obj) -> bool:
+    """gc.get_objects() leaves frozen objects out. Not a count of frozen objects: a frozen object that dies leaves
+    the count, so it moves under the test (CI saw it fall by 2 across a step that froze nothing)."""
+    return gc.is_tracked(obj) and not any(o is obj for o in gc.get_objects())
+
+
 @pytest.mark.parametrize("interval", [0, 3])
 def test_the_run_is_frozen_after_the_metered_step_and_the_collector_restored_after_the_loop(interval, frozen_again):
-    before = gc.get_freeze_count()
     with GarbageCollection(interval) as collector:
         assert gc.isenabled() == (interval == 0)
-        collector.after_step(1, metering_done=False)
-        assert gc.get_freeze_count() == before  # the meters of step 2 walk the collector's objects
         built = [[] for _ in range(1000)]  # what the run holds: the engine, the model, the optimizer's states
+        collector.after_step(1, metering_done=False)
+        assert not _frozen(built)  # the meters of step 2 walk the collector's objects
         collected = [step for step in range(2, 8) if collector.after_step(step, metering_done=True)]
-        assert gc.get_freeze_count() >= before + len(built)
+        assert _frozen(built) and _frozen(built[0]) and _frozen(built[-1])
     assert collected == ([3, 6] if interval else [])
     assert gc.isenabled() and gc.get_freeze_count() == 0
 
