@@ -13,10 +13,10 @@ once per round; bench/real_runs.py).
 - Figure 1: the run's own predicted step (`predicted_step_time_s`: the plan start-up made, the same the dry run
   prints, with no trace of the run) against the measured median step, for none, selective, full(1), full(stage) and
   auto, under 1F1B, ZB-H1 and 1F1B with early recompute, and for none, selective and full(1) under interleaved 1F1B,
-  ZB-V and V-Half (2 chunks per rank; untraced, so without a trace replay), at two shapes (priced as `--prices`
-  says). The profile is
-  measured once at the start (`python -m parallel.measurement.device_profile`'s measurement: 2 processes at once, one
-  thread each, as the runs' ranks), or read from `--profile`; it never sees these shapes.
+  ZB-V and V-Half (2 chunks per rank; traced, but without a trace replay: a rank's traced costs mix its chunks), at
+  two shapes (priced as `--prices` says). The profile is measured once at the start
+  (`python -m parallel.measurement.device_profile`'s measurement: 2 processes at once, one thread each, as the runs'
+  ranks), or read from `--profile`; it never sees these shapes.
 - Figure 2: the time-objective auto (`--prices` costs, `balanced`, `parallel.schedule=auto`, `recompute.early=null`)
   against the FLOP-objective auto (analytic costs, `parameters`, 1F1B), at the same budget: tokens/s per round.
 
@@ -169,7 +169,7 @@ def figure_1(results: dict[str, list[Result]], repriced: dict[tuple[str, str], f
             traced = [
                 simulate_stages(traced_costs(r.summary), MICRO_BATCHES).step_time_s
                 for r in rs
-                if "trace_costs" in r.summary
+                if "trace_costs" in r.summary and not r.summary["virtual"]  # a virtual rank's costs mix its chunks
             ]
             replay = statistics.median(traced) if traced else None
             blocks = "/".join(str(len(s["choices"])) for s in rs[-1].summary["layout"])

@@ -5,12 +5,14 @@ Busy is compute: loading a micro-batch, forward, backward (the recompute inside 
 two halves, B and W), early recompute and the optimizer step. Everything else is idle: the gaps between
 instructions and the send/recv and gradient all-reduces, which mostly wait for a peer (docs/measurement.md:
 gloo's point-to-point is a rendezvous).
-A stage's figures are the mean over its data-parallel ranks.
+A stage's figures are the mean over its data-parallel ranks; under a virtual-stage schedule a "stage" is a pipeline
+rank, its chunks together, and its communication is one interval per programme boundary (EXCHANGE).
 """
 
 import statistics
 
 from parallel.measurement.trace import RECOMPUTE, RankTrace, StepTrace
+from parallel.planning.virtual_sim import EXCHANGE
 
 CATEGORY = {
     "LoadMicroBatch": "load",
@@ -24,6 +26,7 @@ CATEGORY = {
     "RecvActivation": "p2p",
     "SendGrad": "p2p",
     "RecvGrad": "p2p",
+    EXCHANGE: "p2p",
     "ReduceTiedGrads": "reduce",
     "ReduceGrads": "reduce",
     "OptimizerStep": "optimizer",

@@ -33,9 +33,8 @@ def traced_instruction_seconds(trace: StepTrace) -> list[dict[str, float]]:
 
 
 def prediction_record(plan: RunPlan, measured_step_s: float, trace: StepTrace | None) -> dict:
-    """summary.json's `prediction` (docs/outputs.md); a run under a schedule with virtual stages is not traced yet:
-    its step only."""
-    estimate = plan.step_time
+    """summary.json's `prediction` (docs/outputs.md): per stage, or under a virtual-stage schedule per rank (its
+    chunks' instructions together, as its trace has them)."""
     predicted = plan.predicted_step_time_s
     record = {
         "predicted_step_time_s": predicted,
@@ -43,7 +42,7 @@ def prediction_record(plan: RunPlan, measured_step_s: float, trace: StepTrace | 
         "error": measured_step_s / predicted - 1,
         "costs": plan.prediction_costs,
     }
-    if trace is not None and estimate is not None:
+    if trace is not None and plan.instruction_s:
         record["per_stage"] = [
             {
                 name: {
@@ -53,7 +52,7 @@ def prediction_record(plan: RunPlan, measured_step_s: float, trace: StepTrace | 
                 }
                 for name, seconds in predicted_stage.items()
             }
-            for predicted_stage, traced in zip(estimate.stage_instruction_s, traced_instruction_seconds(trace))
+            for predicted_stage, traced in zip(plan.instruction_s, traced_instruction_seconds(trace))
         ]
         record["by_kind"] = residuals(record["per_stage"])
     return record

@@ -29,13 +29,23 @@ def _us(seconds: float) -> float:
     return round(seconds * 1e6, 3)
 
 
+def row_names(trace: StepTrace) -> list[str]:
+    """Each stage's name, or under a virtual-stage schedule each pipeline rank's, with the virtual stages it ran."""
+    if trace.schedule is None:
+        return [f"stage {stage}" for stage in range(trace.stages)]
+    held = [set() for _ in range(trace.stages)]
+    for rank in trace.ranks:
+        held[rank.stage] |= {i.virtual_stage for i in rank.instructions if i.virtual_stage is not None}
+    return [f"rank {r} (virtual stages {', '.join(map(str, sorted(stages)))})" for r, stages in enumerate(held)]
+
+
 def chrome_trace(trace: StepTrace) -> dict:
-    """One process per stage ("stage N"), one thread per data-parallel rank, one complete ("X") event per
-    instruction; a recompute is an event nested inside its backward pass (or its early recompute) on the
-    same thread."""
+    """One process per stage ("stage N", or a virtual-stage schedule's pipeline rank), one thread per data-parallel
+    rank, one complete ("X") event per instruction; a recompute is an event nested inside its backward pass (or its
+    early recompute) on the same thread."""
     events = []
-    for stage in range(trace.stages):
-        events.append({"ph": "M", "name": "process_name", "pid": stage, "args": {"name": f"stage {stage}"}})
+    for stage, name in enumerate(row_names(trace)):
+        events.append({"ph": "M", "name": "process_name", "pid": stage, "args": {"name": name}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": stage, "args": {"sort_index": stage}})
     for rank in trace.ranks:
         events.append(
@@ -53,6 +63,8 @@ def chrome_trace(trace: StepTrace) -> dict:
                 args["buffer_id"] = interval.buffer_id
             if interval.micro_batch is not None:
                 args["micro_batch"] = interval.micro_batch
+            if interval.virtual_stage is not None:
+                args["virtual_stage"] = interval.virtual_stage
             events.append(
                 {
                     "name": interval.name,
@@ -102,7 +114,7 @@ def render_timeline(trace: StepTrace, path: Path) -> None:
         bars = [(i.start_s * 1e3, i.duration_s * 1e3) for i in rank.recomputes]
         ax.broken_barh(bars, (bottom + height * 0.2, height * 0.6), facecolors=COLOURS["recompute"])
     ax.set_ylim(trace.stages - 0.5, -0.5)  # stage 0 on top
-    ax.set_yticks(range(trace.stages), [f"stage {s}\nbubble {b:.0%}" for s, b in enumerate(bubbles)])
+    ax.set_yticks(range(trace.stages), [f"{n}\nbubble {b:.0%}" for n, b in zip(row_names(trace), bubbles)])
     ax.set_xlim(0, trace.step_time_s * 1e3)
     ax.set_xlabel("time since the step's barrier (ms)")
     ax.grid(True, axis="x", alpha=0.3)
@@ -111,7 +123,7 @@ def render_timeline(trace: StepTrace, path: Path) -> None:
     fig.legend(handles=handles, loc="outside right center", fontsize=9, frameon=True)
     ax.set_title(
         f"step {trace.step}: {trace.step_time_s * 1e3:.1f} ms, {trace.micro_batches} micro-batches, "
-        f"{trace.stages} stages ({schedule_name(trace)})",
+        f"{trace.stages} {'ranks' if trace.schedule else 'stages'} ({schedule_name(trace)})",
         fontsize=11,
     )
     atomic_write(path, lambda handle: fig.savefig(handle, format="png", dpi=110), binary=True)
@@ -119,8 +131,10 @@ def render_timeline(trace: StepTrace, path: Path) -> None:
 
 
 def schedule_name(trace: StepTrace) -> str:
-    """What the trace shows it ran: ZB-H1 splits the backward into B and W; early recompute has its own
-    instruction."""
+    """What the trace shows it ran: a virtual-stage schedule by its name; else ZB-H1 splits the backward into B and
+    W, and early recompute has its own instruction."""
+    if trace.schedule is not None:
+        return trace.schedule
     names = {i.name for r in trace.ranks for i in r.instructions}
     name = "ZB-H1" if "BackwardInput" in names else "1F1B"
     return name + (" + early recompute" if "RecomputeEarly" in names else "")

@@ -106,11 +106,10 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
     plan = run_plan(ctx, layout)
     virtual = is_virtual(layout)
     accounting = (RankAccounting if virtual else Accounting)(ctx, plan, engine)
-    # Per-instruction timings of train.trace_step on every rank (trace.json, timeline.png, bubbles per stage); the
-    # virtual engine's instructions are not traced yet.
-    tracer = StepTracer(engine, None if virtual else traced_step(run.train, control.start_step), target.device)
+    # Per-instruction timings of train.trace_step on every rank (trace.json, timeline.png, bubbles per stage or rank).
+    tracer = StepTracer(engine, traced_step(run.train, control.start_step), target.device)
     if virtual and rank == 0:
-        for line in plan.virtual.lines() + ["train.trace_step: no step is traced under this schedule yet"]:
+        for line in plan.virtual.lines():
             print("stagecheck: " + line, flush=True)
 
     dp_rank = engine.grid.get_data_parallel_rank()
@@ -234,8 +233,8 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
             "tokens_per_s": median_after_warmup([r["tokens_per_s"] for r in records]),
             "step_time_s": median_after_warmup([r["step_time_s"] for r in records]),
             "predicted_step_time_s": plan.predicted_step_time_s,  # parallel/planning/step_sim.py
-            "step_time_costs": plan.step_time.costs if plan.step_time else None,  # measured (a profile) or analytic
-            "cost_source": plan.step_time.cost_source if plan.step_time else None,  # the profile's path and date
+            "step_time_costs": plan.prediction_costs,  # measured (a profile) or analytic
+            "cost_source": plan.cost_source,  # the profile's path and date
             "tied_weight_sha256_per_rank": digests,
             "node_per_rank": [node for _, node, _ in gathered],  # SLURM node name (SLURMD_NODENAME), else host name
             "compile_per_rank": [counts for _, _, counts in gathered] if run.train.compile else None,
@@ -244,8 +243,8 @@ def train(ctx: RunContext, layout: PipelineLayout) -> None:
         }
         if plan.predicted_step_time_s:  # the prediction against the measured step, per instruction on a traced step
             summary["prediction"] = prediction_record(plan, summary["step_time_s"], traced)
-        if plan.step_time and traced:  # the next plan at this shape learns from this run's residuals
-            learnt = learn_residuals(summary["prediction"], plan.step_time.cost_source, plan.data_parallel_size)
+        if plan.cost_source and traced:  # the next plan at this shape learns from this run's residuals
+            learnt = learn_residuals(summary["prediction"], plan.cost_source, plan.data_parallel_size)
             summary["prediction"]["residuals_file"] = str(learnt) if learnt else None
         metrics.write_summary(summary)
         sync_command = wandb_sync_command(metrics.wandb)

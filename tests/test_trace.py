@@ -15,6 +15,7 @@ from deepspeed.runtime.pipe.schedule import TrainSchedule
 from parallel.measurement.step_clock import HostClock
 from parallel.measurement.trace import StepRecorder
 from parallel.planning.config import FullRecompute, NoRecompute, SelectiveRecompute
+from parallel.planning.virtual_sim import EXCHANGE
 from parallel.runtime.recompute import observe_recompute
 from sweep.report import write_report
 from tests.runs import TINY, free_port, python_run, summary
@@ -178,6 +179,28 @@ def test_the_recorder_numbers_micro_batches_nests_recomputes_and_reads_its_clock
     for r in recomputes:
         (outer,) = [i for i in instructions if i.name == "BackwardPass" and i.micro_batch == r.micro_batch]
         assert outer.start_s <= r.start_s <= r.end_s <= outer.end_s
+
+
+def test_a_programme_run_by_its_engine_is_timed_with_its_chunks_and_boundaries():
+    """The recorder as a virtual-stage rank's runner drives it (parallel/runtime/virtual_rank.py's run_training_step):
+    each instruction with its micro-batch and its chunk's virtual stage, a recompute with those of its backward, and a
+    boundary's batch as one interval (BoundaryExchange), as the simulator prices it."""
+    recorder = StepRecorder(ReadCountingClock())
+    recorder.clock.start()
+    with recorder.instruction("ForwardPass", 0, virtual_stage=3):
+        pass
+    with recorder.instruction(EXCHANGE, None):
+        pass
+    with recorder.instruction("BackwardInput", 0, virtual_stage=3):
+        with recorder.recompute():
+            pass
+    instructions, recomputes, _ = recorder.finish()
+    assert [(i.name, i.micro_batch, i.virtual_stage) for i in instructions] == [
+        ("ForwardPass", 0, 3),
+        (EXCHANGE, None, None),
+        ("BackwardInput", 0, 3),
+    ]
+    assert [(r.micro_batch, r.virtual_stage) for r in recomputes] == [(0, 3)]
 
 
 @pytest.mark.multiproc

@@ -4,6 +4,8 @@ bit-identical losses (dropout on), the pipeline matches the unpipelined model, a
 per rank) trains through the same trainer with the same losses, evaluates, saves, and a resume under v-half (the same
 V placement) continues it bit for bit."""
 
+import json
+
 import pytest
 import torch
 
@@ -32,7 +34,7 @@ CASES = {
     **{mode: case(*TINY, *STEPS, "model.dropout=0.1", *overrides) for mode, overrides in MODES.items()},
     # zb-v with selective recompute and dropout: the "none" case's losses; evaluated and saved at step 2, from where
     # a later job of the launch resumes under v-half (the same placement of the layers).
-    "zb-v": case(*TINY, *STEPS, "model.dropout=0.1", "+recompute=selective", *VIRTUAL),
+    "zb-v": case(*TINY, *STEPS[:-1], "train.trace_step=3", "model.dropout=0.1", "+recompute=selective", *VIRTUAL),
     # zb-v under +recompute=auto between the ranks' floors (0.015, 0.014 GiB) and none's peaks (0.019, 0.021 GiB):
     # each rank's chunks planned together, some recomputing; the "none" case's losses.
     "zb-v-auto": case(
@@ -147,9 +149,20 @@ def test_zb_v_trains_through_the_trainer_as_1f1b_does_and_resumes_under_v_half(c
     assert s["losses"] == summary(reference)["losses"]  # bit for bit: eval and checkpoints change nothing
     assert [v["step"] for v in s["val_losses"]] == [2, 3] and all(v["val_loss"] > 0 for v in s["val_losses"])
     assert [r["step"] for r in metrics(zb_v)] == [1, 2, 3]
-    # the schedule's simulated step, against the measured one (no traced step under virtual stages yet)
+    # the schedule's simulated step, against the measured one, and the traced step's instructions per rank
     assert s["predicted_step_time_s"] > 0 and s["prediction"]["predicted_step_time_s"] == s["predicted_step_time_s"]
-    assert "per_stage" not in s["prediction"]
+    computed = {"LoadMicroBatch", "ForwardPass", "BackwardInput", "BackwardWeight", "OptimizerStep", "BoundaryExchange"}
+    for rank, kinds in enumerate(s["prediction"]["per_stage"]):
+        assert computed - ({"LoadMicroBatch"} if rank else set()) <= set(kinds)
+        assert all(k["measured_s"] > 0 and (k["ratio"] or 0) > 0 for k in kinds.values() if k["predicted_s"]), kinds
+    assert s["prediction"]["per_stage"][1]["ReduceTiedGrads"]["predicted_s"] == 0  # a V's rank 0 holds both copies
+    assert s["traced_step"] == 3 and len(s["bubble_fraction_per_stage"]) == 2
+    events = json.loads((zb_v / "trace.json").read_text())["traceEvents"]
+    forwards = [(e["args"]["virtual_stage"], e["args"]["micro_batch"]) for e in events if e["name"] == "ForwardPass"]
+    assert sorted(forwards) == [(stage, micro) for stage in range(4) for micro in range(4)]
+    ranks = [e["args"]["name"] for e in events if e["name"] == "process_name"]
+    assert ranks == ["rank 0 (virtual stages 0, 3)", "rank 1 (virtual stages 1, 2)"]
+    assert (zb_v / "timeline.png").stat().st_size > 0
     (wandb_path,) = wandb_file.find_run_files(zb_v / "wandb")
     assert [r["loss"] for r in wandb_file.history(wandb_path) if "loss" in r] == s["losses"]
     # planned and measured activation bytes of each rank (its two chunks together), on the metered step

@@ -6,6 +6,7 @@ simulator's replay of them (parallel/planning/virtual_sim.py), and the bytes eac
 
 import dataclasses
 import functools
+import statistics
 from collections import Counter
 
 import pytest
@@ -250,6 +251,46 @@ def test_clipping_makes_every_rank_wait_for_the_slowest_before_its_optimizer_ste
     per_rank = [dataclasses.replace(costs(1.0), optimizer=step) for step in (0.5, 4.0, 1.0, 0.5)]
     expected = simulate_stages(per_rank, 8, "1f1b", clip_barrier=True).step_time_s
     assert simulate_virtual(one, [[c] for c in per_rank], clip_barrier=True).step_time_s == expected
+
+
+@pytest.mark.parametrize("schedule, chunks", KINDS)
+def test_each_ranks_instructions_are_timed_as_a_trace_times_them(schedule, chunks):
+    """What a traced step's instructions are compared with (summary.json's `prediction`, per rank): a computation
+    takes its chunk's seconds (the mean over the rank's chunks: each runs every micro-batch), ReduceGrads and the
+    optimizer step the sum of its chunks', and under clipping the optimizer step from reaching it, so the barrier's
+    wait is in it; a boundary's batch (BoundaryExchange) holds every wait for a peer, so on each rank the instructions'
+    spans add up to the rank's whole step."""
+    ranks, micro_batches = 4, 8
+    progs = programs(schedule, chunks, micro_batches, ranks)
+    per_chunk = [
+        [
+            dataclasses.replace(costs(1.0 + 0.5 * chunk, send=0.1), reduce_grads=0.2, optimizer=0.3 * (rank + 1))
+            for chunk in range(chunks)
+        ]
+        for rank in range(ranks)
+    ]
+    free = simulate_virtual(progs, per_chunk)
+    clipped = simulate_virtual(progs, per_chunk, clip_barrier=True)
+    backward = "BackwardPass" if schedule == "interleaved-1f1b" else "BackwardInput"
+    ends = []
+    for rank, (mine, seconds) in enumerate(zip(per_chunk, free.rank_instruction_s)):
+        assert seconds["ForwardPass"] == pytest.approx(statistics.fmean(c.forward for c in mine))
+        assert seconds[backward] == pytest.approx(statistics.fmean(c.by_instruction()[backward] for c in mine))
+        assert seconds["ReduceGrads"] == pytest.approx(0.2 * chunks)
+        assert seconds["OptimizerStep"] == pytest.approx(sum(c.optimizer for c in mine))
+        spans = {name: 0.0 for name in seconds}
+        for step in progs[rank].steps:
+            for command in step:
+                if command.kind not in schedules.COMMUNICATION:
+                    spans[command.name] += seconds[command.name]
+        exchanges = sum(1 for step in progs[rank].steps if any(c.kind in schedules.COMMUNICATION for c in step))
+        ends.append(sum(spans.values()) + exchanges * seconds["BoundaryExchange"])
+    assert max(ends) == pytest.approx(free.step_time_s)
+    slowest = max(sum(c.optimizer for c in mine) for mine in per_chunk)
+    assert all(
+        s["OptimizerStep"] >= f["OptimizerStep"] for s, f in zip(clipped.rank_instruction_s, free.rank_instruction_s)
+    )
+    assert max(s["OptimizerStep"] for s in clipped.rank_instruction_s) >= slowest
 
 
 def test_the_planner_counts_the_cpu_generators_state_each_checkpoint_keeps():

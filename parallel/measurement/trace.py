@@ -4,6 +4,9 @@ DeepSpeed's `PipelineEngine._exec_schedule` runs each instruction of the stage's
 in DeepSpeed's instruction classes: parallel/runtime/ds_schedule.py) through `self._INSTRUCTION_MAP[type(cmd)]`,
 looked up on the engine. For the traced step an instance-level map of timed wrappers shadows the class's map;
 deleting it afterwards restores the class's map, so untraced steps run DeepSpeed's own code with nothing added.
+The engine of a virtual-stage schedule (parallel/runtime/virtual_engine.py) runs its rank's programme itself and
+times each instruction, and each boundary's batch of messages, through the recorder it is handed for the traced
+step (`record_programme`); an untraced step is handed none.
 The recompute that autograd runs inside a backward pass reaches the trace through parallel/runtime/recompute.py's
 `observe_recompute`.
 
@@ -14,8 +17,10 @@ traced step runs as an untraced one does), collected by a `StepRecorder` and tur
 """
 
 from collections import Counter
-from contextlib import ExitStack, contextmanager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch.distributed as dist
 
@@ -35,6 +40,8 @@ class Interval:
     end_s: float
     buffer_id: int | None = None
     micro_batch: int | None = None
+    virtual_stage: int | None = None
+    """The chunk's virtual stage under a virtual-stage schedule (None: one stage per rank, or once per step)."""
 
     @property
     def duration_s(self) -> float:
@@ -45,6 +52,8 @@ class Interval:
 class RankTrace:
     rank: int
     stage: int
+    """The pipeline rank's place in the pipeline (under a virtual-stage schedule its chunks' virtual stages are each
+    interval's `virtual_stage`)."""
     dp_rank: int
     instructions: list[Interval] = field(default_factory=list)
     """Every instruction this rank executed, in execution order."""
@@ -62,7 +71,10 @@ class StepTrace:
     step: int
     micro_batches: int
     stages: int
+    """The pipeline's ranks per replica (under a virtual-stage schedule, not its virtual stages)."""
     ranks: list[RankTrace]
+    schedule: str | None = None
+    """The virtual-stage schedule that ran (None: one stage per rank, named by what its trace shows)."""
 
     @property
     def step_time_s(self) -> float:
@@ -85,25 +97,38 @@ class StepRecorder:
         self._running: int | None = None
         """The micro-batch of the instruction running now: a recompute belongs to it (a BackwardPass or
         BackwardInput, or a RecomputeEarly)."""
+        self._running_stage: int | None = None
+        """Its chunk's virtual stage, under a virtual-stage schedule."""
         self._recompute_depth = 0
         self._instructions: list[tuple] = []
         self._recomputes: list[tuple] = []
-        """(name, start mark, end mark, buffer id, micro-batch), unread until `finish`."""
+        """(name, start mark, end mark, buffer id, micro-batch, virtual stage), unread until `finish`."""
 
     def timed(self, name: str, fn):
+        """`fn`, a handler of DeepSpeed's instruction map, timed: the k-th instruction of a kind run once per
+        micro-batch is micro-batch k's, in micro-batch order under every one-stage-per-rank schedule."""
+
         def timed(engine, **kwargs):
             micro_batch = None
-            if name not in PER_STEP:  # once per micro-batch, in micro-batch order under every schedule
+            if name not in PER_STEP:
                 micro_batch = self._counts[name]
                 self._counts[name] += 1
-            self._running = micro_batch
-            start = self.clock.mark()
-            try:
+            with self.instruction(name, micro_batch, kwargs.get("buffer_id")):
                 return fn(engine, **kwargs)
-            finally:
-                self._instructions.append((name, start, self.clock.mark(), kwargs.get("buffer_id"), micro_batch))
 
         return timed
+
+    @contextmanager
+    def instruction(
+        self, name: str, micro_batch: int | None, buffer_id: int | None = None, virtual_stage: int | None = None
+    ) -> Iterator[None]:
+        """Brackets one instruction (a recompute inside it belongs to its micro-batch and virtual stage)."""
+        self._running, self._running_stage = micro_batch, virtual_stage
+        start = self.clock.mark()
+        try:
+            yield
+        finally:
+            self._instructions.append((name, start, self.clock.mark(), buffer_id, micro_batch, virtual_stage))
 
     @contextmanager
     def recompute(self):
@@ -115,7 +140,7 @@ class StepRecorder:
         finally:
             self._recompute_depth -= 1
             if self._recompute_depth == 0:
-                self._recomputes.append((RECOMPUTE, start, self.clock.mark(), None, self._running))
+                self._recomputes.append((RECOMPUTE, start, self.clock.mark(), None, self._running, self._running_stage))
 
     def finish(self) -> tuple[list[Interval], list[Interval], float]:
         """(instructions, recomputes, now), in seconds since the clock's start: read once, after the step."""
@@ -123,11 +148,33 @@ class StepRecorder:
         marks = [mark for record in records for mark in record[1:3]] + [self.clock.mark()]
         seconds = self.clock.seconds(marks)
         intervals = [
-            Interval(name, seconds[2 * i], seconds[2 * i + 1], buffer_id, micro_batch)
-            for i, (name, _, _, buffer_id, micro_batch) in enumerate(records)
+            Interval(name, seconds[2 * i], seconds[2 * i + 1], buffer_id, micro_batch, virtual_stage)
+            for i, (name, _, _, buffer_id, micro_batch, virtual_stage) in enumerate(records)
         ]
         count = len(self._instructions)
         return intervals[:count], intervals[count:], seconds[-1]
+
+
+@runtime_checkable
+class ProgrammeEngine(Protocol):
+    """An engine that runs its rank's programme itself (parallel/runtime/virtual_engine.py) and times it through the
+    recorder it is handed for a step."""
+
+    schedule: str
+
+    def record_programme(self, recorder: StepRecorder) -> AbstractContextManager: ...
+
+
+@contextmanager
+def _instruction_map_timed(engine, recorder: StepRecorder) -> Iterator[None]:
+    """DeepSpeed's PipelineEngine with an instance-level map of timed handlers over its class's map."""
+    engine._INSTRUCTION_MAP = {
+        kind: recorder.timed(kind.__name__, fn) for kind, fn in type(engine)._INSTRUCTION_MAP.items()
+    }
+    try:
+        yield
+    finally:
+        del engine._INSTRUCTION_MAP  # the class's map again: untraced steps pay nothing
 
 
 class StepTracer:
@@ -155,27 +202,31 @@ class StepTracer:
             dp_rank=engine.grid.get_data_parallel_rank(),
             barrier_exit_s=barrier_exit,
         )
-        wrapped = {kind: self._recorder.timed(kind.__name__, fn) for kind, fn in type(engine)._INSTRUCTION_MAP.items()}
-        engine._INSTRUCTION_MAP = wrapped  # shadows the class's map on this engine only
         self._observing = ExitStack()
+        if isinstance(engine, ProgrammeEngine):
+            self._observing.enter_context(engine.record_programme(self._recorder))
+        else:
+            self._observing.enter_context(_instruction_map_timed(engine, self._recorder))
         self._observing.enter_context(observe_recompute(self._recorder.recompute))
 
     def end(self, step: int) -> None:
         if step != self.step or self._trace is None:
             return
         self._observing.close()
-        del self.engine._INSTRUCTION_MAP  # the class's map again: untraced steps pay nothing
         self._trace.instructions, self._trace.recomputes, self._trace.end_s = self._recorder.finish()
 
     def gather(self) -> StepTrace | None:
-        """Collective on every rank when a step was traced: the rank holding the loss (last stage, first
-        data-parallel rank) gets every rank's trace; the others get None."""
+        """Collective on every rank when a step was traced: the rank holding the loss (the last stage's, or under a V
+        rank 0's, on the first data-parallel replica) gets every rank's trace; the others get None."""
         if self._trace is None:
             return None
-        loss_rank = self.engine.grid.stage_to_global(self.engine.num_stages - 1, data=0)
-        gathered = [None] * dist.get_world_size() if dist.get_rank() == loss_rank else None
-        dist.gather_object(self._trace, gathered, dst=loss_rank)
-        if gathered is None:
+        engine = self.engine
+        gathered: list[RankTrace | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(
+            gathered, self._trace
+        )  # every rank learns it: who holds the loss depends on the schedule
+        if not (engine.is_last_stage() and engine.grid.get_data_parallel_rank() == 0):
             return None
         ranks = sorted(gathered, key=lambda r: (r.stage, r.dp_rank))
-        return StepTrace(self.step, self.engine.micro_batches, self.engine.num_stages, ranks)
+        schedule = engine.schedule if isinstance(engine, ProgrammeEngine) else None
+        return StepTrace(self.step, engine.micro_batches, engine.num_stages, ranks, schedule)

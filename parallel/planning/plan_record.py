@@ -237,6 +237,21 @@ class RunPlan:
         """What priced `predicted_step_time_s` (parallel/planning/block_prices.py's sources)."""
         return self.step_time.costs if self.step_time is not None else self.virtual and self.virtual.costs
 
+    @property
+    def cost_source(self) -> dict | None:
+        """Which prices priced `predicted_step_time_s` ({kind, path, created}), None where it was not priced."""
+        if self.step_time is not None:
+            return self.step_time.cost_source
+        return self.virtual.cost_source if self.virtual is not None else None
+
+    @property
+    def instruction_s(self) -> tuple[dict[str, float], ...]:
+        """Per stage (under a virtual-stage schedule, per rank: a traced step's rows), the simulated seconds of each
+        instruction it runs, as a traced step times them."""
+        if self.step_time is not None:
+            return self.step_time.stage_instruction_s
+        return self.virtual.rank_instruction_s if self.virtual is not None else ()
+
     def to_json(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "step_time"}
         if self.step_time is not None:

@@ -125,19 +125,21 @@ def virtual_plan(
     peaks = virtual_peaks(
         layout.recipes, layout.stages, layout.plans, schedule, chunks, run.micro_batches, shape, run.target
     )
-    step = None
+    timeline = None
     if layout.timing is not None:
         programs = virtual_schedule(schedule, run.micro_batches, ranks, chunks)
         costs = [[prices[v].costs for v in stages] for stages in mine]
-        step = simulate_virtual(programs, costs, clip_barrier=run.grad_clip > 0).step_time_s
+        timeline = simulate_virtual(programs, costs, clip_barrier=run.grad_clip > 0)
     return VirtualPlan(
         schedule,
         chunks,
         tuple(mine),
         tuple(peak.bytes for peak in peaks),
         tuple(sum(sum(prices[v].memory.states.values()) for v in stages) for stages in mine),
-        step,
+        timeline.step_time_s if timeline else None,
         layout.timing.source if layout.timing is not None else None,
+        vars(layout.timing.table.source) if layout.timing is not None else None,
+        timeline.rank_instruction_s if timeline else (),
     )
 
 

@@ -23,6 +23,12 @@ class VirtualPlan:
     costs: str | None = None
     """What priced the chunks' seconds (parallel/planning/block_prices.py's sources; None in plan.json files written
     before it was recorded)."""
+    cost_source: dict | None = None
+    """Which prices: as StepTimeEstimate.cost_source ({kind, path, created}; a traced run of measured prices teaches
+    them its residuals). None where the step was not priced, and in plan.json files written before."""
+    rank_instruction_s: tuple[dict[str, float], ...] = ()
+    """Per rank, the simulated seconds of each instruction it runs (parallel/planning/virtual_sim.py's
+    VirtualTimeline): what a traced step's instructions are compared with."""
 
     @classmethod
     def from_json(cls, data: dict) -> "VirtualPlan":
@@ -32,6 +38,7 @@ class VirtualPlan:
                 "virtual_stages_per_rank": tuple(tuple(s) for s in data["virtual_stages_per_rank"]),
                 "activation_bytes_per_rank": tuple(data["activation_bytes_per_rank"]),
                 "state_bytes_per_rank": tuple(data["state_bytes_per_rank"]),
+                "rank_instruction_s": tuple(data.get("rank_instruction_s", ())),
             }
         )
 

@@ -14,6 +14,7 @@ step, after an all-reduce of the norm over the pipeline's ranks, so no rank step
 step, and each then takes its own step's seconds.
 """
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,11 +27,20 @@ _ONCE_PER_RANK = ("ReduceGrads", "OptimizerStep")
 """Priced as the sum over the rank's chunks: each chunk's parameters are reduced and stepped."""
 
 
+EXCHANGE = "BoundaryExchange"
+"""A step's communication batch, as a traced step names it: its sends and receives, posted and waited for at once
+(parallel/runtime/virtual_rank.py)."""
+
+
 @dataclass(frozen=True)
 class VirtualTimeline:
     step_time_s: float
     busy_s: tuple[float, ...]
     """Per rank: seconds computing (step_sim.COMPUTE's instructions)."""
+    rank_instruction_s: tuple[dict[str, float], ...] = ()
+    """Per rank, the mean simulated seconds of each instruction it runs, from reaching it to its end, as a traced step
+    times it: its chunks' computations, its once-per-step instructions (a collective's or the clipping barrier's wait
+    included) and each boundary's batch (EXCHANGE: the wait for the peers included)."""
 
 
 def _seconds(command: ChunkCommand, costs: Sequence[StageCosts]) -> float:
@@ -71,6 +81,7 @@ def simulate_virtual(
             items += [c for c in step if c.micro_batch is None]
         work.append(items)
     clock, pc, busy = [0.0] * ranks, [0] * ranks, [0.0] * ranks
+    spans: list[dict[str, list[float]]] = [{} for _ in range(ranks)]
     posted: dict[tuple, float] = {}  # (message, sending?) -> when that side's batch was posted
     reduce_posted: dict[int, float] = {}
     step_posted: dict[int, float] = {}  # rank -> when it reached its OptimizerStep (under clip_barrier)
@@ -79,6 +90,7 @@ def simulate_virtual(
         for r in range(ranks):
             while pc[r] < len(work[r]):
                 item = work[r][pc[r]]
+                reached = clock[r]
                 if isinstance(item, tuple):
                     for c in item:
                         posted.setdefault((c.message(), c.kind in _SENDS), clock[r])
@@ -101,8 +113,11 @@ def simulate_virtual(
                     seconds = _seconds(item, costs[r])
                     clock[r] += seconds
                     busy[r] += seconds if item.name in COMPUTE else 0.0
+                name = EXCHANGE if isinstance(item, tuple) else item.name
+                spans[r].setdefault(name, []).append(clock[r] - reached)
                 pc[r] += 1
                 progressed = True
         if not progressed:
             raise RuntimeError("the programmes deadlock: every rank waits for a peer")
-    return VirtualTimeline(max(clock), tuple(busy))
+    means = tuple({name: statistics.fmean(values) for name, values in rank.items()} for rank in spans)
+    return VirtualTimeline(max(clock), tuple(busy), means)

@@ -40,6 +40,11 @@ class BoundaryBatch:
     def note_recv(self, tensor: torch.Tensor, frm: int, to: int) -> None:
         self._recvs.append((tensor, frm, to))
 
+    @property
+    def pending(self) -> bool:
+        """Messages are noted for the next flush."""
+        return bool(self._sends or self._recvs)
+
     def flush(self) -> None:
         """Post the boundary's messages as one batch and wait for all of them."""
         remote_sends = [(t, self.rank_of(to)) for t, frm, to in self._sends if self.rank_of(to) != self.me]

@@ -49,7 +49,7 @@ from parallel.runtime.rank_chunks import RankChunks, checkpoint_by_layer
 from parallel.runtime.stage_interpreter import StageInterpreter
 from parallel.runtime.tied_copies import TiedCopies
 from parallel.runtime.virtual_eval import forward_losses
-from parallel.runtime.virtual_rank import backward_kind, run_training_step
+from parallel.runtime.virtual_rank import ProgrammeObserver, backward_kind, run_training_step
 
 DEEPSPEED_SURFACE = frozenset(
     {
@@ -98,6 +98,7 @@ class VirtualPipelineEngine:
         self.rank = self.stage_id
         self.dropout = DropoutKeys(seed, grid.get_data_parallel_rank())
         self._programs: dict[int, VirtualProgram] = {}
+        self._observer: ProgrammeObserver | None = None
 
     def __getattr__(self, name: str):
         if name in DEEPSPEED_SURFACE:
@@ -119,6 +120,16 @@ class VirtualPipelineEngine:
     def is_last_stage(self) -> bool:
         """Holds the last virtual stage: reads the labels and computes the loss (a V's rank 0; interleaved, p - 1)."""
         return self.placement.virtual_stages - 1 in self.stages
+
+    @contextmanager
+    def record_programme(self, observer: ProgrammeObserver) -> Iterator[None]:
+        """The training steps run inside time their instructions through `observer` (a traced step:
+        parallel/measurement/trace.py's StepTracer)."""
+        self._observer = observer
+        try:
+            yield
+        finally:
+            self._observer = None
 
     def program(self, micro_batches: int) -> VirtualProgram:
         if micro_batches not in self._programs:
@@ -161,7 +172,7 @@ class VirtualPipelineEngine:
             )
         self.engine.module.train()
         # global_steps: the optimizer steps taken, restored with DeepSpeed's checkpoint (the dropout masks' key)
-        run_training_step(program, interpreters, batch, self.engine.global_steps)
+        run_training_step(program, interpreters, batch, self.engine.global_steps, self._observer)
         last = interpreters[virtual - 1]
         return self._mean_loss(last.work.step_losses if last is not None else None, count)
 

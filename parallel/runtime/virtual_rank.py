@@ -5,12 +5,22 @@ instructions to every chunk of the rank. The engine (parallel/runtime/virtual_en
 in-process pipeline (parallel/measurement/virtual_replay.py, virtual_local.py) all dispatch through `execute`."""
 
 from collections.abc import Sequence
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from typing import Protocol
 
 from parallel.planning import schedules
 from parallel.planning.virtual_schedules import ChunkCommand, VirtualProgram
+from parallel.planning.virtual_sim import EXCHANGE
 from parallel.runtime.boundary_links import BoundaryBatch
 from parallel.runtime.stage_interpreter import StageInterpreter
+
+
+class ProgrammeObserver(Protocol):
+    """Times a traced step's instructions (parallel/measurement/trace.py's StepRecorder)."""
+
+    def instruction(
+        self, name: str, micro_batch: int | None, buffer_id: int | None = None, virtual_stage: int | None = None
+    ) -> AbstractContextManager: ...
 
 
 def execute(program: VirtualProgram, interpreters: Sequence[StageInterpreter | None], command: ChunkCommand) -> None:
@@ -30,18 +40,35 @@ def backward_kind(program: VirtualProgram) -> str:
 
 
 def run_training_step(
-    program: VirtualProgram, interpreters: Sequence[StageInterpreter | None], batch: BoundaryBatch, step: int
+    program: VirtualProgram,
+    interpreters: Sequence[StageInterpreter | None],
+    batch: BoundaryBatch,
+    step: int,
+    observer: ProgrammeObserver | None = None,
 ) -> None:
     """Every instruction of the rank's `program` for the training step after `step` optimizer steps, each boundary's
     messages posted as one `batch`: flushed at the end of each step and before the once-per-step instructions, which
-    follow the last boundary's messages."""
+    follow the last boundary's messages. `observer` times each computation and once-per-step instruction, and each
+    boundary's batch (EXCHANGE), on a traced step: a communication instruction only notes its message for the batch."""
+
+    def timed(name: str, micro_batch: int | None = None, stage: int | None = None) -> AbstractContextManager:
+        return observer.instruction(name, micro_batch, virtual_stage=stage) if observer else nullcontext()
+
+    def flush() -> None:
+        if batch.pending:
+            with timed(EXCHANGE):
+                batch.flush()
+
     with ExitStack() as stack:
         for interpreter in interpreters:
             if interpreter is not None:
                 stack.enter_context(interpreter.training_step(step))
         for step in program.steps:
             for command in step:
-                if command.kind not in schedules.COMMUNICATION:
-                    batch.flush()
-                execute(program, interpreters, command)
-            batch.flush()
+                if command.kind in schedules.COMMUNICATION:
+                    execute(program, interpreters, command)
+                    continue
+                flush()
+                with timed(command.name, command.micro_batch, command.stage):
+                    execute(program, interpreters, command)
+            flush()
