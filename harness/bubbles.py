@@ -12,7 +12,7 @@ rank, its chunks together, and its communication is one interval per programme b
 import statistics
 
 from parallel.measurement.trace import RECOMPUTE, RankTrace, StepTrace
-from parallel.planning.virtual_sim import EXCHANGE
+from parallel.planning.virtual_sim import EXCHANGE, RECEIVE_WAIT
 
 CATEGORY = {
     "LoadMicroBatch": "load",
@@ -27,6 +27,7 @@ CATEGORY = {
     "SendGrad": "p2p",
     "RecvGrad": "p2p",
     EXCHANGE: "p2p",
+    RECEIVE_WAIT: "p2p",
     "ReduceTiedGrads": "reduce",
     "ReduceGrads": "reduce",
     "OptimizerStep": "optimizer",

@@ -129,6 +129,16 @@ class VirtualProgram:
     def commands(self) -> list[ChunkCommand]:
         return [command for step in self.steps for command in step]
 
+    def message_read(self, command: ChunkCommand) -> tuple[str, int, int] | None:
+        """The message (ChunkCommand.message's key) a computation reads: a forward its input activation, a backward
+        (or B) its output's gradient; None for the first virtual stage's forward, the last's backward, and the rest."""
+        last = self.placement.virtual_stages - 1
+        if command.kind is schedules.ForwardPass and command.stage > 0:
+            return ("activation", command.stage - 1, command.micro_batch)
+        if command.kind in (schedules.BackwardPass, schedules.BackwardInput) and command.stage < last:
+            return ("grad", command.stage + 1, command.micro_batch)
+        return None
+
     def p2p_batches(self) -> list[tuple[ChunkCommand, ...]]:
         """The rank's communication in the order its engine posts it: each step's as one batch."""
         batches = [tuple(c for c in step if c.kind in schedules.COMMUNICATION) for step in self.steps]

@@ -3,15 +3,15 @@
 (pure: no process group).
 
 A rank runs its instructions in order; a compute instruction takes its chunk's seconds (step_sim.StageCosts, one per
-chunk). A step's communication is one batch, as the engine posts it (parallel/runtime/boundary_links.py's
-BoundaryBatch): every send and receive posted at once and all waited for, so it ends once each of its messages to or
-from another rank has crossed, both sides posted plus the transfer: a send is a rendezvous (gloo's, and NCCL's for
-large messages), so a rank that sends waits for its receiver to reach the same boundary. A message to the rank itself
-(the V's turn) is a copy. ReduceTiedGrads is a collective of the ranks holding the first
-and the last virtual stage when they differ (a V's rank 0 holds both: its reduce is local). Under gradient clipping
-(`clip_barrier`) the optimizer step is a barrier of every rank, as step_sim.simulate's: DeepSpeed clips inside its
-step, after an all-reduce of the norm over the pipeline's ranks, so no rank steps before the last has reached its own
-step, and each then takes its own step's seconds.
+chunk). Messages move as the engine moves them (parallel/runtime/boundary_links.py's BoundaryBatch): a step's sends
+and receives are posted together at its boundary, once the gradients the rank sent at the boundary before have
+crossed; a message crosses once both its sides are posted, plus the transfer (a send is a rendezvous: gloo's, and
+NCCL's for large messages); the computation that reads a message waits for it; and before the once-per-step
+instructions every message has crossed. A message to the rank itself (the V's turn) is a copy. ReduceTiedGrads is a
+collective of the ranks holding the first and the last virtual stage when they differ (a V's rank 0 holds both: its
+reduce is local). Under gradient clipping (`clip_barrier`) the optimizer step is a barrier of every rank, as
+step_sim.simulate's: DeepSpeed clips inside its step, after an all-reduce of the norm over the pipeline's ranks, so no
+rank steps before the last has reached its own step, and each then takes its own step's seconds.
 """
 
 import statistics
@@ -28,8 +28,12 @@ _ONCE_PER_RANK = ("ReduceGrads", "OptimizerStep")
 
 
 EXCHANGE = "BoundaryExchange"
-"""A step's communication batch, as a traced step names it: its sends and receives, posted and waited for at once
-(parallel/runtime/virtual_rank.py)."""
+"""A boundary's post (after the gradients sent at the one before have crossed), and before the once-per-step
+instructions the wait for every message, as a traced step names them (parallel/runtime/virtual_rank.py)."""
+RECEIVE_WAIT = "ReceiveWait"
+"""A computation's wait for the message it reads."""
+_DRAIN = "drain"
+"""The work item before the once-per-step instructions: every message complete."""
 
 
 @dataclass(frozen=True)
@@ -40,7 +44,8 @@ class VirtualTimeline:
     rank_instruction_s: tuple[dict[str, float], ...] = ()
     """Per rank, the mean simulated seconds of each instruction it runs, from reaching it to its end, as a traced step
     times it: its chunks' computations, its once-per-step instructions (a collective's or the clipping barrier's wait
-    included) and each boundary's batch (EXCHANGE: the wait for the peers included)."""
+    included), each boundary's post and the final completion (EXCHANGE) and each computation's wait for the message
+    it reads (RECEIVE_WAIT)."""
 
 
 def _seconds(command: ChunkCommand, costs: Sequence[StageCosts]) -> float:
@@ -69,51 +74,77 @@ def simulate_virtual(
     ranks = len(programs)
     placement = programs[0].placement
     tied = sorted({placement.holder(0)[0], placement.holder(placement.virtual_stages - 1)[0]})
-    # Per rank, its work in order: a compute (or per-step) instruction, or a step's communication batch.
-    work: list[list[ChunkCommand | tuple[ChunkCommand, ...]]] = []
+    # Per rank, its work in order: a compute (or per-step) instruction, a step's communication batch, or the drain.
+    work: list[list[ChunkCommand | tuple[ChunkCommand, ...] | str]] = []
     for program in programs:
-        items: list[ChunkCommand | tuple[ChunkCommand, ...]] = []
+        items: list[ChunkCommand | tuple[ChunkCommand, ...] | str] = []
         for step in program.steps:
             # The slot's computation, then its boundary's batch, then (last step) the per-step instructions.
             items += [c for c in step if c.kind not in schedules.COMMUNICATION and c.micro_batch is not None]
             batch = tuple(c for c in step if c.kind in schedules.COMMUNICATION)
             items += [batch] if batch else []
-            items += [c for c in step if c.micro_batch is None]
+            once = [c for c in step if c.micro_batch is None]
+            items += [_DRAIN, *once] if once else []
         work.append(items)
     clock, pc, busy = [0.0] * ranks, [0] * ranks, [0.0] * ranks
     spans: list[dict[str, list[float]]] = [{} for _ in range(ranks)]
     posted: dict[tuple, float] = {}  # (message, sending?) -> when that side's batch was posted
+    sent_grads: list[tuple[ChunkCommand, ...]] = [() for _ in range(ranks)]  # the last batch's, crossing at the next
     reduce_posted: dict[int, float] = {}
     step_posted: dict[int, float] = {}  # rank -> when it reached its OptimizerStep (under clip_barrier)
+
+    def crossed(command: ChunkCommand, r: int) -> float | None:
+        """When the message of `command` (a send of rank r) has crossed, None while its receive is not posted."""
+        receiving = (command.message(), False)
+        if receiving not in posted:
+            return None
+        return max(posted[(command.message(), True)], posted[receiving]) + _transfer_s(command, r, costs[r])
+
     while any(pc[r] < len(work[r]) for r in range(ranks)):
         progressed = False
         for r in range(ranks):
+            program = programs[r]
             while pc[r] < len(work[r]):
                 item = work[r][pc[r]]
                 reached = clock[r]
-                if isinstance(item, tuple):
-                    for c in item:
-                        posted.setdefault((c.message(), c.kind in _SENDS), clock[r])
-                    other = [(c.message(), c.kind not in _SENDS) for c in item]
-                    if any(side not in posted for side in other):
-                        break  # a peer has not reached this boundary yet
-                    ends = [max(clock[r], posted[side]) + _transfer_s(c, r, costs[r]) for c, side in zip(item, other)]
+                if isinstance(item, tuple) or item == _DRAIN:
+                    ends = [crossed(c, r) for c in sent_grads[r]]
+                    if None in ends:
+                        break  # a peer has not posted the boundary those gradients cross at
                     clock[r] = max([clock[r], *ends])
+                    sent_grads[r] = ()
+                    if isinstance(item, tuple):
+                        for c in item:
+                            posted[(c.message(), c.kind in _SENDS)] = clock[r]
+                        sent_grads[r] = tuple(c for c in item if c.kind is schedules.SendGrad)
+                    name = EXCHANGE
                 elif item.kind is schedules.ReduceTiedGrads and len(tied) > 1 and r in tied:
                     reduce_posted.setdefault(r, clock[r])
                     if len(reduce_posted) < len(tied):
                         break
                     clock[r] = max(reduce_posted.values()) + _seconds(item, costs[r])
+                    name = item.name
                 elif item.kind is schedules.OptimizerStep and clip_barrier and ranks > 1:
                     step_posted.setdefault(r, clock[r])
                     if len(step_posted) < ranks:
                         break  # the norm's all-reduce waits for every rank
                     clock[r] = max(step_posted.values()) + _seconds(item, costs[r])
+                    name = item.name
                 else:
+                    message = program.message_read(item)
+                    if message is not None:
+                        if (message, True) not in posted:
+                            break  # its sender has not posted it yet
+                        sender = placement.holder(message[1])[0]
+                        receive = "RecvActivation" if message[0] == "activation" else "RecvGrad"
+                        transfer = 0.0 if sender == r else costs[r][item.chunk].by_instruction()[receive]
+                        arrived = max(posted[(message, True)], posted[(message, False)]) + transfer
+                        spans[r].setdefault(RECEIVE_WAIT, []).append(max(0.0, arrived - clock[r]))
+                        clock[r] = reached = max(clock[r], arrived)
                     seconds = _seconds(item, costs[r])
                     clock[r] += seconds
                     busy[r] += seconds if item.name in COMPUTE else 0.0
-                name = EXCHANGE if isinstance(item, tuple) else item.name
+                    name = item.name
                 spans[r].setdefault(name, []).append(clock[r] - reached)
                 pc[r] += 1
                 progressed = True

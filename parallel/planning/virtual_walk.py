@@ -20,7 +20,8 @@ class VirtualPeak:
     weights_pending: tuple[int, ...]
     """Per chunk: micro-batches through B whose W has not run."""
     messages: int
-    """Received activations and gradients held until their forward or backward runs."""
+    """Received activations and gradients held until their forward or backward runs, and sent input gradients held
+    until their send completes."""
     returning: int = 0
     """Micro-batches through their backward whose input and its gradient wait for SendGrad."""
     working_set: int = 0
@@ -56,10 +57,11 @@ class RankMoments:
     messages held and the micro-batches whose input gradient waits for its SendGrad.
 
     A chunk holds each micro-batch in flight's output (parallel/runtime/chunk_work.py keeps it for the backward), and
-    after the backward its received input with that input's gradient until SendGrad sends the gradient (twice
-    `message`); the input itself, from the forward to the backward, is its first layer's kept input
-    (memory_model.stage_activations). What the rank holds is linear in each chunk's bytes per micro-batch, so auto per
-    chunk (parallel/planning/virtual_auto.py), which asks thousands of times, reads its peak from `linear`'s rows."""
+    after the backward its received input with that input's gradient until SendGrad (twice `message`), then the
+    gradient alone until its send completes (counted among the messages held); the input itself, from the forward to
+    the backward, is its first layer's kept input (memory_model.stage_activations). What the rank holds is linear in
+    each chunk's bytes per micro-batch, so auto per chunk (parallel/planning/virtual_auto.py), which asks thousands of
+    times, reads its peak from `linear`'s rows."""
 
     live: tuple[tuple[frozenset[int], ...], ...]
     """Per moment, per chunk: the micro-batches in flight."""
@@ -77,9 +79,11 @@ class RankMoments:
     @classmethod
     def of(cls, program: VirtualProgram) -> "RankMoments":
         """Per micro-batch of chunk c: in flight from its forward to its backward (B, or the whole backward), W-pending
-        from its B to its W, and a received input or output gradient of the chunk held from its receive to the
-        forward or backward that reads it (counted after each instruction, and inside each backward before it frees
-        its micro-batch, as schedule_walk.activation_peak counts)."""
+        from its B to its W, a received input or output gradient of the chunk held from its receive to the forward or
+        backward that reads it, and the input gradient it sends held from its backward until the boundary after its
+        SendGrad's is posted (parallel/runtime/boundary_links.py waits for a boundary's gradient sends there) or the
+        once-per-step instructions begin (counted after each instruction and post, and inside each backward before it
+        frees its micro-batch, as schedule_walk.activation_peak counts)."""
         chunks = program.chunks
         live: list[set[int]] = [set() for _ in range(chunks)]
         pending, returning = [0] * chunks, [0] * chunks
@@ -88,33 +92,48 @@ class RankMoments:
         held: set[tuple[int, int, str]] = set()  # (chunk, micro-batch, what) of received messages not yet read
         moments: list[tuple] = []
 
+        # Chunks whose input gradient is sent, one entry per message: this step's SendGrads, and those the last
+        # posted boundary sent (both waited for at the next post, or before the once-per-step instructions).
+        sending: list[int] = []
+        sent: list[int] = []
+
         def moment(running: tuple[int, int, str] | None = None) -> None:
-            messages = tuple(sum(k == chunk for k, _, _ in held) for chunk in range(chunks))
+            in_transit = sending + sent
+            messages = tuple(sum(k == chunk for k, _, _ in held) + in_transit.count(chunk) for chunk in range(chunks))
             moments.append((tuple(map(frozenset, live)), tuple(pending), messages, tuple(returning), running))
 
-        for command in program.commands():
-            kind, c, m = command.kind, command.chunk, command.micro_batch
-            if kind is schedules.RecvActivation:
-                held.add((c, m, "activation"))
-            elif kind is schedules.RecvGrad:
-                held.add((c, m, "grad"))
-            elif kind is schedules.ForwardPass:
-                held.discard((c, m, "activation"))
-                live[c].add(m)
-            elif kind in (schedules.BackwardPass, schedules.BackwardInput):
-                moment(running=(c, m, "B"))
-                held.discard((c, m, "grad"))
-                live[c].discard(m)
-                pending[c] += kind is schedules.BackwardInput
-                returning[c] += sends_grads[c]
-            elif kind is schedules.BackwardWeight:
-                moment(running=(c, m, "W"))
-                pending[c] -= 1
-            elif kind is schedules.SendGrad:
-                returning[c] -= 1
-            else:
-                continue
-            moment()
+        for step in program.steps:
+            for command in step:
+                kind, c, m = command.kind, command.chunk, command.micro_batch
+                if kind is schedules.RecvActivation:
+                    held.add((c, m, "activation"))
+                elif kind is schedules.RecvGrad:
+                    held.add((c, m, "grad"))
+                elif kind is schedules.ForwardPass:
+                    held.discard((c, m, "activation"))
+                    live[c].add(m)
+                elif kind in (schedules.BackwardPass, schedules.BackwardInput):
+                    moment(running=(c, m, "B"))
+                    held.discard((c, m, "grad"))
+                    live[c].discard(m)
+                    pending[c] += kind is schedules.BackwardInput
+                    returning[c] += sends_grads[c]
+                elif kind is schedules.BackwardWeight:
+                    moment(running=(c, m, "W"))
+                    pending[c] -= 1
+                elif kind is schedules.SendGrad:  # the input is dropped; its gradient stays until its send completes
+                    returning[c] -= 1
+                    sending.append(c)
+                elif m is None and (sending or sent):  # every message completes before the once-per-step ones
+                    sending.clear()
+                    sent.clear()
+                else:
+                    continue
+                moment()
+            if any(command.kind in schedules.COMMUNICATION for command in step):  # the post waits for `sent`
+                sent[:] = sending
+                sending.clear()
+                moment()
         return cls(*(tuple(m[i] for m in moments) for i in range(5)))
 
     def _held(self, i: int, chunks: Sequence[ChunkBytes]) -> int:

@@ -10,7 +10,7 @@ from typing import Protocol
 
 from parallel.planning import schedules
 from parallel.planning.virtual_schedules import ChunkCommand, VirtualProgram
-from parallel.planning.virtual_sim import EXCHANGE
+from parallel.planning.virtual_sim import EXCHANGE, RECEIVE_WAIT
 from parallel.runtime.boundary_links import BoundaryBatch
 from parallel.runtime.stage_interpreter import StageInterpreter
 
@@ -46,19 +46,16 @@ def run_training_step(
     step: int,
     observer: ProgrammeObserver | None = None,
 ) -> None:
-    """Every instruction of the rank's `program` for the training step after `step` optimizer steps, each boundary's
-    messages posted as one `batch`: flushed at the end of each step and before the once-per-step instructions, which
-    follow the last boundary's messages. `observer` times each computation and once-per-step instruction, and each
-    boundary's batch (EXCHANGE), on a traced step: a communication instruction only notes its message for the batch."""
+    """Every instruction of the rank's `program` for the training step after `step` optimizer steps: each step's
+    messages posted as one `batch` at its boundary, each received message waited for by the computation that reads it
+    (parallel/runtime/boundary_links.py), every message complete before the once-per-step instructions. `observer`
+    times, on a traced step, each computation and once-per-step instruction, each boundary's post (EXCHANGE) and each
+    wait for a message (RECEIVE_WAIT); a communication instruction only notes its message for the batch."""
 
     def timed(name: str, micro_batch: int | None = None, stage: int | None = None) -> AbstractContextManager:
         return observer.instruction(name, micro_batch, virtual_stage=stage) if observer else nullcontext()
 
-    def flush() -> None:
-        if batch.pending:
-            with timed(EXCHANGE):
-                batch.flush()
-
+    completed = False
     with ExitStack() as stack:
         for interpreter in interpreters:
             if interpreter is not None:
@@ -66,9 +63,22 @@ def run_training_step(
         for step in program.steps:
             for command in step:
                 if command.kind in schedules.COMMUNICATION:
-                    execute(program, interpreters, command)
+                    with batch.noting(command.message()):
+                        execute(program, interpreters, command)
                     continue
-                flush()
+                if command.micro_batch is None and not completed:  # the once-per-step ones follow the last boundary
+                    if batch.pending:
+                        with timed(EXCHANGE):
+                            batch.post()
+                    with timed(EXCHANGE):
+                        batch.complete()
+                    completed = True
+                message = program.message_read(command)
+                if message is not None:
+                    with timed(RECEIVE_WAIT, command.micro_batch, command.stage):
+                        batch.wait_for(message)
                 with timed(command.name, command.micro_batch, command.stage):
                     execute(program, interpreters, command)
-            flush()
+            if batch.pending:
+                with timed(EXCHANGE):
+                    batch.post()
