@@ -71,6 +71,7 @@ PLANNING = [
     {"parallel.planning.curve_seconds"},  # a device profile priced into a block's costs, by each architecture's op list
     {"parallel.planning.instruction_seconds"},
     {"parallel.planning.stage_price"},  # the one function that prices a stage: memory, seconds, FLOPs
+    {"parallel.planning.virtual_slots"},  # the slots a virtual-stage programme is laid out in, from measured prices
     {"parallel.planning.stage_planner"},
     {
         "parallel.planning.balanced_search",

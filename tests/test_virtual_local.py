@@ -5,6 +5,8 @@ recompute mode, its chunks' plans applied chunk by chunk, dropout on: each layer
 micro-batch and layer (parallel/runtime/dropout_keys.py), not drawn in the order a rank runs its forwards. No process
 group."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute, 
 from parallel.planning.layout import build_layout
 from parallel.planning.shapes import GIB, RunShape, Target, Topology
 from parallel.planning.virtual_layout import virtual_layout, virtual_plan
+from parallel.planning.virtual_schedules import Slots, virtual_schedule
 from parallel.runtime.stage_interpreter import StageInterpreter
 
 CFG = GPTConfig(n_layer=4, n_head=2, n_embd=32, seq_len=16, vocab_size=64, dropout=0.1)
@@ -153,6 +156,27 @@ def test_auto_per_chunk_lowers_each_ranks_measured_bytes_as_planned(schedule):
         assert measured[rank] <= measured_none[rank]
         if planned[rank] < planned_none[rank]:
             assert measured[rank] < measured_none[rank]
+
+
+@pytest.mark.parametrize("schedule", ("zb-v", "v-half"))
+def test_a_v_laid_out_in_a_devices_slots_trains_as_1f1b_and_holds_what_it_plans(schedule, batches, one_f_one_b):
+    """Programmes laid out in this CPU's 3:2:1 slots (parallel/planning/virtual_slots.py) run their ops in another
+    order, and still train as 1F1B bit for bit, dropout on; each rank's planned activation peak (the walk of the same
+    programme) is what its replay measures."""
+    laid_out = replace(layout(4, MODES["selective"]), virtual_slots=Slots(3, 2, 1))
+    assert virtual_schedule(schedule, MICRO_BATCHES, 2, 2, Slots(3, 2, 1)) != virtual_schedule(
+        schedule, MICRO_BATCHES, 2
+    )
+    pipe = VirtualLocalPipeline(laid_out, schedule, chunks=2)
+    loss, expected = pipe.step(batches), one_f_one_b["selective"]
+    assert torch.equal(loss, expected[0])
+    grads = gradients(pipe, MICRO_BATCHES)
+    assert all(torch.equal(grad, expected[1][key]) for key, grad in grads.items())
+    run = RunShape(Topology(2), Target("cpu", "fp32"), micro_batches=MICRO_BATCHES, micro_batch_size=2)
+    planned = virtual_plan(CFG, laid_out, run, schedule)
+    assert planned.slots == "3:2:1"
+    for p, m in zip(planned.activation_bytes_per_rank, _measured(laid_out, schedule)):
+        assert abs(m - p) <= PLANNED_WITHIN * m, (p, m)
 
 
 def test_a_layout_that_does_not_split_into_the_chunks_is_refused():

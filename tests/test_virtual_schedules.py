@@ -24,8 +24,9 @@ from parallel.planning.stage_plan import StagePlan
 from parallel.planning.step_sim import StageCosts, simulate_stages
 from parallel.planning.virtual_choice import virtual_lines, virtual_options
 from parallel.planning.virtual_memory import one_chunk_peaks, virtual_peaks
-from parallel.planning.virtual_schedules import SLOTS, VirtualProgram, virtual_schedule
+from parallel.planning.virtual_schedules import UNIT_SLOTS, Slots, VirtualProgram, virtual_schedule
 from parallel.planning.virtual_sim import simulate_virtual
+from parallel.planning.virtual_slots import MAX_SLOTS, priced_slots
 from parallel.planning.virtual_walk import ChunkBytes, RankMoments
 
 KINDS = [("interleaved-1f1b", 2), ("interleaved-1f1b", 3), ("zb-v", 2), ("v-half", 2)]
@@ -33,29 +34,36 @@ RANKS = range(2, 9)
 MICRO_BATCHES = range(1, 17)
 
 
+CPU_SLOTS = Slots(3, 2, 1)
+"""Programmes laid out as this CPU's measured prices lay them out (parallel/planning/virtual_slots.py)."""
+
+
 @functools.cache
-def programs(schedule: str, chunks: int, micro_batches: int, ranks: int) -> tuple[VirtualProgram, ...] | None:
+def programs(
+    schedule: str, chunks: int, micro_batches: int, ranks: int, slots: Slots = UNIT_SLOTS
+) -> tuple[VirtualProgram, ...] | None:
     """Every rank's programme, or None where the schedule refuses the shape (interleaved-1f1b: Megatron's rounds)."""
     try:
-        return tuple(virtual_schedule(schedule, micro_batches, ranks, chunks))
+        return tuple(virtual_schedule(schedule, micro_batches, ranks, chunks, slots))
     except ValueError as refused:
         assert schedule == "interleaved-1f1b" and micro_batches > ranks and micro_batches % ranks
         assert "multiple of the pipeline ranks" in str(refused)
         return None
 
 
-def shapes(schedule: str, chunks: int, ranks: int):
+def shapes(schedule: str, chunks: int, ranks: int, slots: Slots = UNIT_SLOTS):
     for m in MICRO_BATCHES:
-        if (progs := programs(schedule, chunks, m, ranks)) is not None:
+        if (progs := programs(schedule, chunks, m, ranks, slots)) is not None:
             yield m, progs
 
 
+@pytest.mark.parametrize("slots", [UNIT_SLOTS, CPU_SLOTS], ids=Slots.text)
 @pytest.mark.parametrize("ranks", RANKS)
 @pytest.mark.parametrize("schedule, chunks", KINDS)
-def test_every_chunk_runs_each_micro_batch_once_in_order_on_the_rank_that_holds_it(schedule, chunks, ranks):
+def test_every_chunk_runs_each_micro_batch_once_in_order_on_the_rank_that_holds_it(schedule, chunks, ranks, slots):
     split = schedule != "interleaved-1f1b"
     backward = schedules.BackwardInput if split else schedules.BackwardPass
-    for m, progs in shapes(schedule, chunks, ranks):
+    for m, progs in shapes(schedule, chunks, ranks, slots):
         placement = progs[0].placement
         last = placement.virtual_stages - 1
         for program in progs:
@@ -121,10 +129,11 @@ def rendezvous_replay(progs: tuple[VirtualProgram, ...]) -> None:
             raise AssertionError(f"deadlock under rendezvous: ranks blocked at {stuck}")
 
 
+@pytest.mark.parametrize("slots", [UNIT_SLOTS, CPU_SLOTS], ids=Slots.text)
 @pytest.mark.parametrize("ranks", RANKS)
 @pytest.mark.parametrize("schedule, chunks", KINDS)
-def test_every_send_meets_its_receive_at_the_same_boundary_and_nothing_deadlocks(schedule, chunks, ranks):
-    for _, progs in shapes(schedule, chunks, ranks):
+def test_every_send_meets_its_receive_at_the_same_boundary_and_nothing_deadlocks(schedule, chunks, ranks, slots):
+    for _, progs in shapes(schedule, chunks, ranks, slots):
         for program in progs:
             for index, step in enumerate(program.steps):
                 sends = [c for c in step if c.kind in (schedules.SendActivation, schedules.SendGrad)]
@@ -166,7 +175,30 @@ def test_at_unit_costs_the_simulated_step_is_the_programmes_slots(schedule, chun
     assert simulate_virtual(progs, slow).step_time_s > len(progs[0].steps)
     busy = simulate_virtual(progs, unit).busy_s
     split = schedule != "interleaved-1f1b"
-    assert busy == (chunks * micro_batches * (3 if split else 1 + SLOTS[schedules.BackwardPass]),) * ranks
+    assert busy == (chunks * micro_batches * (3 if split else 1 + UNIT_SLOTS.of(schedules.BackwardPass)),) * ranks
+
+
+@pytest.mark.parametrize("schedule", ["zb-v", "v-half"])
+def test_programmes_laid_out_in_a_devices_slots_take_their_slots_at_its_costs(schedule):
+    """Laid out in 3:2:1 slots, a V's programme at a forward of 3, a B of 2 and a W of 1 takes exactly its slots (as
+    unit slots at unit costs). At those costs ZB-V's is shorter than its unit-slot programme (its greedy order then
+    expects the work each op really takes); V-Half's, whose memory limit leaves it less choice, within a slot of it."""
+    ranks, micro_batches = 4, 8
+    cpu = [[dataclasses.replace(costs(1.0), forward=3.0, backward=3.0, backward_input=2.0)] * 2] * ranks
+    laid_out = simulate_virtual(programs(schedule, 2, micro_batches, ranks, CPU_SLOTS), cpu).step_time_s
+    unit = simulate_virtual(programs(schedule, 2, micro_batches, ranks), cpu).step_time_s
+    assert laid_out == len(programs(schedule, 2, micro_batches, ranks, CPU_SLOTS)[0].steps)
+    assert laid_out < unit if schedule == "zb-v" else laid_out <= unit + 1
+
+
+def test_measured_prices_set_the_slots_in_the_ratio_of_their_forward_b_and_w():
+    """parallel/planning/virtual_slots.py: rounded to whole slots of the cheapest part, at most MAX_SLOTS; unit where a
+    part is unpriced."""
+    cpu = dataclasses.replace(costs(4.0), backward=12.8, backward_input=8.8, weight_grad=4.0)
+    assert priced_slots([cpu, cpu]) == Slots(1, 2, 1)
+    assert priced_slots([dataclasses.replace(cpu, forward=12.0)]) == CPU_SLOTS
+    assert priced_slots([dataclasses.replace(cpu, forward=100.0)]) == Slots(MAX_SLOTS, 2, 1)
+    assert priced_slots([dataclasses.replace(cpu, weight_grad=0.0, backward_input=None)]) == UNIT_SLOTS
 
 
 @pytest.mark.parametrize("ranks, micro_batches", [(2, 4), (4, 8), (4, 2), (8, 16)])

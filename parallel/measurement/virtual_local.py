@@ -51,7 +51,7 @@ class VirtualLocalPipeline:
         """Forward and backward of every (tokens, labels) micro-batch; gradients accumulate, each micro-batch's scaled
         by 1 / the micro-batches. Returns the mean loss."""
         count = len(micro_batches)
-        programs = virtual_schedule(self.schedule, count, self.ranks, self.chunks)
+        programs = virtual_schedule(self.schedule, count, self.ranks, self.chunks, self.layout.virtual_slots)
         pipes: defaultdict[tuple[int, int], deque[torch.Tensor]] = defaultdict(deque)
         interpreters = [
             chunk_interpreter(self, index, programs[0], LinkedNeighbours(pipes, index), micro_batches.__getitem__)

@@ -67,7 +67,7 @@ class VirtualRankReplay:
     ):
         torch.manual_seed(seed)
         pipe = VirtualLocalPipeline(layout, schedule, chunks)
-        self.program = virtual_schedule(schedule, micro_batches, pipe.ranks, chunks)[rank]
+        self.program = virtual_schedule(schedule, micro_batches, pipe.ranks, chunks, layout.virtual_slots)[rank]
         config = layout.recipes[0].args[0]  # the token embedding's GPTConfig
         self.tokens, self.vocab = (micro_batch_size, config.seq_len), config.vocab_size
         self.mine = [self.program.placement.virtual_stage(rank, chunk) for chunk in range(chunks)]

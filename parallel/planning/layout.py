@@ -30,6 +30,7 @@ from parallel.planning.stage_plan import StagePlan
 from parallel.planning.stage_planner import StagePlanner
 from parallel.planning.stage_price import StagePricing
 from parallel.planning.virtual_auto import RankBudget
+from parallel.planning.virtual_schedules import UNIT_SLOTS, Slots
 
 DEEPSPEED_PARTITIONS = ("uniform", "parameters", "type:Block")
 """DeepSpeed's own partition methods, which `balanced` prices beside its own split."""
@@ -58,6 +59,9 @@ class PipelineLayout:
     virtual_schedule: str | None = None
     """The schedule with virtual stages (interleaved-1f1b, zb-v, v-half) whose virtual stages `stages` are, ranks x
     2 of them (parallel/planning/virtual_layout.py); None: one stage per rank, under `schedule`."""
+    virtual_slots: Slots = UNIT_SLOTS
+    """The slots `virtual_schedule`'s programmes are laid out in (parallel/planning/virtual_slots.py): every rank,
+    the walk, the simulator and the replays build them alike."""
     rank_budgets: tuple[RankBudget, ...] = ()
     """`recompute=auto` under a schedule with virtual stages only: each rank's side of the budget, its chunks' plans
     chosen together (`budgets` is then None)."""

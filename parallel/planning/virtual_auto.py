@@ -32,6 +32,7 @@ from parallel.planning.stage_plan import StagePlan
 from parallel.planning.stage_planner import StagePlanner
 from parallel.planning.stage_price import price_stage
 from parallel.planning.virtual_memory import RankWalk, rank_walks
+from parallel.planning.virtual_schedules import UNIT_SLOTS, Slots
 from parallel.planning.working_set import StageWorking, stage_working
 
 
@@ -190,13 +191,14 @@ def choose_rank(peak: RankPeak, budget: float) -> tuple[StageChoice, StageChoice
 
 
 def plan_ranks(
-    planner: StagePlanner, stages: Sequence[StageRange], schedule: str
+    planner: StagePlanner, stages: Sequence[StageRange], schedule: str, slots: Slots = UNIT_SLOTS
 ) -> tuple[list[StagePlan], list[RankBudget]]:
     """Each virtual stage's plan (none where its rank fits no pair) and each rank's RankBudget, `stages` being the
-    virtual stages in pipeline order, 2 per rank, planned by `planner` (auto, for the virtual stages' run)."""
+    virtual stages in pipeline order, 2 per rank, planned by `planner` (auto, for the virtual stages' run), the
+    programmes laid out in `slots`."""
     pricing = planner.pricing
     run = pricing.run
-    walks = rank_walks(pricing.recipes, stages, schedule, 2, run.micro_batches, pricing.shape, run.target)
+    walks = rank_walks(pricing.recipes, stages, schedule, 2, run.micro_batches, pricing.shape, run.target, slots)
     plans = [StagePlan()] * len(stages)
     budgets = []
     for rank, walk in enumerate(walks):

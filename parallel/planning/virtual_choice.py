@@ -26,6 +26,7 @@ from parallel.planning.virtual_auto import plan_ranks
 from parallel.planning.virtual_memory import one_chunk_peaks, virtual_peaks
 from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES, virtual_schedule
 from parallel.planning.virtual_sim import simulate_virtual
+from parallel.planning.virtual_slots import stage_slots
 from parallel.planning.virtual_support import CHUNKS
 
 
@@ -67,10 +68,14 @@ def virtual_options(
             priced[stage] = planner.price(stage)
         return priced[stage]
 
+    # the slots of any split of the model (parallel/planning/virtual_slots.py): the even one's
+    slots = stage_slots(
+        planner.pricing, stages_of_block_counts(layout.recipes, even_counts(model.n_layer, CHUNKS * ranks))
+    )
     out = []
     for schedule in schedules:
         try:
-            programs = virtual_schedule(schedule, run.micro_batches, ranks, CHUNKS)
+            programs = virtual_schedule(schedule, run.micro_batches, ranks, CHUNKS, slots)
         except ValueError:  # interleaved-1f1b's rounds: micro-batches not a multiple of the ranks
             continue
         placement = programs[0].placement
@@ -81,7 +86,7 @@ def virtual_options(
             stages = stages_of_block_counts(layout.recipes, counts)
             if not isinstance(recompute, AutoRecompute):
                 return [price(stage) for stage in stages]
-            plans, budgets = plan_ranks(planner, stages, schedule)
+            plans, budgets = plan_ranks(planner, stages, schedule, slots)
             if any(b.choice is None for b in budgets):
                 return None
             return [price_stage(planner.pricing, stage, plan) for stage, plan in zip(stages, plans)]
@@ -93,7 +98,9 @@ def virtual_options(
         if prices is None:  # auto: not even the chosen boundaries fit the budget
             continue
         plans = [p.plan for p in prices]
-        peaks = virtual_peaks(layout.recipes, stages, plans, schedule, CHUNKS, run.micro_batches, shape, run.target)
+        peaks = virtual_peaks(
+            layout.recipes, stages, plans, schedule, CHUNKS, run.micro_batches, shape, run.target, slots
+        )
         states = tuple(sum(sum(prices[v].memory.states.values()) for v in stages) for stages in mine)
         out.append(VirtualOption(schedule, step_s(counts), tuple(p.bytes for p in peaks), states, tuple(counts)))
     return out

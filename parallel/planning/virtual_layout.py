@@ -28,6 +28,7 @@ from parallel.planning.virtual_memory import virtual_peaks
 from parallel.planning.virtual_plan import VirtualPlan
 from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES, placement_of, virtual_schedule
 from parallel.planning.virtual_sim import simulate_virtual
+from parallel.planning.virtual_slots import stage_slots
 from parallel.planning.virtual_support import CHUNKS, virtual_run_refusal
 
 
@@ -64,17 +65,20 @@ def virtual_layout(
         held_parts.append(len(one_chunk.recipes))
     method = "uniform" if partition_method == "balanced" else partition_method  # too few blocks for every chunk
     layout = build_layout(model, fixed, virtual_shape(run), method, seed, costs, rates, held_parts=held_parts)
-    if auto:
-        layout = _planned_per_rank(model, recompute, layout, run, schedule)
-    return replace(layout, virtual_schedule=schedule)
+    pricing = None
+    if layout.timing is not None:
+        shape = Shape.of(model, run.micro_batch_size)
+        pricing = StagePricing.of(layout.recipes, virtual_shape(run), shape, layout.timing)
+    layout = replace(layout, virtual_schedule=schedule, virtual_slots=stage_slots(pricing, layout.stages))
+    return _planned_per_rank(recompute, layout, pricing, schedule) if auto else layout
 
 
 def _planned_per_rank(
-    model: GPTConfig, auto: AutoRecompute, layout: PipelineLayout, run: RunShape, schedule: str
+    auto: AutoRecompute, layout: PipelineLayout, pricing: StagePricing, schedule: str
 ) -> PipelineLayout:
     """`layout`'s virtual stages with auto's plans per rank, its 1F1B schedule options priced for them."""
-    pricing = StagePricing.of(layout.recipes, virtual_shape(run), Shape.of(model, run.micro_batch_size), layout.timing)
-    plans, budgets = plan_ranks(StagePlanner(pricing, auto, layout.timing.table), layout.stages, schedule)
+    planner = StagePlanner(pricing, auto, layout.timing.table)
+    plans, budgets = plan_ranks(planner, layout.stages, schedule, layout.virtual_slots)
     if any(b.choice is None for b in budgets):
         raise BudgetTooSmall(auto, budgets, [], where="rank")
     # The 1F1B pricing of the virtual stages that plan.json's per-stage entries read, under no budget (the rank's is
@@ -122,12 +126,13 @@ def virtual_plan(
     prices = [price_stage(pricing, stage, plan, "1f1b") for stage, plan in zip(layout.stages, layout.plans)]
     placement = placement_of(schedule, ranks, chunks)
     mine = [tuple(placement.virtual_stage(rank, chunk) for chunk in range(chunks)) for rank in range(ranks)]
+    slots = layout.virtual_slots
     peaks = virtual_peaks(
-        layout.recipes, layout.stages, layout.plans, schedule, chunks, run.micro_batches, shape, run.target
+        layout.recipes, layout.stages, layout.plans, schedule, chunks, run.micro_batches, shape, run.target, slots
     )
     timeline = None
     if layout.timing is not None:
-        programs = virtual_schedule(schedule, run.micro_batches, ranks, chunks)
+        programs = virtual_schedule(schedule, run.micro_batches, ranks, chunks, slots)
         costs = [[prices[v].costs for v in stages] for stages in mine]
         timeline = simulate_virtual(programs, costs, clip_barrier=run.grad_clip > 0)
     return VirtualPlan(
@@ -140,6 +145,7 @@ def virtual_plan(
         layout.timing.source if layout.timing is not None else None,
         vars(layout.timing.table.source) if layout.timing is not None else None,
         timeline.rank_instruction_s if timeline else (),
+        slots.text(),
     )
 
 

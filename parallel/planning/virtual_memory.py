@@ -18,7 +18,7 @@ from parallel.planning.partition import StageRange
 from parallel.planning.schedule_walk import ActivationPeak, activation_peak
 from parallel.planning.shapes import Shape, Target
 from parallel.planning.stage_plan import StagePlan
-from parallel.planning.virtual_schedules import virtual_schedule
+from parallel.planning.virtual_schedules import UNIT_SLOTS, Slots, virtual_schedule
 from parallel.planning.virtual_walk import ChunkBytes, RankMoments, VirtualPeak
 from parallel.planning.working_set import backward_working_sets
 
@@ -93,6 +93,7 @@ def rank_walks(
     micro_batches: int,
     shape: Shape,
     target: Target,
+    slots: Slots = UNIT_SLOTS,
 ) -> list[RankWalk]:
     """Each rank's RankWalk under `schedule` (parallel/planning/virtual_schedules.py's) with `chunks` per rank,
     `stages` being the virtual stages in pipeline order. Besides what each chunk keeps per micro-batch (and, under a
@@ -101,7 +102,7 @@ def rank_walks(
     ranks, extra = divmod(len(stages), chunks)
     if extra:
         raise ValueError(f"{len(stages)} virtual stages do not split into {chunks} chunks per rank")
-    programs = virtual_schedule(schedule, micro_batches, ranks, chunks)
+    programs = virtual_schedule(schedule, micro_batches, ranks, chunks, slots)
     placement = programs[0].placement
     split = any(c.kind is schedules.BackwardWeight for c in programs[0].commands())
     message = shape.bsh * target.dtype_bytes  # one hidden-state tensor: an activation or its gradient
@@ -127,11 +128,12 @@ def virtual_peaks(
     micro_batches: int,
     shape: Shape,
     target: Target,
+    slots: Slots = UNIT_SLOTS,
 ) -> list[VirtualPeak]:
     """Each rank's activation peak (`rank_walks`) with one plan per virtual stage, each backward's working set
     inside it."""
     out = []
-    for walk in rank_walks(recipes, stages, schedule, chunks, micro_batches, shape, target):
+    for walk in rank_walks(recipes, stages, schedule, chunks, micro_batches, shape, target, slots):
         per_chunk = [
             micro_batch_bytes(recipes, stages[v], plans[v], shape, target, micro_batches, walk.split)
             for v in walk.virtual_stages

@@ -29,6 +29,8 @@ class VirtualPlan:
     rank_instruction_s: tuple[dict[str, float], ...] = ()
     """Per rank, the simulated seconds of each instruction it runs (parallel/planning/virtual_sim.py's
     VirtualTimeline): what a traced step's instructions are compared with."""
+    slots: str = "1:1:1"
+    """The slots a forward, a B and a W took when the programmes were laid out (parallel/planning/virtual_slots.py)."""
 
     @classmethod
     def from_json(cls, data: dict) -> "VirtualPlan":
@@ -45,7 +47,10 @@ class VirtualPlan:
     def lines(self) -> list[str]:
         """The dry run's and the start-up print's lines: each rank's chunks, planned activation peak and states."""
         step = f"{self.predicted_step_time_s:.4g} s" if self.predicted_step_time_s is not None else "not priced"
-        lines = [f"schedule {self.schedule}: {self.chunks} chunks per rank | simulated step {step}"]
+        lines = [
+            f"schedule {self.schedule}: {self.chunks} chunks per rank, laid out in forward:B:W slots of "
+            f"{self.slots} | simulated step {step}"
+        ]
         for rank, (stages, peak, states) in enumerate(
             zip(self.virtual_stages_per_rank, self.activation_bytes_per_rank, self.state_bytes_per_rank)
         ):

@@ -17,16 +17,16 @@ group). The pipeline's layers split into `ranks * chunks` virtual stages; a rank
   and memory limits, not the papers' instruction lists copied (bench/virtual_schedule_bench.py prints their
   planned bytes and simulated steps).
 
-A programme is derived in unit time (a forward, a B or a W one slot, a whole backward two, as the papers lay their
-schedules out) in lock-step slots: a compute instruction runs in the first slot after its inputs were produced.
-What an instruction produces for another rank crosses at the boundary after its last slot: each rank posts that
-boundary's sends and receives as one batch (`VirtualProgram.steps`: a step is one slot's computation, then its
-boundary's communication). Every message is posted by both its ranks at the same boundary, so under the strictest
-rendezvous transport (a send waits until its receive is posted) the lowest boundary still pending always has both
-sides of each of its messages posted: no programme can deadlock, whatever the real costs
+A programme is derived in lock-step slots (by default a forward, a B or a W one slot, a whole backward two, as the
+papers lay their schedules out; `Slots` gives other lengths): a compute instruction runs in the first slot after its
+inputs were produced. What an instruction produces for another rank crosses at the boundary after its last slot: each
+rank posts that boundary's sends and receives as one batch (`VirtualProgram.steps`: a step is one slot's computation,
+then its boundary's communication). Every message is posted by both its ranks at the same boundary, so under the
+strictest rendezvous transport (a send waits until its receive is posted) the lowest boundary still pending always
+has both sides of each of its messages posted: no programme can deadlock, whatever the real costs
 (tests/test_virtual_schedules.py replays every shape). A message received before it is needed is held until then
-(parallel/planning/virtual_walk.py counts it). What a rank's chunk hands to its own next chunk (the V's turn on
-rank p - 1) is a message to itself: a copy on the rank, which the simulator prices at no transfer.
+(parallel/planning/virtual_walk.py counts it). What a rank's chunk hands to its own next chunk (the V's turn on rank
+p - 1) is a message to itself: a copy on the rank, which the simulator prices at no transfer.
 """
 
 from collections.abc import Callable
@@ -246,16 +246,42 @@ def _greedy_v(placement: Placement, micro_batches: int, limit: int) -> Chooser:
     return choose
 
 
-SLOTS = {
-    schedules.ForwardPass: 1,
-    schedules.BackwardPass: 2,
-    schedules.BackwardInput: 1,
-    schedules.BackwardWeight: 1,
-}
-"""Slots each op takes: a whole backward costs about two forwards, B and W one each (the papers' unit costs)."""
+@dataclass(frozen=True)
+class Slots:
+    """The lock-step slots a forward, a B and a W take when a programme is laid out (a whole backward: B's and W's).
+    The papers' unit costs by default; measured prices give a run its own ratio (parallel/planning/virtual_slots.py),
+    which decides the V shapes' greedy order."""
+
+    forward: int = 1
+    backward_input: int = 1
+    backward_weight: int = 1
+
+    def __post_init__(self):
+        if min(self.forward, self.backward_input, self.backward_weight) < 1:
+            raise ValueError(f"every op takes at least one slot, got {self}")
+
+    def of(self, kind: type[schedules.Command]) -> int:
+        """The slots an op of `kind` takes."""
+        if kind is schedules.ForwardPass:
+            return self.forward
+        if kind is schedules.BackwardInput:
+            return self.backward_input
+        if kind is schedules.BackwardWeight:
+            return self.backward_weight
+        if kind is schedules.BackwardPass:
+            return self.backward_input + self.backward_weight
+        raise ValueError(f"{kind.__name__} takes no slot")
+
+    def text(self) -> str:
+        return f"{self.forward}:{self.backward_input}:{self.backward_weight}"
 
 
-def _slots(placement: Placement, micro_batches: int, split: bool, choose: Chooser) -> list[list[tuple[int, Op]]]:
+UNIT_SLOTS = Slots()
+
+
+def _slots(
+    placement: Placement, micro_batches: int, split: bool, choose: Chooser, lengths: Slots
+) -> list[list[tuple[int, Op]]]:
     """Per rank, (start slot, op) of each op it runs, in order."""
     kinds = (schedules.ForwardPass,) + (
         (schedules.BackwardInput, schedules.BackwardWeight) if split else (schedules.BackwardPass,)
@@ -271,7 +297,7 @@ def _slots(placement: Placement, micro_batches: int, split: bool, choose: Choose
         for rank, op in chosen:
             slots[rank].append((slot, op))
             remaining[rank] -= 1
-            free[rank] = progress.end_of[op] = slot + SLOTS[op[0]]
+            free[rank] = progress.end_of[op] = slot + lengths.of(op[0])
             progress.count[op[:2]] = progress.count.get(op[:2], 0) + 1
         # Nothing changes for a waiting rank until some op ends: skip to the next end.
         later = [f for f in free if f > slot]
@@ -281,10 +307,10 @@ def _slots(placement: Placement, micro_batches: int, split: bool, choose: Choose
     return slots
 
 
-def _programs(schedule: str, placement: Placement, micro_batches: int, split: bool, choose: Chooser):
-    slots = _slots(placement, micro_batches, split, choose)
+def _programs(schedule: str, placement: Placement, micro_batches: int, split: bool, choose: Chooser, lengths: Slots):
+    slots = _slots(placement, micro_batches, split, choose, lengths)
     p, last = placement.ranks, placement.virtual_stages - 1
-    length = max(start + SLOTS[op[0]] for ranks in slots for start, op in ranks)
+    length = max(start + lengths.of(op[0]) for ranks in slots for start, op in ranks)
     steps: list[list[list[ChunkCommand]]] = [[[] for _ in range(length)] for _ in range(p)]
     for rank in range(p):
         for start, op in slots[rank]:
@@ -294,7 +320,7 @@ def _programs(schedule: str, placement: Placement, micro_batches: int, split: bo
                 kind is schedules.ForwardPass and stage in (0, last)
             )
             steps[rank][start].append(ChunkCommand(kind, chunk, stage, m))
-            boundary = start + SLOTS[kind] - 1  # its output crosses after its last slot
+            boundary = start + lengths.of(kind) - 1  # its output crosses after its last slot
             if kind is schedules.ForwardPass and stage < last:
                 to, to_chunk = placement.holder(stage + 1)
                 sends, recvs = schedules.SendActivation, schedules.RecvActivation
@@ -333,8 +359,11 @@ def _sends_before_receives(step: list[ChunkCommand]) -> VirtualStep:
     )
 
 
-def virtual_schedule(schedule: str, micro_batches: int, ranks: int, chunks: int = 2) -> list[VirtualProgram]:
-    """Every rank's programme of `schedule` (one of VIRTUAL_SCHEDULES) with `chunks` per rank (2 for the V shapes)."""
+def virtual_schedule(
+    schedule: str, micro_batches: int, ranks: int, chunks: int = 2, slots: Slots = UNIT_SLOTS
+) -> list[VirtualProgram]:
+    """Every rank's programme of `schedule` (one of VIRTUAL_SCHEDULES) with `chunks` per rank (2 for the V shapes),
+    laid out in `slots` (the V shapes' greedy order follows them; interleaved 1F1B's order is Megatron's)."""
     if schedule not in VIRTUAL_SCHEDULES:
         raise ValueError(f"unknown virtual schedule {schedule!r}: expected one of {', '.join(VIRTUAL_SCHEDULES)}")
     if micro_batches < 1:
@@ -349,6 +378,6 @@ def virtual_schedule(schedule: str, micro_batches: int, ranks: int, chunks: int 
                 f"({ranks}), or at most as many"
             )
         orders = [_megatron_order(placement, micro_batches, rank) for rank in range(ranks)]
-        return _programs(schedule, placement, micro_batches, False, _in_order(orders, placement))
+        return _programs(schedule, placement, micro_batches, False, _in_order(orders, placement), slots)
     limit = 2 * ranks if schedule == "zb-v" else ranks
-    return _programs(schedule, placement, micro_batches, True, _greedy_v(placement, micro_batches, limit))
+    return _programs(schedule, placement, micro_batches, True, _greedy_v(placement, micro_batches, limit), slots)

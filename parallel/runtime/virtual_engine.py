@@ -30,7 +30,7 @@ from model.fused_loss import HeadLoss
 from parallel.planning.config import OptimConfig, ParallelConfig, RecomputeConfig
 from parallel.planning.layout import PipelineLayout
 from parallel.planning.shapes import TORCH_DTYPES
-from parallel.planning.virtual_schedules import Placement, VirtualProgram, placement_of, virtual_schedule
+from parallel.planning.virtual_schedules import Placement, Slots, VirtualProgram, placement_of, virtual_schedule
 from parallel.planning.virtual_support import virtual_refusal
 from parallel.runtime.boundary_links import BoundaryBatch
 from parallel.runtime.chunk_work import ChunkStageWork
@@ -87,8 +87,11 @@ class VirtualPipelineEngine:
         tied: TiedCopies,
         seed: int,
         micro_batches: int,
+        slots: Slots,
     ):
         self.engine, self.grid, self.schedule, self.placement = engine, grid, schedule, placement
+        self.slots = slots
+        """The slots the programmes are laid out in (the layout's: parallel/planning/virtual_slots.py)."""
         self.schedule_kind = schedule  # as the zero-bubble engine names the schedule it runs (checkpoint metadata)
         self.stages, self.hidden, self.dtype, self.tied = list(stages), hidden, dtype, tied
         self.micro_batches = micro_batches
@@ -133,7 +136,9 @@ class VirtualPipelineEngine:
 
     def program(self, micro_batches: int) -> VirtualProgram:
         if micro_batches not in self._programs:
-            programs = virtual_schedule(self.schedule, micro_batches, self.placement.ranks, self.placement.chunks)
+            programs = virtual_schedule(
+                self.schedule, micro_batches, self.placement.ranks, self.placement.chunks, self.slots
+            )
             self._programs[micro_batches] = programs[self.rank]
         return self._programs[micro_batches]
 
@@ -308,4 +313,5 @@ def build_virtual_engine(
         tied,
         layout.seed,
         train.micro_batches,
+        layout.virtual_slots,
     )
