@@ -80,7 +80,8 @@ PLANNING = [
         "parallel.planning.virtual_auto",  # auto per chunk: a rank's chunks planned together against its budget
     },
     {"parallel.planning.considered_plans"},  # the whole-run plans auto weighed, ranked by simulated step
-    {"parallel.planning.virtual_plan"},  # what each rank of a virtual-stage schedule is planned to hold, as a record
+    # what each rank of a virtual-stage schedule is planned to hold, and a run's simulated step, as records
+    {"parallel.planning.virtual_plan", "parallel.planning.step_time_record"},
     {"parallel.planning.layout", "parallel.planning.plan_record"},
     {"parallel.planning.virtual_choice"},  # the virtual-stage schedules priced on a layout's ranks, for the dry run
     {"parallel.planning.virtual_layout"},  # a run under one: its virtual stages, each rank's peak and step

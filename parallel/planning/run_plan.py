@@ -31,13 +31,13 @@ from parallel.planning.plan_record import (
     PlanTarget,
     RunPlan,
     StageEstimate,
-    StepTimeEstimate,
 )
 from parallel.planning.schedule_choice import setting_prices
 from parallel.planning.shapes import RunShape, Shape, Target
 from parallel.planning.stage_plan import plan_stage
 from parallel.planning.stage_price import StagePrice, StagePricing, price_stage, simulate_priced
 from parallel.planning.step_sim import Timeline, lower_bound_s
+from parallel.planning.step_time_record import StepTimeEstimate
 
 COMPARED_MODES = {"none": NoRecompute(), "selective": SelectiveRecompute(), "full": FullRecompute()}
 """The uniform modes whose predicted step time plan.json gives beside the chosen plan's (their defaults)."""

@@ -24,8 +24,9 @@ class VirtualPlan:
     """What priced the chunks' seconds (parallel/planning/block_prices.py's sources; None in plan.json files written
     before it was recorded)."""
     cost_source: dict | None = None
-    """Which prices: as StepTimeEstimate.cost_source ({kind, path, created}; a traced run of measured prices teaches
-    them its residuals). None where the step was not priced, and in plan.json files written before."""
+    """Which prices: as StepTimeEstimate.cost_source (parallel/planning/step_time_record.py: {kind, path, created}; a
+    traced run of measured prices teaches them its residuals). None where the step was not priced, and in plan.json
+    files written before."""
     rank_instruction_s: tuple[dict[str, float], ...] = ()
     """Per rank, the simulated seconds of each instruction it runs (parallel/planning/virtual_sim.py's
     VirtualTimeline): what a traced step's instructions are compared with."""
