@@ -222,9 +222,8 @@ class StepTracer:
             return None
         engine = self.engine
         gathered: list[RankTrace | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(
-            gathered, self._trace
-        )  # every rank learns it: who holds the loss depends on the schedule
+        # to every rank: which rank holds the loss depends on the schedule (a V's is rank 0)
+        dist.all_gather_object(gathered, self._trace)
         if not (engine.is_last_stage() and engine.grid.get_data_parallel_rank() == 0):
             return None
         ranks = sorted(gathered, key=lambda r: (r.stage, r.dp_rank))

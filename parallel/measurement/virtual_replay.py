@@ -3,52 +3,21 @@
 stage: the rank's chunks built and planned as the in-process virtual pipeline builds them
 (parallel/measurement/virtual_local.py), its programme run through one interpreter per chunk, its neighbours fake
 (`FakeNeighbours`: what they send is random tensors of the right shape), on random micro-batches, with no optimizer
-(the activations are what is measured: the peak above the step's baseline of parameters and gradients). A sent input
-gradient is held as the engine's boundary batch holds it (parallel/runtime/boundary_links.py): until the boundary
-after its own is posted, or the once-per-step instructions begin."""
+(the activations are what is measured: the peak above the step's baseline of parameters and gradients). The rank's
+runner and its boundary batch are the engine's (parallel/runtime/virtual_rank.py, boundary_links.py), the fake
+neighbours its exchange, so what the engine's messages hold and when, the replay's hold."""
 
 import gc
-from contextlib import ExitStack
 
 import torch
 
 from parallel.measurement.in_process import FakeNeighbours
 from parallel.measurement.tensor_peak import TensorPeak, TensorPeakMeter
 from parallel.measurement.virtual_local import VirtualLocalPipeline, chunk_interpreter
-from parallel.planning import schedules
 from parallel.planning.layout import PipelineLayout
 from parallel.planning.virtual_schedules import virtual_schedule
-from parallel.runtime.virtual_rank import execute
-
-
-class _SentGradients:
-    """The input gradients a rank's chunks sent, held until the engine's batch would have waited for them."""
-
-    def __init__(self):
-        self.sending: list[torch.Tensor] = []
-        """This step's, posted at its boundary."""
-        self.sent: list[torch.Tensor] = []
-        """The last posted boundary's, waited for at the next post."""
-
-    def link(self, stage: int) -> "_HoldingNeighbours":
-        return _HoldingNeighbours(self, stage)
-
-    def post(self) -> None:
-        self.sent, self.sending = self.sending, []
-
-    def complete(self) -> None:
-        self.sent, self.sending = [], []
-
-
-class _HoldingNeighbours(FakeNeighbours):
-    """Virtual stage `stage`'s fake neighbours, its gradient sends held by `gradients`."""
-
-    def __init__(self, gradients: _SentGradients, stage: int):
-        self.gradients, self.stage = gradients, stage
-
-    def send(self, tensor: torch.Tensor, stage: int) -> None:
-        if stage < self.stage:
-            self.gradients.sending.append(tensor)
+from parallel.runtime.boundary_links import BoundaryBatch
+from parallel.runtime.virtual_rank import run_training_step
 
 
 class VirtualRankReplay:
@@ -87,19 +56,11 @@ class VirtualRankReplay:
         makes them (parallel/runtime/virtual_engine.py)."""
         data = (micro_batches or self.micro_batches()).__getitem__
         interpreters = [None] * len(self.pipe.stages)
-        gradients = _SentGradients()
+        placement = self.program.placement
+        batch = BoundaryBatch(lambda stage: placement.holder(stage)[0], self.program.rank, FakeNeighbours().post)
         for i in self.mine:
-            interpreters[i] = chunk_interpreter(self.pipe, i, self.program, gradients.link(i), data)
-        with ExitStack() as stack:
-            for i in self.mine:
-                stack.enter_context(interpreters[i].training_step(self.steps))
-            for step in self.program.steps:
-                for command in step:
-                    if command.micro_batch is None:
-                        gradients.complete()
-                    execute(self.program, interpreters, command)
-                if any(command.kind in schedules.COMMUNICATION for command in step):
-                    gradients.post()
+            interpreters[i] = chunk_interpreter(self.pipe, i, self.program, batch.link(i), data)
+        run_training_step(self.program, interpreters, batch, self.steps)
         self.steps += 1
 
     def measure_peak(self, steps: int = 2) -> TensorPeak:

@@ -80,10 +80,10 @@ class RankMoments:
     def of(cls, program: VirtualProgram) -> "RankMoments":
         """Per micro-batch of chunk c: in flight from its forward to its backward (B, or the whole backward), W-pending
         from its B to its W, a received input or output gradient of the chunk held from its receive to the forward or
-        backward that reads it, and the input gradient it sends held from its backward until the boundary after its
-        SendGrad's is posted (parallel/runtime/boundary_links.py waits for a boundary's gradient sends there) or the
-        once-per-step instructions begin (counted after each instruction and post, and inside each backward before it
-        frees its micro-batch, as schedule_walk.activation_peak counts)."""
+        backward that reads it, and the input gradient it sends to another rank held from its backward until the
+        boundary after its SendGrad's is posted (parallel/runtime/boundary_links.py waits for a boundary's gradient
+        sends there) or the once-per-step instructions begin (counted after each instruction and post, and inside each
+        backward before it frees its micro-batch, as schedule_walk.activation_peak counts)."""
         chunks = program.chunks
         live: list[set[int]] = [set() for _ in range(chunks)]
         pending, returning = [0] * chunks, [0] * chunks
@@ -123,7 +123,8 @@ class RankMoments:
                     pending[c] -= 1
                 elif kind is schedules.SendGrad:  # the input is dropped; its gradient stays until its send completes
                     returning[c] -= 1
-                    sending.append(c)
+                    if command.peer != program.rank:  # to the rank's own chunk (the V's turn): copied at the post
+                        sending.append(c)
                 elif m is None and (sending or sent):  # every message completes before the once-per-step ones
                     sending.clear()
                     sent.clear()

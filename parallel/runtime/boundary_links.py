@@ -50,12 +50,26 @@ class _Completion:
             self.done = True
 
 
+Exchange = Callable[[list[tuple[torch.Tensor, int]], list[tuple[torch.Tensor, int]]], list]
+"""Posts (sends, receives), each (tensor, peer rank), at once and returns their Works without waiting: one per
+operation (gloo) or one for all (NCCL)."""
+
+
+def p2p_exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> list:
+    """torch.distributed's point-to-point, as one batch."""
+    ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends] + [
+        dist.P2POp(dist.irecv, t, peer) for t, peer in recvs
+    ]
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
 class BoundaryBatch:
     """A rank's messages, by virtual stage; `rank_of(virtual stage)` is the global rank that holds it, `me` this
-    process's."""
+    process's; `exchange` moves the messages to and from the other ranks (the stage replay's fake neighbours:
+    parallel/measurement/virtual_replay.py)."""
 
-    def __init__(self, rank_of: Callable[[int], int], me: int):
-        self.rank_of, self.me = rank_of, me
+    def __init__(self, rank_of: Callable[[int], int], me: int, exchange: Exchange = p2p_exchange):
+        self.rank_of, self.me, self.exchange = rank_of, me, exchange
         self._message: Message | None = None
         self._sends: list[tuple[torch.Tensor, int, int, Message]] = []  # (tensor, from stage, to stage, message)
         self._recvs: list[tuple[torch.Tensor, int, int, Message]] = []
@@ -105,11 +119,10 @@ class BoundaryBatch:
             repeated = [peer for peer, n in Counter(p for _, p, _ in peers).items() if n > 1]
             if repeated:
                 raise RuntimeError(f"rank {self.me}: two {kind} with rank {repeated[0]} at one boundary")
-        ops = [dist.P2POp(dist.isend, t, peer) for t, peer, _ in remote_sends]
-        ops += [dist.P2POp(dist.irecv, t, peer) for t, peer, _ in remote_recvs]
-        works = dist.batch_isend_irecv(ops) if ops else []
+        works = self.exchange([(t, peer) for t, peer, _ in remote_sends], [(t, peer) for t, peer, _ in remote_recvs])
+        operations = len(remote_sends) + len(remote_recvs)
         # One Work per operation on gloo, one for the whole batch on NCCL.
-        each = [_Completion([w]) for w in works] if len(works) == len(ops) else [_Completion(works)] * len(ops)
+        each = [_Completion([w]) for w in works] if len(works) == operations else [_Completion(works)] * operations
         for (tensor, _, message), completion in zip(remote_sends, each):
             if message[0] == "activation":
                 self._sent_activations[message] = (completion, tensor)
