@@ -47,6 +47,7 @@ from harness.context import RunContext
 from harness.faults import save_delay_for_test
 from harness.files import atomic_write, atomic_write_json, atomic_write_text, fsync_path
 from harness.hf.source import SOURCE_FILE
+from parallel.runtime.engine_checkpoint import load_engine_checkpoint
 from parallel.runtime.lr_schedule import CosineSegment, apply_current_lr
 from schema.training import normalize_resume
 
@@ -268,27 +269,14 @@ class Checkpointer:
     def load(self, point: ResumePoint) -> int:
         """Restore weights, optimizer, scheduler and engine counters, then this rank's RNG states; returns
         the step the checkpoint was taken after."""
-        engine, load_dir, tag = self.engine, str(point.path.parent), point.path.name
-        # DeepSpeed 0.19.8 with bf16 and ZeRO stage 0 (BF16_Optimizer) saves the optimizer in
-        # bf16_zero_pp_rank_* files but its load_checkpoint hands BF16_Optimizer the dict of the
-        # model-states file, which it indexes by data-parallel rank: KeyError 0. Load the weights,
-        # scheduler and counters without the optimizer, then the optimizer (and its fp32 master weights)
-        # from the files it was saved to, as ZeRO's own load does.
-        bf16_zero0 = engine.bfloat16_enabled() and not engine.zero_optimization()
-        load_path, client = engine.load_checkpoint(
-            load_dir, tag=tag, load_optimizer_states=not bf16_zero0, load_lr_scheduler_states=True
-        )
-        if load_path is None:
-            raise RuntimeError(f"DeepSpeed could not load the checkpoint {point.path}")
-        if bf16_zero0 and not engine._load_zero_checkpoint(load_dir, tag, load_optimizer_states=True):
-            raise RuntimeError(f"DeepSpeed found no bf16 optimizer state in {point.path}")
+        client = load_engine_checkpoint(self.engine, str(point.path.parent), point.path.name)
         if client.get("stagecheck_step") != point.step:
             raise RuntimeError(
                 f"the checkpoint {point.path} is inconsistent: DeepSpeed's state says step "
                 f"{client.get('stagecheck_step')}, {META} says {point.step}"
             )
         # The scheduler's state is the checkpoint's; its learning rate for the next step is this launch's.
-        apply_current_lr(engine.lr_scheduler)
+        apply_current_lr(self.engine.lr_scheduler)
         # Our own file, written by this code: not an untrusted pickle.
         set_rng_state(torch.load(point.path / rank_state_name(self.rank), weights_only=False))
         return point.step

@@ -2,8 +2,11 @@
 2 ranks with 2 chunks each train bit-identically to DeepSpeed's 1F1B on 2 stages of the same model, seed and data,
 under no, full and selective recompute with dropout 0.1, alone and with 2 data-parallel replicas (also under ZeRO-1)
 (tests/fixtures/virtual_runs.py, in the session's shared 2- and 4-rank engine launches): the same losses, the same
-gradient of every parameter at every step (both copies of the tied embedding), the same trained weights. And the
-runtime refuses, in one line, what it does not run yet."""
+gradient of every parameter at every step (both copies of the tied embedding), the same trained weights; in bf16 too,
+under DeepSpeed's BF16_Optimizer (whose backward prologue, run by DeepSpeed from a hook on the stage's output, wiped
+the LM head's loss gradient on 1F1B's last stage until parallel/runtime/zero_bubble_engine.py cleared the 16-bit
+gradients before the loss's backward instead: the chunks, which clear them themselves, found it). And the runtime
+refuses, in one line, what it does not run yet."""
 
 import pytest
 
@@ -23,7 +26,12 @@ ENGINE_RUNS = {
     # 2 pipeline ranks x 2 data-parallel replicas, in the shared 4-rank launch, without and with ZeRO-1
     "data-parallel": EngineRun("virtual_runs", {"modes": ["none"]}, nproc=4),
     "zero1": EngineRun("virtual_runs", {"modes": ["full"], "zero_stage": 1}, nproc=4),
+    # bf16: DeepSpeed's BF16_Optimizer (fp32 master weights), as its PipelineEngine chooses it; resumed too
+    "bf16": EngineRun("virtual_runs", {"modes": ["selective"], "resume": "v-half", "precision": "bf16"}, nproc=2),
+    "bf16-data-parallel": EngineRun("virtual_runs", {"modes": ["none"], "precision": "bf16"}, nproc=4),
 }
+OPTIMIZERS = {"zero1": "DeepSpeedZeroOptimizer", "bf16": "BF16_Optimizer", "bf16-data-parallel": "BF16_Optimizer"}
+"""DeepSpeed's optimizer wrapper of each run (the rest: none, torch's AdamW)."""
 
 
 def _merged(ranks: list[dict], field: str) -> list[dict[str, set[str]]] | dict[str, set[str]]:
@@ -45,7 +53,8 @@ def _merged(ranks: list[dict], field: str) -> list[dict[str, set[str]]] | dict[s
 @pytest.mark.parametrize(
     "run, mode",
     [("two-ranks", mode) for mode in MODES]
-    + [("data-parallel", "none"), ("zero1", "full"), ("cpu-slots", "selective")],
+    + [("data-parallel", "none"), ("zero1", "full"), ("cpu-slots", "selective")]
+    + [("bf16", "selective"), ("bf16-data-parallel", "none")],
 )
 @pytest.mark.parametrize("schedule", VIRTUAL_SCHEDULES)
 def test_two_chunks_per_rank_train_as_deepspeeds_1f1b_bit_for_bit(engine_runs, schedule, run, mode):
@@ -55,8 +64,8 @@ def test_two_chunks_per_rank_train_as_deepspeeds_1f1b_bit_for_bit(engine_runs, s
     replicas = len(ranks) // 2  # DeepSpeed's grid: pipeline rank = global rank // replicas
     assert [rank["stages"] for rank in ranks] == [placement[r // replicas] for r in range(len(ranks))]
     assert all(rank["losses"] == reference[0]["losses"] for rank in ranks)
-    zero = "DeepSpeedZeroOptimizer" if run == "zero1" else "AdamW"
-    assert {rank["optimizer"] for rank in ranks + reference} == {zero}  # ZeRO-1's gradients: only in the weights
+    # ZeRO-1's gradients: only in the weights; bf16's: the fp32 ones BF16_Optimizer steps with
+    assert {rank["optimizer"] for rank in ranks + reference} == {OPTIMIZERS.get(run, "AdamW")}
     for grads, expected in zip(_merged(ranks, "grads"), _merged(reference, "grads"), strict=True):
         assert grads.keys() == expected.keys()
         for key, digests in grads.items():
@@ -75,11 +84,12 @@ def test_interleaving_three_chunks_per_rank_trains_as_deepspeeds_1f1b_bit_for_bi
 
 
 @pytest.mark.multiproc
-def test_a_run_resumed_from_deepspeeds_checkpoint_continues_bit_exactly(engine_runs):
-    """DeepSpeed's engine saves and loads the chunks' weights, the optimizer and the LR schedule (zb-v: rank 0 holds
-    both copies of the tied embedding)."""
-    for rank in engine_runs["resume"]:
-        losses = rank["resume/zb-v"]
+@pytest.mark.parametrize("run, schedule", [("resume", "zb-v"), ("bf16", "v-half")])
+def test_a_run_resumed_from_deepspeeds_checkpoint_continues_bit_exactly(engine_runs, run, schedule):
+    """DeepSpeed's engine saves and loads the chunks' weights, the optimizer and the LR schedule (a V's rank 0 holds
+    both copies of the tied embedding); in bf16, BF16_Optimizer's fp32 master weights from its own files."""
+    for rank in engine_runs[run]:
+        losses = rank[f"resume/{schedule}"]
         assert len(losses["straight"]) == 2 and losses["resumed"] == losses["straight"]
 
 
@@ -99,10 +109,11 @@ def test_what_the_runtime_does_not_run_yet_is_refused_in_one_line():
 
     assert refusal() is None and refusal(recompute=FullRecompute(interval="1")) is None
     assert refusal(recompute=AutoRecompute()) is None  # auto per chunk (parallel/planning/virtual_auto.py)
+    assert refusal(precision="bf16") is None
     refusals = [
         refusal(recompute=FullRecompute(interval="1", early=True)),
-        refusal(precision="bf16"),
+        refusal(precision="fp16"),
         refusal(zero=2),
     ]
     assert all(line and "\n" not in line and "zb-v" in line for line in refusals)
-    assert "train.precision=bf16" in refusals[1]
+    assert "train.precision=fp16" in refusals[1] and "bf16 or fp32" in refusals[1]

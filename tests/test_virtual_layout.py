@@ -70,9 +70,10 @@ def test_what_train_py_does_not_run_under_a_virtual_schedule_is_refused_in_one_l
 
     assert refusal() is None and refusal(schedule="interleaved-1f1b", micro_batches=4) is None
     assert refusal(recompute=AutoRecompute()) is None  # auto is planned per rank (parallel/planning/virtual_auto.py)
+    assert refusal(precision="bf16") is None  # DeepSpeed's BF16_Optimizer, as its pipelines use it
     refusals = {
         "recompute.early=true": refusal(recompute=AutoRecompute(early=True)),
-        "train.precision=bf16": refusal(precision="bf16"),
+        "train.precision=fp16": refusal(precision="fp16"),
         "model.n_layer=3": refusal(blocks=3),
         "train.micro_batches=5": refusal(schedule="interleaved-1f1b", micro_batches=5),
     }
@@ -105,7 +106,8 @@ def test_auto_picks_a_virtual_schedule_only_where_it_simulates_faster_than_1f1b_
 
 
 def test_auto_leaves_out_the_virtual_schedules_where_the_run_cannot_run_them():
-    assert _auto(GPT2_16, 2, 2, precision="bf16")[1] is None  # the virtual engine runs fp32 only
+    assert _auto(GPT2_16, 2, 2, precision="fp16")[1] is None  # the virtual engine runs fp32 and bf16 only
+    assert _auto(GPT2_16, 2, 2, precision="bf16")[1] == "zb-v"
     assert _auto(GPT2_16, 2, 2, recompute=AutoRecompute(early=True))[1] is None  # early recompute is not wired
     assert _auto(replace(GPT2_16, n_layer=3), 2, 2)[1] is None  # fewer blocks than chunks
 

@@ -21,8 +21,8 @@ def virtual_refusal(schedule: str, recompute: RecomputeConfig, precision: str, z
             f"wired for virtual stages): use recompute.early=false"
             + (" or null" if isinstance(recompute, AutoRecompute) else "")
         )
-    if precision != "fp32":
-        return f"train.precision={precision} is not supported with parallel.schedule={schedule} yet: use fp32"
+    if precision == "fp16":
+        return f"train.precision=fp16 is not supported with parallel.schedule={schedule} yet: use bf16 or fp32"
     if zero_stage > 1:
         return f"parallel.zero_stage={zero_stage} is not supported with parallel.schedule={schedule} yet: use 0"
     return None

@@ -13,6 +13,7 @@ instructions reach every chunk of the rank; the rank's `RankStep` runs them once
 """
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Protocol
 
 import torch
@@ -26,6 +27,10 @@ from parallel.runtime.stage_interpreter import Recv, Send
 
 MicroBatchSource = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 """Micro-batch k's (token ids, labels), each (b, s)."""
+
+BackwardScope = Callable[[], AbstractContextManager]
+"""Around each backward and W of a chunk: its optimizer's gradient bookkeeping (DeepSpeed's, on the engine:
+parallel/runtime/engine_backward.py); none in one process."""
 
 
 class RankStep(Protocol):
@@ -53,10 +58,12 @@ class ChunkStageWork:
         micro_batches: int,
         data: MicroBatchSource,
         rank_step: RankStep | None,
+        backward_scope: BackwardScope = nullcontext,
     ):
         self.chunk, self.stage, self.micro_batches = chunk, stage, micro_batches
         self.first, self.last = stage == 0, stage == stages - 1
         self.loss_fn, self.data, self.rank_step = loss_fn, data, rank_step
+        self.backward_scope = backward_scope
         self.hidden, self.dtype, self.device = hidden, dtype, next(chunk.parameters()).device
         self.inputs: list[torch.Tensor | None] = [None] * micro_batches
         self.outputs: list[torch.Tensor | None] = [None] * micro_batches
@@ -95,11 +102,12 @@ class ChunkStageWork:
 
     def backward(self, buffer_id: int) -> None:
         """The micro-batch's backward (B under a deferring weight-gradient store)."""
-        if self.last:
-            (self.losses[buffer_id] / self.micro_batches).backward()
-            self.losses[buffer_id] = None
-            return
-        self.outputs[buffer_id].backward(self.grads[buffer_id])
+        with self.backward_scope():
+            if self.last:
+                (self.losses[buffer_id] / self.micro_batches).backward()
+                self.losses[buffer_id] = None
+                return
+            self.outputs[buffer_id].backward(self.grads[buffer_id])
         self.outputs[buffer_id] = self.grads[buffer_id] = None
 
     def send_activation(self, buffer_id: int, send: Send) -> None:
@@ -123,7 +131,8 @@ class ChunkStageWork:
         )
 
     def apply_weight_grads(self, store: WeightGradStore) -> None:
-        store.apply_oldest()
+        with self.backward_scope():
+            store.apply_oldest()
 
     def reduce_tied_grads(self) -> None:
         if self.rank_step is not None:

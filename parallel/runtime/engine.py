@@ -110,6 +110,15 @@ InitialWeights = Callable[[RecomputingPipelineModule], dict[nn.Parameter, torch.
 DEEPSPEED_START_UP_LINES = ("SEED_LAYERS=", "Using topology:")
 """What PipelineModule prints on rank 0 as it starts: its layer seeding (off: each layer seeds itself from the
 model's seed) and the process grid (start-up's line gives stages x data-parallel)."""
+DEEPSPEED_OPTIMIZER_LINES = (
+    "begin bf16_optimizer",
+    "before initializing group",
+    "after initializing group",
+    "end bf16_ optimizer",
+    "MA ",
+    "CPU Virtual Memory:",
+)
+"""What BF16_Optimizer prints on every rank as it is built: its memory at each of its steps (DeepSpeed forces it)."""
 
 
 @contextmanager
@@ -150,12 +159,13 @@ def build_engine(
         for param, value in weights.items():
             param.copy_(value)
     config = deepspeed_config(train, parallel, data_parallel_size, precision, device)
-    engine, _, _, _ = deepspeed.initialize(
-        model=module,
-        model_parameters=param_groups(module, train.weight_decay),
-        config=config,
-        lr_scheduler=partial(warmup_cosine, train=train, segment=lr_segment),
-    )
+    with dropping_lines(DEEPSPEED_OPTIMIZER_LINES):
+        engine, _, _, _ = deepspeed.initialize(
+            model=module,
+            model_parameters=param_groups(module, train.weight_decay),
+            config=config,
+            lr_scheduler=partial(warmup_cosine, train=train, segment=lr_segment),
+        )
     _set_fp32_masters(engine.optimizer, weights)
     return zero_bubble(engine, layout)  # every schedule, 1f1b included, through the same engine class
 

@@ -4,9 +4,10 @@ them over the stages that hold them: a V's rank 0 holds both (a local sum), inte
 over a group of the two. The LM head's copy is marked `ds_pipe_replicated`, as PipelineModule marks a tied weight's
 later copies, and the rank's clipping counts the weight once."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import deepspeed
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid
@@ -69,19 +70,21 @@ class TiedCopies:
 
         engine.clip_fp32_gradients = clip_fp32_gradients
 
-    def reduce(self) -> None:
-        """Every copy's gradient becomes the sum of all copies' gradients."""
+    def reduce(self, gradient: Callable[[nn.Parameter], torch.Tensor] = lambda weight: weight.grad) -> None:
+        """Every copy's `gradient` (the one its optimizer steps with: BF16_Optimizer's fp32 one, `_hp_grad`, as
+        DeepSpeed's ReduceTiedGrads reduces it) becomes the sum of all copies'."""
         for key, copies in self.copies.items():
             if not copies:
                 continue
-            total = copies[0].grad
-            for copy in copies[1:]:
-                total = total + copy.grad
+            grads = [gradient(copy) for copy in copies]
+            total = grads[0]
+            for grad in grads[1:]:
+                total = total + grad
             if self.groups[key] is not None:
                 dist.all_reduce(total, group=self.groups[key])
-            for copy in copies:
-                if copy.grad is not total:
-                    copy.grad.copy_(total)
+            for grad in grads:
+                if grad is not total:
+                    grad.copy_(total)
 
 
 def _tied_weight(layout: PipelineLayout, chunk: PlannedLayers, key: str) -> nn.Parameter:

@@ -24,6 +24,8 @@ from functools import partial
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+from deepspeed.runtime.constants import BFLOAT16, DDP_BFLOAT16
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipelineParallelGrid
 
 from model.fused_loss import HeadLoss
@@ -37,12 +39,14 @@ from parallel.runtime.chunk_work import ChunkStageWork
 from parallel.runtime.dropout_keys import DropoutKeys
 from parallel.runtime.ds_config import deepspeed_config
 from parallel.runtime.engine import (
+    DEEPSPEED_OPTIMIZER_LINES,
     DEEPSPEED_START_UP_LINES,
     InitialWeights,
     counted_on_every_stage,
     dropping_lines,
     param_groups,
 )
+from parallel.runtime.engine_backward import engine_backward
 from parallel.runtime.lr_schedule import CosineSegment, warmup_cosine
 from parallel.runtime.planned_layers import PlannedLayers
 from parallel.runtime.rank_chunks import RankChunks, checkpoint_by_layer
@@ -61,6 +65,7 @@ DEEPSPEED_SURFACE = frozenset(
         "was_step_applied",
         "save_checkpoint",
         "load_checkpoint",
+        "_load_zero_checkpoint",
         "bfloat16_enabled",
         "zero_optimization",
         "device",
@@ -163,6 +168,7 @@ class VirtualPipelineEngine:
                 count,
                 micro_batches.__getitem__ if micro_batches is not None else _no_data,
                 self if last_chunk else None,  # the once-per-step work runs once, with the rank's last chunk's
+                partial(engine_backward, self.engine),
             )
             interpreters[stage] = StageInterpreter(
                 work,
@@ -223,7 +229,10 @@ class VirtualPipelineEngine:
     # The rank's once-per-step work (parallel/runtime/chunk_work.py's RankStep).
 
     def reduce_tied_grads(self) -> None:
-        self.tied.reduce()
+        if isinstance(self.engine.optimizer, BF16_Optimizer):
+            self.tied.reduce(lambda weight: weight._hp_grad)
+        else:
+            self.tied.reduce()
 
     def reduce_grads(self) -> None:
         with self._at_boundary():
@@ -243,6 +252,27 @@ class VirtualPipelineEngine:
             yield
         finally:
             self.engine.set_gradient_accumulation_boundary(False)
+
+
+class _PipelinesOptimizerEngine(deepspeed.DeepSpeedEngine):
+    """A plain DeepSpeedEngine that wraps its optimizer as DeepSpeed's PipelineEngine does: DeepSpeed chooses by
+    `pipeline_parallelism` (a PipelineModule), and in bf16 without ZeRO gives a plain engine DDP's bf16 path (the
+    16-bit weights stepped and gradients accumulated in bf16), where a pipeline gets BF16_Optimizer (fp32 master
+    weights, each backward's gradients added into fp32 ones): the chunks must train as DeepSpeed's 1F1B trains."""
+
+    def _do_optimizer_sanity_check(self, basic_optimizer):
+        wrapper = super()._do_optimizer_sanity_check(basic_optimizer)
+        return BFLOAT16 if wrapper == DDP_BFLOAT16 else wrapper
+
+
+@contextmanager
+def _pipelines_optimizer_wrapper() -> Iterator[None]:
+    """deepspeed.initialize builds the engine class its module names DeepSpeedEngine: the subclass above, inside."""
+    deepspeed.DeepSpeedEngine = _PipelinesOptimizerEngine
+    try:
+        yield
+    finally:
+        deepspeed.DeepSpeedEngine = _PipelinesOptimizerEngine.__base__
 
 
 def _no_data(micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -289,13 +319,14 @@ def build_virtual_engine(
     with torch.no_grad():
         for param, value in weights.items():
             param.copy_(value)
-    engine, _, _, _ = deepspeed.initialize(
-        model=module,
-        model_parameters=param_groups(module, train.weight_decay),
-        config=deepspeed_config(train, parallel, data_parallel, precision, device),
-        lr_scheduler=partial(warmup_cosine, train=train, segment=lr_segment),
-        mpu=grid,
-    )
+    with _pipelines_optimizer_wrapper(), dropping_lines(DEEPSPEED_OPTIMIZER_LINES):
+        engine, _, _, _ = deepspeed.initialize(
+            model=module,
+            model_parameters=param_groups(module, train.weight_decay),
+            config=deepspeed_config(train, parallel, data_parallel, precision, device),
+            lr_scheduler=partial(warmup_cosine, train=train, segment=lr_segment),
+            mpu=grid,
+        )
     engine.set_gradient_accumulation_boundary(False)  # the programme accumulates the micro-batches itself
     # As DeepSpeed's PipelineEngine: gradients are reduced at ReduceGrads, never by a backward's epilogue.
     engine.enable_backward_allreduce = False

@@ -27,6 +27,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.pipe import p2p
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
@@ -35,6 +36,7 @@ from parallel.planning import schedules
 from parallel.planning.layout import PipelineLayout
 from parallel.runtime.dropout_keys import DropoutKeys
 from parallel.runtime.ds_schedule import DEEPSPEED_INSTRUCTION, deepspeed_schedule
+from parallel.runtime.engine_backward import engine_backward
 from parallel.runtime.stage_interpreter import Recv, Send, StageInterpreter, Work
 
 _DEEPSPEED_SEND, _DEEPSPEED_RECV = p2p.send, p2p.recv
@@ -111,7 +113,20 @@ class EngineStageWork:
         PipelineEngine._exec_forward_pass(self.engine, buffer_id)
 
     def backward(self, buffer_id: int) -> None:
-        PipelineEngine._exec_backward_pass(self.engine, buffer_id)
+        engine = self.engine
+        if not (engine.is_last_stage() and isinstance(engine.optimizer, BF16_Optimizer)):
+            PipelineEngine._exec_backward_pass(engine, buffer_id)
+            return
+        # DeepSpeed clears bf16's 16-bit gradients in its backward prologue, run by a hook on the stage's output once
+        # the output's gradient is made. On the last stage the loss comes after the output (the fused loss reads the
+        # LM head's weight there), so autograd has accumulated the head weight's gradient by then, and the prologue
+        # wiped it: that weight never trained. So the last stage clears them before its loss's backward instead.
+        engine.optimizer.clear_lp_grads()
+        engine.optimizer.backward_prologue = _no_prologue
+        try:
+            PipelineEngine._exec_backward_pass(engine, buffer_id)
+        finally:
+            del engine.optimizer.backward_prologue  # the class's again
 
     def send_activation(self, buffer_id: int, send: Send) -> None:
         with _routed(send=send):
@@ -141,19 +156,8 @@ class EngineStageWork:
         return self.engine.grad_layer
 
     def apply_weight_grads(self, store: WeightGradStore) -> None:
-        engine = self.engine
-        bf16 = engine.using_bf16_optimizer
-        if bf16:  # the 16-bit gradients hold only what this W adds (B moved its own into fp32 already)
-            engine.optimizer.clear_lp_grads()
-        # As around DeepSpeed's own non-last-stage backward: the post-backward hook of ZeRO optimizers must not
-        # run its epilogue for this graph.
-        engine._running_engine_backward = True
-        try:
+        with engine_backward(self.engine):
             store.apply_oldest()
-        finally:
-            engine._running_engine_backward = False
-        if bf16 and not engine._config.bfloat16_config.immediate_grad_update:
-            engine.optimizer.update_hp_grads(clear_lp_grads=False)
 
     def reduce_tied_grads(self) -> None:
         PipelineEngine._exec_reduce_tied_grads(self.engine)
@@ -163,6 +167,10 @@ class EngineStageWork:
 
     def optimizer_step(self) -> None:
         PipelineEngine._exec_optimizer_step(self.engine)
+
+
+def _no_prologue() -> None:
+    """BF16_Optimizer's backward prologue on the last stage, whose 16-bit gradients were cleared before its backward."""
 
 
 def _interpreted(planned: type[schedules.Command]):
