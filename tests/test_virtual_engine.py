@@ -1,12 +1,12 @@
 """Virtual-stage schedules on real ranks (parallel/runtime/virtual_engine.py): interleaved 1F1B, ZB-V and V-Half on
 2 ranks with 2 chunks each train bit-identically to DeepSpeed's 1F1B on 2 stages of the same model, seed and data,
-under no, full and selective recompute with dropout 0.1, alone and with 2 data-parallel replicas (also under ZeRO-1),
-GPT and Llama (tests/fixtures/virtual_runs.py, in the session's shared 2- and 4-rank engine launches): the same
-losses, the same gradient of every parameter at every step (both copies of the tied embedding), the same trained
-weights; in bf16 too, under DeepSpeed's BF16_Optimizer (whose backward prologue, run by DeepSpeed from a hook on the
-stage's output, wiped the LM head's loss gradient on 1F1B's last stage until parallel/runtime/zero_bubble_engine.py
-cleared the 16-bit gradients before the loss's backward instead: the chunks, which clear them themselves, found it).
-And the runtime refuses, in one line, what it does not run yet."""
+under no, full and selective recompute (also early) with dropout 0.1, alone and with 2 data-parallel replicas (also
+under ZeRO-1), GPT and Llama (tests/fixtures/virtual_runs.py, in the session's shared 2- and 4-rank engine launches):
+the same losses, the same gradient of every parameter at every step (both copies of the tied embedding), the same
+trained weights; in bf16 too, under DeepSpeed's BF16_Optimizer (whose backward prologue, run by DeepSpeed from a hook
+on the stage's output, wiped the LM head's loss gradient on 1F1B's last stage until
+parallel/runtime/zero_bubble_engine.py cleared the 16-bit gradients before the loss's backward instead: the chunks,
+which clear them themselves, found it). And the runtime refuses, in one line, what it does not run yet."""
 
 import pytest
 
@@ -31,7 +31,7 @@ ENGINE_RUNS = {
     "bf16-data-parallel": EngineRun("virtual_runs", {"modes": ["none"], "precision": "bf16"}, nproc=4),
     # the Llama family, its untied LM head on the last chunk (whose bf16 gradient 1F1B lost: the module's docstring)
     "llama-bf16": EngineRun("virtual_runs", {"modes": ["selective"], "precision": "bf16", "model": "llama"}, nproc=2),
-    "llama-zero1": EngineRun("virtual_runs", {"modes": ["full"], "zero_stage": 1, "model": "llama"}, nproc=4),
+    "llama-zero1": EngineRun("virtual_runs", {"modes": ["full-early"], "zero_stage": 1, "model": "llama"}, nproc=4),
 }
 OPTIMIZERS = {
     "zero1": "DeepSpeedZeroOptimizer",
@@ -63,7 +63,12 @@ def _merged(ranks: list[dict], field: str) -> list[dict[str, set[str]]] | dict[s
     "run, mode",
     [("two-ranks", mode) for mode in MODES]
     + [("data-parallel", "none"), ("zero1", "full"), ("cpu-slots", "selective")]
-    + [("bf16", "selective"), ("bf16-data-parallel", "none"), ("llama-bf16", "selective"), ("llama-zero1", "full")],
+    + [
+        ("bf16", "selective"),
+        ("bf16-data-parallel", "none"),
+        ("llama-bf16", "selective"),
+        ("llama-zero1", "full-early"),
+    ],
 )
 @pytest.mark.parametrize("schedule", VIRTUAL_SCHEDULES)
 def test_two_chunks_per_rank_train_as_deepspeeds_1f1b_bit_for_bit(engine_runs, schedule, run, mode):
@@ -119,8 +124,9 @@ def test_what_the_runtime_does_not_run_yet_is_refused_in_one_line():
     assert refusal() is None and refusal(recompute=FullRecompute(interval="1")) is None
     assert refusal(recompute=AutoRecompute()) is None  # auto per chunk (parallel/planning/virtual_auto.py)
     assert refusal(precision="bf16") is None
+    assert refusal(recompute=FullRecompute(interval="1", early=True)) is None  # early recompute in every schedule
     refusals = [
-        refusal(recompute=FullRecompute(interval="1", early=True)),
+        refusal(recompute=AutoRecompute(early=True)),
         refusal(precision="fp16"),
         refusal(zero=2),
     ]

@@ -24,7 +24,7 @@ from parallel.planning.stage_plan import StagePlan
 from parallel.planning.step_sim import StageCosts, simulate_stages
 from parallel.planning.virtual_choice import virtual_lines, virtual_options
 from parallel.planning.virtual_memory import one_chunk_peaks, virtual_peaks
-from parallel.planning.virtual_schedules import UNIT_SLOTS, Slots, VirtualProgram, virtual_schedule
+from parallel.planning.virtual_schedules import UNIT_SLOTS, VIRTUAL_SCHEDULES, Slots, VirtualProgram, virtual_schedule
 from parallel.planning.virtual_sim import simulate_virtual
 from parallel.planning.virtual_slots import MAX_SLOTS, priced_slots
 from parallel.planning.virtual_walk import ChunkBytes, RankMoments
@@ -55,6 +55,31 @@ def shapes(schedule: str, chunks: int, ranks: int, slots: Slots = UNIT_SLOTS):
     for m in MICRO_BATCHES:
         if (progs := programs(schedule, chunks, m, ranks, slots)) is not None:
             yield m, progs
+
+
+@pytest.mark.parametrize("schedule, chunks", KINDS)
+def test_early_recompute_runs_right_before_each_backward_of_its_stages_and_moves_nothing_else(schedule, chunks):
+    """A stage that recomputes early runs each micro-batch's RecomputeEarly right before that micro-batch's backward
+    (B), in its step: the rank then recomputes while the gradient is on its way, and no other instruction or message
+    moves, so the deadlock replay above covers these programmes too. The last virtual stage never recomputes early."""
+    backward = (schedules.BackwardPass, schedules.BackwardInput)
+    for ranks in (2, 4):
+        virtual = chunks * ranks
+        early = frozenset(range(0, virtual - 1, 2))
+        for m, plain in shapes(schedule, chunks, ranks):
+            for program, with_early in zip(plain, virtual_schedule(schedule, m, ranks, chunks, early=early)):
+                assert len(program.steps) == len(with_early.steps)
+                for step, step_early in zip(program.steps, with_early.steps):
+                    recomputes = [c for c in step_early if c.kind is schedules.RecomputeEarly]
+                    assert [c for c in step_early if c.kind is not schedules.RecomputeEarly] == list(step)
+                    for recompute in recomputes:
+                        assert recompute.stage in early
+                        after = step_early[step_early.index(recompute) + 1]
+                        assert after.kind in backward and after.stage == recompute.stage
+                        assert after.micro_batch == recompute.micro_batch
+                    assert len(recomputes) == sum(c.kind in backward and c.stage in early for c in step)
+        with pytest.raises(ValueError, match="last virtual stage"):
+            virtual_schedule(schedule, 4, ranks, chunks, early=frozenset({virtual - 1}))
 
 
 @pytest.mark.parametrize("slots", [UNIT_SLOTS, CPU_SLOTS], ids=Slots.text)
@@ -223,6 +248,26 @@ def test_v_shapes_beat_zb_h1_and_interleaving_beats_1f1b_at_equal_work():
     assert virtual["zb-v"] < one["zb-h1"] < one["1f1b"]
     assert virtual["interleaved-1f1b"] < one["1f1b"]
     assert virtual["v-half"] <= one["1f1b"]
+
+
+@pytest.mark.parametrize("schedule", VIRTUAL_SCHEDULES)
+def test_early_recompute_is_priced_as_its_own_instruction_and_never_lengthens_the_step(schedule):
+    """Full recompute (the recompute a forward's seconds), 4 ranks, 8 micro-batches, transfers priced: every chunk but
+    the last recomputing early runs its recompute as RecomputeEarly (the recompute's seconds; its B without them),
+    which starts before the wait for the gradient, so the simulated step is never longer, and where a rank waits for
+    gradients (interleaved 1F1B's) shorter."""
+    full = [[dataclasses.replace(costs(0.5, send=0.1), recompute=0.5)] * 2] * 4
+    plain = simulate_virtual(virtual_schedule(schedule, 8, 4), full)
+    programs = virtual_schedule(schedule, 8, 4, early=frozenset(range(7)))
+    early = simulate_virtual(programs, full)
+    assert early.step_time_s <= plain.step_time_s
+    if schedule == "interleaved-1f1b":
+        assert early.step_time_s < plain.step_time_s
+    for rank, program in enumerate(programs):
+        if any(c.kind is schedules.RecomputeEarly for c in program.commands()):
+            assert early.rank_instruction_s[rank]["RecomputeEarly"] == pytest.approx(0.5)
+            backward = "BackwardPass" if schedule == "interleaved-1f1b" else "BackwardInput"
+            assert early.rank_instruction_s[rank][backward] < plain.rank_instruction_s[rank][backward]
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ from parallel.measurement.in_process import LinkedNeighbours, LocalStage
 from parallel.planning import schedules
 from parallel.planning.layout import PipelineLayout
 from parallel.planning.shapes import TORCH_DTYPES
+from parallel.planning.stage_plan import early_stages
 from parallel.planning.virtual_schedules import ChunkCommand, VirtualProgram, virtual_schedule
 from parallel.runtime.chunk_work import ChunkStageWork, MicroBatchSource
 from parallel.runtime.dropout_keys import DropoutKeys
@@ -51,7 +52,9 @@ class VirtualLocalPipeline:
         """Forward and backward of every (tokens, labels) micro-batch; gradients accumulate, each micro-batch's scaled
         by 1 / the micro-batches. Returns the mean loss."""
         count = len(micro_batches)
-        programs = virtual_schedule(self.schedule, count, self.ranks, self.chunks, self.layout.virtual_slots)
+        programs = virtual_schedule(
+            self.schedule, count, self.ranks, self.chunks, self.layout.virtual_slots, early_stages(self.layout.plans)
+        )
         pipes: defaultdict[tuple[int, int], deque[torch.Tensor]] = defaultdict(deque)
         interpreters = [
             chunk_interpreter(self, index, programs[0], LinkedNeighbours(pipes, index), micro_batches.__getitem__)
@@ -81,7 +84,7 @@ def chunk_interpreter(
         virtual,
         count,
         backward_kind(program),
-        early=False,
+        early=index in early_stages(pipe.layout.plans),
         posted_sends=False,  # in-process links queue every send
         dropout=DropoutKeys(pipe.layout.seed),
     )

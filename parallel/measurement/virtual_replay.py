@@ -15,6 +15,7 @@ from parallel.measurement.in_process import FakeNeighbours
 from parallel.measurement.tensor_peak import TensorPeak, TensorPeakMeter
 from parallel.measurement.virtual_local import VirtualLocalPipeline, chunk_interpreter
 from parallel.planning.layout import PipelineLayout
+from parallel.planning.stage_plan import early_stages
 from parallel.planning.virtual_schedules import virtual_schedule
 from parallel.runtime.boundary_links import BoundaryBatch
 from parallel.runtime.virtual_rank import run_training_step
@@ -36,7 +37,8 @@ class VirtualRankReplay:
     ):
         torch.manual_seed(seed)
         pipe = VirtualLocalPipeline(layout, schedule, chunks)
-        self.program = virtual_schedule(schedule, micro_batches, pipe.ranks, chunks, layout.virtual_slots)[rank]
+        early = early_stages(layout.plans)
+        self.program = virtual_schedule(schedule, micro_batches, pipe.ranks, chunks, layout.virtual_slots, early)[rank]
         config = layout.recipes[0].args[0]  # the token embedding's GPTConfig
         self.tokens, self.vocab = (micro_batch_size, config.seq_len), config.vocab_size
         self.mine = [self.program.placement.virtual_stage(rank, chunk) for chunk in range(chunks)]

@@ -9,7 +9,7 @@ from parallel.planning.config import AutoRecompute
 from parallel.planning.partition import StageRange
 from parallel.planning.schedules import SCHEDULES
 from parallel.planning.shapes import GIB
-from parallel.planning.stage_plan import StagePlan
+from parallel.planning.stage_plan import StagePlan, with_early
 from parallel.planning.stage_planner import StagePlanner
 from parallel.planning.stage_price import StagePrice, StagePricing, price_stage, simulate_priced
 from parallel.planning.step_sim import lower_bound_s
@@ -71,11 +71,7 @@ def setting_prices(
     """The plans under schedule `kind` with early recompute on (`early`: on every stage that recomputes, but the
     last) or off, and ZB-H1's deferrals: each stage priced. The run plan prices the uniform modes it compares with
     this too, so that they run the layout's own schedule."""
-    last = len(stages) - 1
-    plans = [
-        replace(p, early=early and s < last and bool(p.segments or p.selective), deferred_weights=None)
-        for s, p in enumerate(plans)
-    ]
+    plans = [replace(p, deferred_weights=None) for p in with_early(plans, early)]
     if kind == "zb-h1":
         plans = _deferrals(pricing, stages, plans)
     return [price_stage(pricing, st, p, kind) for st, p in zip(stages, plans)]

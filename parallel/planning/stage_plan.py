@@ -6,7 +6,7 @@ Plans never look outside their stage, so stage boundaries are always checkpoint 
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from parallel.planning.config import FullRecompute, NoRecompute, RecomputeConfig, SelectiveRecompute
 
@@ -87,6 +87,17 @@ class StagePlan:
     def recomputed_count(self, micro_batches: int) -> int:
         """Micro-batches of a step of `micro_batches` that run under the plan."""
         return sum(self.recomputes_micro_batch(i) for i in range(micro_batches))
+
+
+def early_stages(plans: Sequence[StagePlan]) -> frozenset[int]:
+    """The stages whose plan recomputes early: never the last, whose backward follows its forward."""
+    return frozenset(stage for stage, plan in enumerate(plans[:-1]) if plan.early)
+
+
+def with_early(plans: Sequence[StagePlan], early: bool) -> list[StagePlan]:
+    """The plans with early recompute on (`early`: on every stage that recomputes, but the last) or off."""
+    last = len(plans) - 1
+    return [replace(p, early=early and s < last and bool(p.segments or p.selective)) for s, p in enumerate(plans)]
 
 
 def segment_length(interval: str, blocks_in_stage: int) -> int:

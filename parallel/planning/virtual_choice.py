@@ -20,6 +20,7 @@ from parallel.planning.config import AutoRecompute, GivenRecompute, RecomputeCon
 from parallel.planning.layout import PipelineLayout
 from parallel.planning.partition import StageRange, stages_of_block_counts
 from parallel.planning.shapes import GIB, RunShape, Shape, Topology
+from parallel.planning.stage_plan import with_early
 from parallel.planning.stage_planner import StagePlanner
 from parallel.planning.stage_price import StagePrice, StagePricing, price_stage
 from parallel.planning.virtual_auto import plan_ranks
@@ -72,10 +73,14 @@ def virtual_options(
     slots = stage_slots(
         planner.pricing, stages_of_block_counts(layout.recipes, even_counts(model.n_layer, CHUNKS * ranks))
     )
+    # recompute.early=true: every chunk that recomputes does it early, but the last (auto plans no early recompute here)
+    early = getattr(recompute, "early", None) is True
     out = []
     for schedule in schedules:
         try:
-            programs = virtual_schedule(schedule, run.micro_batches, ranks, CHUNKS, slots)
+            programs = virtual_schedule(
+                schedule, run.micro_batches, ranks, CHUNKS, slots, frozenset(range(CHUNKS * ranks - 1) if early else ())
+            )
         except ValueError:  # interleaved-1f1b's rounds: micro-batches not a multiple of the ranks
             continue
         placement = programs[0].placement
@@ -97,7 +102,7 @@ def virtual_options(
         prices = prices_of(counts)
         if prices is None:  # auto: not even the chosen boundaries fit the budget
             continue
-        plans = [p.plan for p in prices]
+        plans = with_early([p.plan for p in prices], early)
         peaks = virtual_peaks(
             layout.recipes, stages, plans, schedule, CHUNKS, run.micro_batches, shape, run.target, slots
         )

@@ -20,6 +20,7 @@ from parallel.planning.partition import stages_of_block_counts
 from parallel.planning.plan_record import RunPlan
 from parallel.planning.schedule_choice import choose_schedule
 from parallel.planning.shapes import RunShape, Shape, Topology
+from parallel.planning.stage_plan import early_stages
 from parallel.planning.stage_planner import StagePlanner
 from parallel.planning.stage_price import StagePricing, price_stage
 from parallel.planning.virtual_auto import plan_ranks
@@ -94,8 +95,8 @@ def faster_virtual_schedule(
     """parallel.schedule=auto's choice beyond `one_chunk`'s (the fastest of 1f1b and zb-h1 on one stage per rank):
     the schedule with virtual stages whose simulated step (on its own chunk boundaries, as the dry run prices it) is
     the shortest and shorter than `one_chunk`'s, among those the run can run (virtual_support.virtual_run_refusal:
-    no early recompute, fp32, ...), under +recompute=auto with each rank's chunks planned against the budget; None when
-    none is."""
+    not fp16, no early recompute under auto, ...), under +recompute=auto with each rank's chunks planned against the
+    budget; None when none is."""
     if one_chunk.timing is None:
         return None
     ranks = run.topology.pipeline_stages
@@ -132,7 +133,7 @@ def virtual_plan(
     )
     timeline = None
     if layout.timing is not None:
-        programs = virtual_schedule(schedule, run.micro_batches, ranks, chunks, slots)
+        programs = virtual_schedule(schedule, run.micro_batches, ranks, chunks, slots, early_stages(layout.plans))
         costs = [[prices[v].costs for v in stages] for stages in mine]
         timeline = simulate_virtual(programs, costs, clip_barrier=run.grad_clip > 0)
     return VirtualPlan(

@@ -17,10 +17,10 @@ from parallel.planning.memory_model import (
 from parallel.planning.partition import StageRange
 from parallel.planning.schedule_walk import ActivationPeak, activation_peak
 from parallel.planning.shapes import Shape, Target
-from parallel.planning.stage_plan import StagePlan
+from parallel.planning.stage_plan import StagePlan, early_stages
 from parallel.planning.virtual_schedules import UNIT_SLOTS, Slots, virtual_schedule
 from parallel.planning.virtual_walk import ChunkBytes, RankMoments, VirtualPeak
-from parallel.planning.working_set import backward_working_sets
+from parallel.planning.working_set import backward_working_sets, early_recompute_copies, nested_early_bytes
 
 
 def micro_batch_bytes(
@@ -31,18 +31,32 @@ def micro_batch_bytes(
     target: Target,
     micro_batches: int,
     split: bool,
+    early: bool = False,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Per micro-batch of the (virtual) stage: what it keeps from its forward to its backward (its checkpoints' RNG
     states included: memory_model.checkpoint_rng_bytes), and what its backward allocates on top (its largest working
     set; `split`: B defers the weight gradients), under `plan` for the micro-batches it recomputes and `none` for the
-    others (StagePlan.recomputes_micro_batch)."""
+    others (StagePlan.recomputes_micro_batch). `early`: the stage recomputes each micro-batch as a RecomputeEarly right
+    before its backward, which then holds what that recompute remade and works as `none`'s backward (a nested plan's:
+    each block's interior), as parallel/planning/stage_bytes.py charges a stage that recomputes early."""
+    last = stage.stop == len(recipes)
     out = {}
     for under_plan in {plan.recomputes_micro_batch(k) for k in range(micro_batches)}:
         own = plan if under_plan else StagePlan()
-        layers = stage_activations(recipes, stage.layers, own, shape, target, stage.stop == len(recipes))
+        layers = stage_activations(recipes, stage.layers, own, shape, target, last)
         sets = backward_working_sets(layers, own, shape, target, split)
         kept = sum(a.bytes for a in layers) + checkpoint_rng_bytes(own, target)
-        out[under_plan] = kept, max(sets.values(), default=0)
+        remade = 0
+        if early and under_plan:
+            plain = stage_activations(recipes, stage.layers, StagePlan(), shape, target, last)
+            if plan.nested:
+                sets = backward_working_sets(layers, plan, shape, target, split, remade_early=True)
+                remade = nested_early_bytes(plan, layers, shape.bsh * target.dtype_bytes)
+            else:
+                sets = backward_working_sets(plain, StagePlan(), shape, target, split)
+                remade = sum(a.bytes for a in plain) - sum(a.bytes for a in layers)
+                remade += early_recompute_copies(plan, shape, target)
+        out[under_plan] = kept, remade + max(sets.values(), default=0)
     per_micro_batch = [out[plan.recomputes_micro_batch(k)] for k in range(micro_batches)]
     return tuple(k for k, _ in per_micro_batch), tuple(w for _, w in per_micro_batch)
 
@@ -94,15 +108,16 @@ def rank_walks(
     shape: Shape,
     target: Target,
     slots: Slots = UNIT_SLOTS,
+    early: frozenset[int] = frozenset(),
 ) -> list[RankWalk]:
     """Each rank's RankWalk under `schedule` (parallel/planning/virtual_schedules.py's) with `chunks` per rank,
     `stages` being the virtual stages in pipeline order. Besides what each chunk keeps per micro-batch (and, under a
     split backward, what its W needs), a received activation or gradient counts from its receive to the instruction
-    that reads it."""
+    that reads it. `early`: the virtual stages that recompute early (virtual_schedules.virtual_schedule's)."""
     ranks, extra = divmod(len(stages), chunks)
     if extra:
         raise ValueError(f"{len(stages)} virtual stages do not split into {chunks} chunks per rank")
-    programs = virtual_schedule(schedule, micro_batches, ranks, chunks, slots)
+    programs = virtual_schedule(schedule, micro_batches, ranks, chunks, slots, early)
     placement = programs[0].placement
     split = any(c.kind is schedules.BackwardWeight for c in programs[0].commands())
     message = shape.bsh * target.dtype_bytes  # one hidden-state tensor: an activation or its gradient
@@ -132,10 +147,10 @@ def virtual_peaks(
 ) -> list[VirtualPeak]:
     """Each rank's activation peak (`rank_walks`) with one plan per virtual stage, each backward's working set
     inside it."""
-    out = []
-    for walk in rank_walks(recipes, stages, schedule, chunks, micro_batches, shape, target, slots):
+    out, early = [], early_stages(plans)
+    for walk in rank_walks(recipes, stages, schedule, chunks, micro_batches, shape, target, slots, early):
         per_chunk = [
-            micro_batch_bytes(recipes, stages[v], plans[v], shape, target, micro_batches, walk.split)
+            micro_batch_bytes(recipes, stages[v], plans[v], shape, target, micro_batches, walk.split, v in early)
             for v in walk.virtual_stages
         ]
         out.append(walk.peak([k for k, _ in per_chunk], [w for _, w in per_chunk]))

@@ -307,7 +307,15 @@ def _slots(
     return slots
 
 
-def _programs(schedule: str, placement: Placement, micro_batches: int, split: bool, choose: Chooser, lengths: Slots):
+def _programs(
+    schedule: str,
+    placement: Placement,
+    micro_batches: int,
+    split: bool,
+    choose: Chooser,
+    lengths: Slots,
+    early: frozenset[int],
+):
     slots = _slots(placement, micro_batches, split, choose, lengths)
     p, last = placement.ranks, placement.virtual_stages - 1
     length = max(start + lengths.of(op[0]) for ranks in slots for start, op in ranks)
@@ -318,6 +326,11 @@ def _programs(schedule: str, placement: Placement, micro_batches: int, split: bo
             _, chunk = placement.holder(stage)
             steps[rank][start] += [ChunkCommand(schedules.LoadMicroBatch, chunk, stage, m)] * (
                 kind is schedules.ForwardPass and stage in (0, last)
+            )
+            # Early recompute right before the backward that would wait for its gradient: the rank recomputes while
+            # the gradient is on its way (the runner waits for a message only at the computation that reads it).
+            steps[rank][start] += [ChunkCommand(schedules.RecomputeEarly, chunk, stage, m)] * (
+                kind in (schedules.BackwardPass, schedules.BackwardInput) and stage in early
             )
             steps[rank][start].append(ChunkCommand(kind, chunk, stage, m))
             boundary = start + lengths.of(kind) - 1  # its output crosses after its last slot
@@ -360,15 +373,24 @@ def _sends_before_receives(step: list[ChunkCommand]) -> VirtualStep:
 
 
 def virtual_schedule(
-    schedule: str, micro_batches: int, ranks: int, chunks: int = 2, slots: Slots = UNIT_SLOTS
+    schedule: str,
+    micro_batches: int,
+    ranks: int,
+    chunks: int = 2,
+    slots: Slots = UNIT_SLOTS,
+    early: frozenset[int] = frozenset(),
 ) -> list[VirtualProgram]:
     """Every rank's programme of `schedule` (one of VIRTUAL_SCHEDULES) with `chunks` per rank (2 for the V shapes),
-    laid out in `slots` (the V shapes' greedy order follows them; interleaved 1F1B's order is Megatron's)."""
+    laid out in `slots` (the V shapes' greedy order follows them; interleaved 1F1B's order is Megatron's); the virtual
+    stages `early` recompute each micro-batch as a RecomputeEarly of its own right before its backward (never the last
+    virtual stage: its backward follows its forward)."""
     if schedule not in VIRTUAL_SCHEDULES:
         raise ValueError(f"unknown virtual schedule {schedule!r}: expected one of {', '.join(VIRTUAL_SCHEDULES)}")
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
     placement = placement_of(schedule, ranks, chunks)
+    if placement.virtual_stages - 1 in early:
+        raise ValueError("the last virtual stage never recomputes early: its backward follows its forward")
     if schedule == "interleaved-1f1b":
         if micro_batches > ranks and micro_batches % ranks:
             # A last round of fewer micro-batches leaves Megatron's warm-up waiting on itself (as Megatron-LM
@@ -378,6 +400,6 @@ def virtual_schedule(
                 f"({ranks}), or at most as many"
             )
         orders = [_megatron_order(placement, micro_batches, rank) for rank in range(ranks)]
-        return _programs(schedule, placement, micro_batches, False, _in_order(orders, placement), slots)
+        return _programs(schedule, placement, micro_batches, False, _in_order(orders, placement), slots, early)
     limit = 2 * ranks if schedule == "zb-v" else ranks
-    return _programs(schedule, placement, micro_batches, True, _greedy_v(placement, micro_batches, limit), slots)
+    return _programs(schedule, placement, micro_batches, True, _greedy_v(placement, micro_batches, limit), slots, early)

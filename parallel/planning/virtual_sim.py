@@ -48,10 +48,12 @@ class VirtualTimeline:
     it reads (RECEIVE_WAIT)."""
 
 
-def _seconds(command: ChunkCommand, costs: Sequence[StageCosts]) -> float:
+def _seconds(command: ChunkCommand, costs: Sequence[StageCosts], early: frozenset[int]) -> float:
+    """`early`: the rank's chunks that recompute as RecomputeEarly, not inside their backwards."""
     if command.name in _ONCE_PER_RANK:
         return sum(c.by_instruction()[command.name] for c in costs)
-    return costs[command.chunk or 0].by_instruction()[command.name]
+    chunk = command.chunk or 0
+    return costs[chunk].by_instruction(early=chunk in early)[command.name]
 
 
 _RECEIVE_OF = {schedules.SendActivation: "RecvActivation", schedules.SendGrad: "RecvGrad"}
@@ -86,6 +88,7 @@ def simulate_virtual(
             once = [c for c in step if c.micro_batch is None]
             items += [_DRAIN, *once] if once else []
         work.append(items)
+    early = [frozenset(c.chunk for c in p.commands() if c.kind is schedules.RecomputeEarly) for p in programs]
     clock, pc, busy = [0.0] * ranks, [0] * ranks, [0.0] * ranks
     spans: list[dict[str, list[float]]] = [{} for _ in range(ranks)]
     posted: dict[tuple, float] = {}  # (message, sending?) -> when that side's batch was posted
@@ -122,13 +125,13 @@ def simulate_virtual(
                     reduce_posted.setdefault(r, clock[r])
                     if len(reduce_posted) < len(tied):
                         break
-                    clock[r] = max(reduce_posted.values()) + _seconds(item, costs[r])
+                    clock[r] = max(reduce_posted.values()) + _seconds(item, costs[r], early[r])
                     name = item.name
                 elif item.kind is schedules.OptimizerStep and clip_barrier and ranks > 1:
                     step_posted.setdefault(r, clock[r])
                     if len(step_posted) < ranks:
                         break  # the norm's all-reduce waits for every rank
-                    clock[r] = max(step_posted.values()) + _seconds(item, costs[r])
+                    clock[r] = max(step_posted.values()) + _seconds(item, costs[r], early[r])
                     name = item.name
                 else:
                     message = program.message_read(item)
@@ -141,7 +144,7 @@ def simulate_virtual(
                         arrived = max(posted[(message, True)], posted[(message, False)]) + transfer
                         spans[r].setdefault(RECEIVE_WAIT, []).append(max(0.0, arrived - clock[r]))
                         clock[r] = reached = max(clock[r], arrived)
-                    seconds = _seconds(item, costs[r])
+                    seconds = _seconds(item, costs[r], early[r])
                     clock[r] += seconds
                     busy[r] += seconds if item.name in COMPUTE else 0.0
                     name = item.name

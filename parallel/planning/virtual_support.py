@@ -15,11 +15,11 @@ def virtual_refusal(schedule: str, recompute: RecomputeConfig, precision: str, z
             f"+recompute=plan is not supported with parallel.schedule={schedule} yet (a plan file holds one stage per "
             f"rank): use parallel.schedule=1f1b, zb-h1 or auto"
         )
-    if recompute.early:
+    if isinstance(recompute, AutoRecompute) and recompute.early:
         return (
-            f"recompute.early=true is not supported with parallel.schedule={schedule} yet (early recompute is not "
-            f"wired for virtual stages): use recompute.early=false"
-            + (" or null" if isinstance(recompute, AutoRecompute) else "")
+            f"recompute.early=true with +recompute=auto is not supported with parallel.schedule={schedule} yet (auto "
+            f"plans each rank's chunks without early recompute): use recompute.early=null or false, or a given mode "
+            f"(+recompute=full or selective) with recompute.early=true"
         )
     if precision == "fp16":
         return f"train.precision=fp16 is not supported with parallel.schedule={schedule} yet: use bf16 or fp32"

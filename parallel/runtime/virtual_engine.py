@@ -32,6 +32,7 @@ from model.fused_loss import HeadLoss
 from parallel.planning.config import OptimConfig, ParallelConfig, RecomputeConfig
 from parallel.planning.layout import PipelineLayout
 from parallel.planning.shapes import TORCH_DTYPES
+from parallel.planning.stage_plan import early_stages
 from parallel.planning.virtual_schedules import Placement, Slots, VirtualProgram, placement_of, virtual_schedule
 from parallel.planning.virtual_support import virtual_refusal
 from parallel.runtime.boundary_links import BoundaryBatch
@@ -93,10 +94,13 @@ class VirtualPipelineEngine:
         seed: int,
         micro_batches: int,
         slots: Slots,
+        early: frozenset[int],
     ):
         self.engine, self.grid, self.schedule, self.placement = engine, grid, schedule, placement
         self.slots = slots
         """The slots the programmes are laid out in (the layout's: parallel/planning/virtual_slots.py)."""
+        self.early = early
+        """The virtual stages that recompute early (their plans')."""
         self.schedule_kind = schedule  # as the zero-bubble engine names the schedule it runs (checkpoint metadata)
         self.stages, self.hidden, self.dtype, self.tied = list(stages), hidden, dtype, tied
         self.micro_batches = micro_batches
@@ -142,7 +146,7 @@ class VirtualPipelineEngine:
     def program(self, micro_batches: int) -> VirtualProgram:
         if micro_batches not in self._programs:
             programs = virtual_schedule(
-                self.schedule, micro_batches, self.placement.ranks, self.placement.chunks, self.slots
+                self.schedule, micro_batches, self.placement.ranks, self.placement.chunks, self.slots, self.early
             )
             self._programs[micro_batches] = programs[self.rank]
         return self._programs[micro_batches]
@@ -177,7 +181,7 @@ class VirtualPipelineEngine:
                 virtual,
                 count,
                 backward_kind(program),
-                early=False,
+                early=stage in self.early,
                 posted_sends=False,
                 dropout=self.dropout,
             )
@@ -345,4 +349,5 @@ def build_virtual_engine(
         layout.seed,
         train.micro_batches,
         layout.virtual_slots,
+        early_stages(layout.plans),
     )
