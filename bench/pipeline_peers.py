@@ -85,7 +85,13 @@ def virtual_variants(micro_batches: int, modes: tuple[str, ...] = ("none", "sele
     """stagecheck's schedules with virtual stages under `modes`, 2 chunks per rank under `type:Block` (the blocks
     split evenly over the 4 virtual stages, as the torch peers split theirs): the rows the issue-34 targets compare
     with torch's interleaved 1F1B and ZBV."""
-    recompute = {"none": (NoRecompute(), ()), "selective": (SelectiveRecompute(), ("+recompute=selective",))}
+    early = ("+recompute=full", "recompute.early=true")
+    recompute = {
+        "none": (NoRecompute(), ()),
+        "selective": (SelectiveRecompute(), ("+recompute=selective",)),
+        "full": (FullRecompute(interval="1"), ("+recompute=full",)),
+        "full early": (FullRecompute(interval="1", early=True), early),
+    }
     return [
         Variant(
             f"stagecheck {schedule} {mode}",
@@ -195,6 +201,13 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--only", nargs="+", help="run only these configurations, named as the tables name them (no auto runs)"
     )
+    parser.add_argument(
+        "--virtual-modes",
+        nargs="+",
+        default=["none", "selective"],
+        choices=["none", "selective", "full", "full early"],
+        help="the recompute modes of stagecheck's rows with virtual stages ('full early': each recompute early)",
+    )
     args = parser.parse_args(argv)
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
@@ -209,7 +222,7 @@ def main(argv=None) -> int:
     if args.smoke:
         fixed = [v for v in virtual_variants(args.micro_batches, ("none",)) if "zb-v" in v.name]
     else:
-        fixed = fixed_variants(args.micro_batches) + virtual_variants(args.micro_batches)
+        fixed = fixed_variants(args.micro_batches) + virtual_variants(args.micro_batches, tuple(args.virtual_modes))
     if args.only:  # a side-by-side rerun of a few rows: the auto runs need every peer's peak
         peers = [p for p in peers if p.name in args.only]
         fixed = [v for v in fixed if v.name in args.only]

@@ -76,8 +76,8 @@ class ParallelConfig:
     `v-half` (V-Half), or `auto` (the planner picks the schedule with the shortest simulated step time: 1f1b, zb-h1
     and the three with virtual stages where the run can run them, under `+recompute=auto` each within the budget).
     Those three hold two model chunks per rank (docs/virtual_stages.md) and train through the virtual engine
-    (parallel/runtime/virtual_engine.py): fp32, without recompute.early; under `+recompute=auto` each rank's two
-    chunks are planned together against the rank's budget. A resume may change the schedule only among those that
+    (parallel/runtime/virtual_engine.py): fp32 or bf16, recompute.early under a given mode; under `+recompute=auto`
+    each rank's two chunks are planned together against the rank's budget, without early recompute. A resume may change the schedule only among those that
     keep the layers on their ranks (1f1b and zb-h1; zb-v and v-half); `auto` keeps the checkpoint's."""
 
     def __post_init__(self) -> None:
