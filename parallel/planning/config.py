@@ -77,8 +77,9 @@ class ParallelConfig:
     and the three with virtual stages where the run can run them, under `+recompute=auto` each within the budget).
     Those three hold two model chunks per rank (docs/virtual_stages.md) and train through the virtual engine
     (parallel/runtime/virtual_engine.py): fp32 or bf16, recompute.early under a given mode; under `+recompute=auto`
-    each rank's two chunks are planned together against the rank's budget, without early recompute. A resume may change the schedule only among those that
-    keep the layers on their ranks (1f1b and zb-h1; zb-v and v-half); `auto` keeps the checkpoint's."""
+    each rank's two chunks are planned together against the rank's budget, without early recompute. A resume may
+    change the schedule only among those that keep the layers on their ranks (1f1b and zb-h1; zb-v and v-half);
+    `auto` keeps the checkpoint's."""
 
     def __post_init__(self) -> None:
         if self.pipeline_stages is not None and self.pipeline_stages <= 0:
