@@ -4,7 +4,7 @@ Python's standard library, byte tokens), for 3 seeds; and the cosine between eac
 the exact one, per stage.
 
     DS_ACCELERATOR=cpu nice -n 19 .venv/bin/python -m bench.compress_convergence [--steps 500] [--out DIR] \
-        [--formats bf16 fp8 int8]
+        [--formats bf16 fp8 int8] [--noise-floor]
 
 The model is a 2-stage tiny Llama (untied head, so no tied weight is shared between stages) run in one process
 (parallel/measurement/local_stages.py: every stage's programme through the interpreter the engine runs), trained by
@@ -34,6 +34,10 @@ MODEL = GPTConfig(
 )  # fmt: skip
 RUN = RunShape(Topology(2), Target("cpu", "fp32"), micro_batches=4, micro_batch_size=4)
 FORMATS = ("bf16", "fp8", "int8")
+REORDERED = "reordered"
+"""The noise floor (`--noise-floor`): the exact run with each step's micro-batches taken in reverse order, the same
+batches and the same mean loss, only the gradient's sums rounded in another order. Whatever it moves the val loss by,
+any perturbation of the trajectory does, a lossless one included."""
 SEEDS = (0, 1, 2)
 VAL_BATCHES = 32
 TAIL = 50
@@ -66,12 +70,14 @@ def val_loss(pipe: LocalPipeline, source, seed: int) -> float:
     return loss
 
 
-def train(compress: str, seed: int, steps: int, source) -> dict:
-    pipe = pipeline(compress, seed)
+def train(variant: str, seed: int, steps: int, source) -> dict:
+    """`variant`: how the segment inputs are stored (`none`, or one of FORMATS), or REORDERED."""
+    pipe = pipeline("none" if variant == REORDERED else variant, seed)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=PEAK_LR, weight_decay=0.1)
     losses, first_grads = [], None
     for step in range(1, steps + 1):
-        losses.append(float(pipe.step(micro_batches(source, seed, step))))
+        batches = micro_batches(source, seed, step)
+        losses.append(float(pipe.step(batches[::-1] if variant == REORDERED else batches)))
         if step == 1:
             first_grads = stage_grads(pipe)
         torch.nn.utils.clip_grad_norm_(pipe.parameters(), GRAD_CLIP)
@@ -80,7 +86,7 @@ def train(compress: str, seed: int, steps: int, source) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     result = {"losses": losses, "val_loss": val_loss(pipe, source, seed), "first_grads": first_grads}
-    print(f"seed {seed}, {compress}: loss {losses[0]:.4f} -> {losses[-1]:.4f}", file=sys.stderr, flush=True)
+    print(f"seed {seed}, {variant}: loss {losses[0]:.4f} -> {losses[-1]:.4f}", file=sys.stderr, flush=True)
     return result
 
 
@@ -107,8 +113,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--formats", nargs="+", choices=FORMATS, default=FORMATS, help="beside the exact run")
+    parser.add_argument(
+        "--noise-floor", action="store_true", help=f"also the exact run with its micro-batches reordered ({REORDERED})"
+    )
     args = parser.parse_args()
-    variants = ("none", *args.formats)
+    variants = ("none", *((REORDERED,) if args.noise_floor else ()), *args.formats)
     torch.set_num_threads(1)  # a model this small gains nothing from a second thread, which fights for a busy core
     source = open_token_source(TextDataConfig(), MODEL.vocab_size)
     runs = {(c, s): train(c, s, args.steps, source) for s in SEEDS for c in variants}
