@@ -1,22 +1,36 @@
 """Accounting (harness/accounting.py) of a run under a schedule with virtual stages: per pipeline rank, not per stage.
 
-A rank's chunks run their layers through the interpreter (parallel/runtime/chunk_work.py), not through a module's
-forward that the activation meter could wrap, so a rank's measured activation bytes are its peak of live tensors
-above the step's baseline on the metered step (parallel/measurement/tensor_peak.py, as the stage replay measures them:
-docs/virtual_stages.md), beside the plan's peak of the rank (parallel/planning/virtual_layout.py)."""
+A rank's measured activation bytes are its peak of live tensors above the step's baseline on the metered step
+(parallel/measurement/tensor_peak.py, as the stage replay measures them: docs/virtual_stages.md), beside the plan's
+peak of the rank (parallel/planning/virtual_layout.py); and per virtual stage, what each micro-batch keeps for backward,
+recorded by one activation meter per chunk around its forwards and loss (parallel/runtime/chunk_work.py's forward
+scope), beside what the stage's plan keeps."""
 
 import statistics
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict
 
 import torch
 
 from harness.accounting import Accounting
-from parallel.measurement.activation_meter import peak_memory_bytes
+from parallel.measurement.activation_meter import ActivationMeter, peak_memory_bytes
+from parallel.planning.stage_plan import StagePlan
 
 
 class RankAccounting(Accounting):
     def _attach_meter(self) -> None:
-        """Nothing to attach: the tensor peak meters the whole rank."""
+        """One activation meter per chunk, recording its forwards (and the loss, on the last chunk) on the metered step:
+        what each micro-batch keeps for backward, per virtual stage, as a 1F1B stage's meter records it."""
+        self.chunk_meters = {
+            stage: ActivationMeter(chunk.parameters) for stage, chunk in zip(self.engine.stages, self.engine.chunks)
+        }
+
+        def record(stage: int, x: torch.Tensor | None, new: bool) -> AbstractContextManager:
+            if not self.meter.armed:
+                return nullcontext()
+            return self.chunk_meters[stage].record(stage_input=x, new=new)
+
+        self.engine.forward_scope = record
 
     def _settle_states(self) -> None:
         """The rank's gradients, zeros, where DeepSpeed's zero_grad left None after the last optimizer step: else the
@@ -36,6 +50,10 @@ class RankAccounting(Accounting):
         return {
             "rank": self.engine.stage_id,
             "dp_rank": self.engine.grid.get_data_parallel_rank(),
+            "micro_batch_bytes": {
+                stage: (self.chunk_meters[stage].bytes_per_micro_batch() or None, self._planned(stage, chunk.plan))
+                for stage, chunk in zip(self.engine.stages, self.engine.chunks)
+            },
             "tensor_peak": asdict(self.tensor_peak) if self.tensor_peak else None,
             "peak_memory_bytes": max(a for a, _ in self.cuda_peaks)
             if self.cuda_peaks
@@ -51,9 +69,12 @@ class RankAccounting(Accounting):
         pipeline = len(virtual.virtual_stages_per_rank)
         first = [next(r for r in ranks if r["rank"] == p and r["dp_rank"] == 0) for p in range(pipeline)]
         peaks = [r["tensor_peak"] for r in first]
+        kept = {stage: pair for r in first for stage, pair in r["micro_batch_bytes"].items()}
         return {
             "activation_measured_at_step": self.measured_step,
             "virtual_stages_per_rank": [list(stages) for stages in virtual.virtual_stages_per_rank],
+            "activation_bytes_per_micro_batch_per_virtual_stage": [kept[v][0] for v in range(len(kept))],
+            "planned_activation_bytes_per_micro_batch_per_virtual_stage": [kept[v][1] for v in range(len(kept))],
             "planned_activation_bytes_per_rank": list(virtual.activation_bytes_per_rank),
             "measured_activation_bytes_per_rank": [p and p["peak_bytes"] - p["baseline_bytes"] for p in peaks],
             "measured_peak_tensor_bytes_per_rank": [p and p["peak_bytes"] for p in peaks],
@@ -69,3 +90,14 @@ class RankAccounting(Accounting):
             "tflops_per_rank": [r["tflops"] for r in ranks],
             "peak_tflops": self.peak_tflops,
         }
+
+    def _planned(self, stage: int, plan: StagePlan) -> list[int]:
+        """What virtual stage `stage` keeps per micro-batch as planned under its `plan`: the plan's bytes for the
+        micro-batches it recomputes, none's for the others (per-micro-batch recompute)."""
+        estimate = self.plan.stages[stage]
+        return [
+            estimate.activation_bytes_per_microbatch
+            if plan.recomputes_micro_batch(m)
+            else estimate.plain_activation_bytes_per_microbatch
+            for m in range(self.engine.micro_batches)
+        ]

@@ -169,6 +169,10 @@ def test_zb_v_trains_through_the_trainer_as_1f1b_does_and_resumes_under_v_half(c
     # planned and measured activation bytes of each rank (its two chunks together), on the metered step
     assert len(s["planned_activation_bytes_per_rank"]) == 2 and all(s["planned_activation_bytes_per_rank"])
     assert all(b and b > 0 for b in s["measured_activation_bytes_per_rank"])
+    # per virtual stage, what each micro-batch keeps for backward (a meter per chunk), to the byte as planned
+    kept = s["activation_bytes_per_micro_batch_per_virtual_stage"]
+    assert len(kept) == 4 and all(k and len(k) == 4 and min(k) > 0 for k in kept)
+    assert kept == s["planned_activation_bytes_per_micro_batch_per_virtual_stage"]
     assert s["tied_weight_sha256_per_rank"][0] is not None  # a V's rank 0 holds both copies
     assert (zb_v / "checkpoints" / "step_00000002").is_dir()
     assert summary(resumed)["schedule"] == "v-half"
@@ -201,6 +205,9 @@ def test_zb_v_under_auto_per_chunk_trains_as_none_does(case_runs):
     assert any(choice != "none" for stage in s["layout"] for choice in stage["choices"])
     planned, measured = s["planned_activation_bytes_per_rank"], s["measured_activation_bytes_per_rank"]
     assert len(planned) == 2 and all(abs(m - p) <= 0.02 * m for m, p in zip(measured, planned)), (planned, measured)
+    # each chunk's own plan, kept per micro-batch to the byte as planned
+    kept = s["activation_bytes_per_micro_batch_per_virtual_stage"]
+    assert kept == s["planned_activation_bytes_per_micro_batch_per_virtual_stage"] and len(set(map(tuple, kept))) > 1
 
 
 def test_a_zb_v_checkpoint_holds_the_model_as_a_1f1b_one_does(case_runs):

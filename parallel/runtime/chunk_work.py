@@ -32,6 +32,16 @@ BackwardScope = Callable[[], AbstractContextManager]
 """Around each backward and W of a chunk: its optimizer's gradient bookkeeping (DeepSpeed's, on the engine:
 parallel/runtime/engine_backward.py); none in one process."""
 
+ForwardScope = Callable[[int, torch.Tensor | None, bool], AbstractContextManager]
+"""Around each forward of a chunk and the last chunk's loss: (virtual stage, the chunk's input (None for the loss),
+whether a micro-batch's forward starts (False: the loss adds to it)) -> what records it (the activation meter of a
+metered step: harness/virtual_accounting.py)."""
+
+
+def unobserved(stage: int, x: torch.Tensor | None, new: bool) -> AbstractContextManager:
+    """No recording: a step that is not metered."""
+    return nullcontext()
+
 
 class RankStep(Protocol):
     """What a rank does once per training step, after all its chunks' backwards."""
@@ -59,11 +69,12 @@ class ChunkStageWork:
         data: MicroBatchSource,
         rank_step: RankStep | None,
         backward_scope: BackwardScope = nullcontext,
+        forward_scope: ForwardScope = unobserved,
     ):
         self.chunk, self.stage, self.micro_batches = chunk, stage, micro_batches
         self.first, self.last = stage == 0, stage == stages - 1
         self.loss_fn, self.data, self.rank_step = loss_fn, data, rank_step
-        self.backward_scope = backward_scope
+        self.backward_scope, self.forward_scope = backward_scope, forward_scope
         self.hidden, self.dtype, self.device = hidden, dtype, next(chunk.parameters()).device
         self.inputs: list[torch.Tensor | None] = [None] * micro_batches
         self.outputs: list[torch.Tensor | None] = [None] * micro_batches
@@ -89,14 +100,16 @@ class ChunkStageWork:
         x = self.inputs[buffer_id] if self.first else self.inputs[buffer_id].requires_grad_()
         # A chunk runs its micro-batches' forwards in order: the k-th forward of the step is micro-batch k's.
         recompute = plan.recomputes_micro_batch(buffer_id)
-        output = run_stage(self.chunk.funcs, plan, x, recompute, first_layer=self.chunk.stage.start)
+        with self.forward_scope(self.stage, x, True):
+            output = run_stage(self.chunk.funcs, plan, x, recompute, first_layer=self.chunk.stage.start)
         if self.first:  # no gradient goes back from the token ids
             self.inputs[buffer_id] = None
         if not self.last:
             self.outputs[buffer_id] = output  # (b, s, h)
             return
         head_weight = head_module(self.chunk.funcs[-1]).head_weight  # tied (the embedding's) or untied
-        self.losses[buffer_id] = self.loss_fn(output, self.labels[buffer_id], head_weight)
+        with self.forward_scope(self.stage, None, False):
+            self.losses[buffer_id] = self.loss_fn(output, self.labels[buffer_id], head_weight)
         self.labels[buffer_id] = None
         self.step_losses.append(self.losses[buffer_id].detach())
 

@@ -36,7 +36,7 @@ from parallel.planning.stage_plan import early_stages
 from parallel.planning.virtual_schedules import Placement, Slots, VirtualProgram, placement_of, virtual_schedule
 from parallel.planning.virtual_support import virtual_refusal
 from parallel.runtime.boundary_links import BoundaryBatch
-from parallel.runtime.chunk_work import ChunkStageWork
+from parallel.runtime.chunk_work import ChunkStageWork, ForwardScope, unobserved
 from parallel.runtime.dropout_keys import DropoutKeys
 from parallel.runtime.ds_config import deepspeed_config
 from parallel.runtime.engine import (
@@ -111,6 +111,8 @@ class VirtualPipelineEngine:
         self.dropout = DropoutKeys(seed, grid.get_data_parallel_rank())
         self._programs: dict[int, VirtualProgram] = {}
         self._observer: ProgrammeObserver | None = None
+        self.forward_scope: ForwardScope = unobserved
+        """Around each chunk's forward and the loss: harness/virtual_accounting.py's activation meters."""
 
     def __getattr__(self, name: str):
         if name in DEEPSPEED_SURFACE:
@@ -173,6 +175,7 @@ class VirtualPipelineEngine:
                 micro_batches.__getitem__ if micro_batches is not None else _no_data,
                 self if last_chunk else None,  # the once-per-step work runs once, with the rank's last chunk's
                 partial(engine_backward, self.engine),
+                self.forward_scope,
             )
             interpreters[stage] = StageInterpreter(
                 work,
