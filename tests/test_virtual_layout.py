@@ -71,8 +71,8 @@ def test_what_train_py_does_not_run_under_a_virtual_schedule_is_refused_in_one_l
     assert refusal() is None and refusal(schedule="interleaved-1f1b", micro_batches=4) is None
     assert refusal(recompute=AutoRecompute()) is None  # auto is planned per rank (parallel/planning/virtual_auto.py)
     assert refusal(precision="bf16") is None  # DeepSpeed's BF16_Optimizer, as its pipelines use it
+    assert refusal(recompute=AutoRecompute(early=True)) is None  # auto per chunk recomputes early where asked
     refusals = {
-        "recompute.early=true": refusal(recompute=AutoRecompute(early=True)),
         "train.precision=fp16": refusal(precision="fp16"),
         "model.n_layer=3": refusal(blocks=3),
         "train.micro_batches=5": refusal(schedule="interleaved-1f1b", micro_batches=5),
@@ -80,7 +80,6 @@ def test_what_train_py_does_not_run_under_a_virtual_schedule_is_refused_in_one_l
     for option, line in refusals.items():
         assert line and "\n" not in line, option
     assert "model.n_layer=3" in refusals["model.n_layer=3"]
-    assert "recompute.early=true" in refusals["recompute.early=true"]
     assert "train.micro_batches=5" in refusals["train.micro_batches=5"]
 
 
@@ -108,7 +107,7 @@ def test_auto_picks_a_virtual_schedule_only_where_it_simulates_faster_than_1f1b_
 def test_auto_leaves_out_the_virtual_schedules_where_the_run_cannot_run_them():
     assert _auto(GPT2_16, 2, 2, precision="fp16")[1] is None  # the virtual engine runs fp32 and bf16 only
     assert _auto(GPT2_16, 2, 2, precision="bf16")[1] == "zb-v"
-    assert _auto(GPT2_16, 2, 2, recompute=AutoRecompute(early=True))[1] is None  # early recompute is not wired
+    assert _auto(GPT2_16, 2, 2, recompute=AutoRecompute(early=True))[1] == "zb-v"  # auto per chunk recomputes early
     assert _auto(replace(GPT2_16, n_layer=3), 2, 2)[1] is None  # fewer blocks than chunks
 
 
@@ -117,7 +116,8 @@ def test_a_resume_under_auto_keeps_the_checkpoints_placement():
 
 
 def _auto_layout(schedule: str, budget_bytes: float):
-    auto = AutoRecompute(budget_gb=budget_bytes / GIB, reserve_gb=0.0)
+    # without early recompute: what each candidate pair holds is then its classes' (early: tests/test_virtual_local.py)
+    auto = AutoRecompute(budget_gb=budget_bytes / GIB, reserve_gb=0.0, early=False)
     return virtual_layout(MODEL, auto, RUN, "type:Block", 0, schedule, None, None, None), auto
 
 

@@ -14,6 +14,7 @@ from model import GPTConfig
 from parallel.measurement.local_stages import LocalPipeline
 from parallel.measurement.virtual_local import VirtualLocalPipeline
 from parallel.measurement.virtual_replay import VirtualRankReplay
+from parallel.planning.budget_refusal import BudgetTooSmall
 from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.planning.layout import build_layout
 from parallel.planning.shapes import GIB, RunShape, Target, Topology
@@ -120,6 +121,33 @@ def test_auto_per_chunk_trains_as_none_bit_for_bit(schedule, budget, batches, on
     assert grads.keys() == expected[1].keys()
     for key, grad in grads.items():
         assert torch.equal(grad, expected[1][key]), key
+
+
+@pytest.mark.parametrize("schedule, early", [("interleaved-1f1b", None), ("interleaved-1f1b", True), ("zb-v", True)])
+def test_auto_per_chunk_recomputes_early_where_asked_or_where_it_fits_and_trains_as_none(
+    schedule, early, batches, one_f_one_b
+):
+    """recompute.early=null (auto's default): each rank's chunks recompute early where that fits at no more recompute;
+    true: every chunk that recomputes does (never the last virtual stage). Either way the run trains as 1F1B without
+    recompute, bit for bit, and each rank holds what it plans (within PLANNED_WITHIN)."""
+    auto = AutoRecompute(budget_gb=AUTO_BUDGET_BYTES[schedule] / GIB, reserve_gb=0.0, early=early)
+    planned, run = auto_layout(schedule, auto)
+    assert any(p.early for p in planned.plans) and not planned.plans[-1].early
+    assert all(p.segments or p.selective for p in planned.plans if p.early)
+    pipe = VirtualLocalPipeline(planned, schedule, chunks=2)
+    loss, expected = pipe.step(batches), one_f_one_b["none"]
+    assert torch.equal(loss, expected[0])
+    assert all(torch.equal(grad, expected[1][key]) for key, grad in gradients(pipe, MICRO_BATCHES).items())
+    peaks = virtual_plan(CFG, planned, run, schedule).activation_bytes_per_rank
+    assert all(abs(m - p) <= PLANNED_WITHIN * m for m, p in zip(_measured(planned, schedule), peaks))
+
+
+def test_auto_early_true_that_fits_no_pair_names_a_budget_where_it_fits():
+    with pytest.raises(BudgetTooSmall) as refused:
+        auto_layout("v-half", AutoRecompute(budget_gb=AUTO_BUDGET_BYTES["v-half"] / GIB, reserve_gb=0.0, early=True))
+    assert "recompute.early=null recomputes early only where that fits" in str(refused.value)
+    fits = AutoRecompute(budget_gb=refused.value.smallest_gb, reserve_gb=0.0, early=True)
+    assert any(p.early for p in auto_layout("v-half", fits)[0].plans)
 
 
 def _measured(planned, schedule: str) -> list[int]:

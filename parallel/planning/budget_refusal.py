@@ -65,6 +65,11 @@ class BudgetTooSmall(ValueError):
                 f", reached with nested checkpoints on {where} {nested} (auto nests a {where} where nothing else fits; "
                 f"without nesting the smallest budget is {unnested:g})"
             )
+        if where == "rank" and auto.early is True:
+            message += (
+                ", each chunk that recomputes doing it early as recompute.early=true asks (recompute.early=null "
+                "recomputes early only where that fits)"
+            )
         helps = [f"{setting} fits at {gb:g}" for setting, gb in priced if gb < self.smallest_gb]
         if helps:
             message += ". Also helps (the smallest budget the planner finds with it): " + ", ".join(helps)

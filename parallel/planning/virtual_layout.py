@@ -86,7 +86,8 @@ def _planned_per_rank(
     # what auto fitted).
     plain = StagePlanner(pricing, NoRecompute(), layout.timing.table)
     chosen, options = choose_schedule(plain, layout.stages, plans, "1f1b", False)
-    return replace(layout, plans=list(chosen.plans), schedule_options=options, rank_budgets=tuple(budgets))
+    planned = [replace(p, early=own.early) for p, own in zip(chosen.plans, plans)]  # auto's early recompute, per chunk
+    return replace(layout, plans=planned, schedule_options=options, rank_budgets=tuple(budgets))
 
 
 def faster_virtual_schedule(

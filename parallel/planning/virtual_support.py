@@ -2,7 +2,7 @@
 resumes may change the schedule, each as one refusal line naming the option to change, or None: pure, so that
 start-up can read it before DeepSpeed loads."""
 
-from parallel.planning.config import AutoRecompute, GivenRecompute, RecomputeConfig
+from parallel.planning.config import GivenRecompute, RecomputeConfig
 from parallel.planning.virtual_schedules import V_SHAPED, VIRTUAL_SCHEDULES, virtual_schedule
 
 CHUNKS = 2
@@ -14,12 +14,6 @@ def virtual_refusal(schedule: str, recompute: RecomputeConfig, precision: str, z
         return (
             f"+recompute=plan is not supported with parallel.schedule={schedule} yet (a plan file holds one stage per "
             f"rank): use parallel.schedule=1f1b, zb-h1 or auto"
-        )
-    if isinstance(recompute, AutoRecompute) and recompute.early:
-        return (
-            f"recompute.early=true with +recompute=auto is not supported with parallel.schedule={schedule} yet (auto "
-            f"plans each rank's chunks without early recompute): use recompute.early=null or false, or a given mode "
-            f"(+recompute=full or selective) with recompute.early=true"
         )
     if precision == "fp16":
         return f"train.precision=fp16 is not supported with parallel.schedule={schedule} yet: use bf16 or fp32"
