@@ -76,10 +76,10 @@ class ParallelConfig:
     `v-half` (V-Half), or `auto` (the planner picks the schedule with the shortest simulated step time: 1f1b, zb-h1
     and the three with virtual stages where the run can run them, under `+recompute=auto` each within the budget).
     Those three hold two model chunks per rank (docs/virtual_stages.md) and train through the virtual engine
-    (parallel/runtime/virtual_engine.py): fp32 or bf16, recompute.early under a given mode; under `+recompute=auto`
-    each rank's two chunks are planned together against the rank's budget, without early recompute. A resume may
-    change the schedule only among those that keep the layers on their ranks (1f1b and zb-h1; zb-v and v-half);
-    `auto` keeps the checkpoint's."""
+    (parallel/runtime/virtual_engine.py): fp32 or bf16, with or without recompute.early; under `+recompute=auto`
+    each rank's two chunks are planned together against the rank's budget. A resume may change the schedule only
+    among those that keep the layers on their ranks (1f1b and zb-h1; zb-v and v-half); `auto` keeps the
+    checkpoint's."""
 
     def __post_init__(self) -> None:
         if self.pipeline_stages is not None and self.pipeline_stages <= 0:
@@ -244,7 +244,8 @@ class AutoRecompute:
     early: bool | None = None
     """Run each micro-batch's recompute before the stage waits for its output gradient (see
     `+recompute=full`'s `recompute.early`); null: the planner chooses, per run, the setting with the shorter
-    simulated step time within the budget."""
+    simulated step time within the budget (under a schedule with virtual stages, per rank: early where its chunks
+    fit at no more recompute)."""
     per_micro_batch: bool = False
     """Also choose, per stage, for how many of its in-flight micro-batches the plan recomputes (the others
     run with no recompute; see `+recompute=full`'s `recompute.micro_batches`): the least recompute time per
