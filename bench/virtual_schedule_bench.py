@@ -3,7 +3,7 @@ ZB-H1, for one pipeline shape (no process group, no timing: bytes are the planne
 in units of one block's forward).
 
     .venv/bin/python -m bench.virtual_schedule_bench [--ranks 4] [--micro-batches 8] [--layers 16] [--measure]
-        [--modes none selective full]
+        [--modes none selective full] [--measure-layers 8]
 
 Each schedule runs the same GPT-2 blocks (balanced over the stages by block count, parallel.partition_method
 type:Block) with no recompute: 1f1b and zb-h1 on `ranks` stages, interleaved-1f1b, zb-v and v-half on 2 x `ranks`
@@ -19,6 +19,7 @@ against the same plans. Bytes are exact, so the machine's load does not change t
 """
 
 import argparse
+from dataclasses import replace
 
 from model import BLOCK_CLASSES, GPTConfig, gpt_layers
 from parallel.measurement.stage_replay import StageReplay
@@ -70,17 +71,19 @@ SMALL = GPTConfig(n_layer=8, n_head=2, n_embd=64, seq_len=128, vocab_size=64, dr
 MODES = {"none": NoRecompute(), "selective": SelectiveRecompute(), "full": FullRecompute()}
 
 
-def measured_rows(ranks: int, micro_batches: int, mode: str) -> list[tuple[str, list[int], list[int]]]:
-    """(schedule, each rank's measured activation bytes, each rank's planned) for SMALL on CPU under `mode`."""
+def measured_rows(
+    ranks: int, micro_batches: int, mode: str, model: GPTConfig = SMALL
+) -> list[tuple[str, list[int], list[int]]]:
+    """(schedule, each rank's measured activation bytes, each rank's planned) for `model` on CPU under `mode`."""
 
     def layout(stages: int):
         run = RunShape(Topology(stages), Target("cpu", "fp32"), micro_batches=micro_batches, micro_batch_size=2)
-        return build_layout(SMALL, MODES[mode], run, "type:Block", 0), run
+        return build_layout(model, MODES[mode], run, "type:Block", 0), run
 
     def above_baseline(peak) -> int:
         return peak.peak_bytes - peak.baseline_bytes
 
-    shape, target = Shape.of(SMALL, 2), Target("cpu", "fp32")
+    shape, target = Shape.of(model, 2), Target("cpu", "fp32")
     one, run = layout(ranks)
     measured = [above_baseline(StageReplay(one, s, run).measure_peak()) for s in range(ranks)]
     planned = one_chunk_peaks(one.recipes, one.stages, one.plans, "1f1b", micro_batches, shape, target)
@@ -105,7 +108,9 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--measure", action="store_true", help="also measure activation bytes per rank on CPU")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=["none"], help="recompute modes measured")
+    parser.add_argument("--measure-layers", type=int, default=SMALL.n_layer, help="blocks of the measured small GPT-2")
     args = parser.parse_args(argv)
+    small = replace(SMALL, n_layer=args.measure_layers)
     results = rows(args.ranks, args.micro_batches, args.layers)
     base = max(results[0][1])
     print(f"{args.ranks} ranks, {args.micro_batches} micro-batches, {args.layers} GPT-2 blocks (h 768, s 1024, bf16)")
@@ -116,13 +121,13 @@ def main(argv=None) -> int:
     if not args.measure:
         return 0
     for mode in args.modes:
-        shape = f"{SMALL.n_layer} blocks h {SMALL.n_embd} s {SMALL.seq_len}, fp32"
+        shape = f"{small.n_layer} blocks h {small.n_embd} s {small.seq_len}, fp32"
         print(f"\nmeasured on CPU (stage replay), {shape}, {mode}")
         print(
             f"{'schedule':<18}{'largest rank KiB':>18}{'x 1f1b':>8}{'planned KiB':>14}{'x 1f1b':>8}"
             "   per rank measured / planned bytes"
         )
-        measured = measured_rows(args.ranks, args.micro_batches, mode)
+        measured = measured_rows(args.ranks, args.micro_batches, mode, small)
         base, planned_base = max(measured[0][1]), max(measured[0][2])
         for schedule, bytes_, planned in measured:
             per_rank = " ".join(f"{b}/{p}" for b, p in zip(bytes_, planned))
