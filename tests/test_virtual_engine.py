@@ -78,7 +78,7 @@ def test_two_chunks_per_rank_train_as_deepspeeds_1f1b_bit_for_bit(engine_runs, s
     replicas = len(ranks) // 2  # DeepSpeed's grid: pipeline rank = global rank // replicas
     assert [rank["stages"] for rank in ranks] == [placement[r // replicas] for r in range(len(ranks))]
     assert all(rank["losses"] == reference[0]["losses"] for rank in ranks)
-    # ZeRO-1's gradients: only in the weights; bf16's: the fp32 ones BF16_Optimizer steps with
+    # ZeRO-1's gradients: only in the weights; bf16's: those BF16_Optimizer accumulates and steps with
     assert {rank["optimizer"] for rank in ranks + reference} == {OPTIMIZERS.get(run, "AdamW")}
     for grads, expected in zip(_merged(ranks, "grads"), _merged(reference, "grads"), strict=True):
         assert grads.keys() == expected.keys()

@@ -12,7 +12,7 @@ from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 @contextmanager
 def engine_backward(engine: deepspeed.DeepSpeedEngine) -> Iterator[None]:
     """The backward run inside, under `engine`'s bookkeeping: with DeepSpeed's bf16 optimizer the 16-bit gradients
-    hold only this backward's (cleared before it) and are added into the fp32 gradients after it, once; and the
+    hold only this backward's (cleared before it) and are added into its accumulated gradients after it, once; and the
     post-backward hook of a ZeRO-style optimizer (BF16_Optimizer is one) does not run its epilogue for this graph."""
     bf16 = isinstance(engine.optimizer, BF16_Optimizer)
     if bf16:
