@@ -265,7 +265,7 @@ class _PipelinesOptimizerEngine(deepspeed.DeepSpeedEngine):
     """A plain DeepSpeedEngine that wraps its optimizer as DeepSpeed's PipelineEngine does: DeepSpeed chooses by
     `pipeline_parallelism` (a PipelineModule), and in bf16 without ZeRO gives a plain engine DDP's bf16 path (the
     16-bit weights stepped and gradients accumulated in bf16), where a pipeline gets BF16_Optimizer (fp32 master
-    weights, each backward's gradients added into accumulated ones): the chunks must train as DeepSpeed's 1F1B trains."""
+    weights, each backward's gradients added into its accumulated ones): the chunks must train as 1F1B trains."""
 
     def _do_optimizer_sanity_check(self, basic_optimizer):
         wrapper = super()._do_optimizer_sanity_check(basic_optimizer)
