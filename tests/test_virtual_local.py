@@ -134,6 +134,8 @@ def test_auto_per_chunk_recomputes_early_where_asked_or_where_it_fits_and_trains
     planned, run = auto_layout(schedule, auto)
     assert any(p.early for p in planned.plans) and not planned.plans[-1].early
     assert all(p.segments or p.selective for p in planned.plans if p.early)
+    early_stages = ", ".join(str(v) for v, p in enumerate(planned.plans) if p.early)
+    assert f"schedule {schedule} | early recompute on virtual stages: {early_stages}" in planned.describe()
     pipe = VirtualLocalPipeline(planned, schedule, chunks=2)
     loss, expected = pipe.step(batches), one_f_one_b["none"]
     assert torch.equal(loss, expected[0])

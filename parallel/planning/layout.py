@@ -132,7 +132,9 @@ class PipelineLayout:
             lines.append(f"partition balanced: {chosen[0]}, the fastest simulated step of {priced}")
         if self.schedule != "1f1b" or any(p.early for p in self.plans):
             early = ", ".join(str(s) for s, p in enumerate(self.plans) if p.early) or "none"
-            line = f"schedule {self.schedule} | early recompute on stages: {early}"
+            # a virtual layout's stages are its virtual stages, run under its own schedule (its line follows)
+            where = "virtual stages" if self.virtual_schedule else "stages"
+            line = f"schedule {self.virtual_schedule or self.schedule} | early recompute on {where}: {early}"
             if self.schedule == "zb-h1":
                 line += " | deferred W's per stage: " + " ".join(str(p.deferred_weights) for p in self.plans)
             lines.append(line)
