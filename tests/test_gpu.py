@@ -36,7 +36,7 @@ from parallel.planning.memory_model import selective_combinations
 from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import RunShape, Shape, Target, Topology
 from tests.fixtures.p2p_pair import batched_meets_unbatched
-from tests.runs import REPO, cpu_env, free_port, metrics, summary
+from tests.runs import REPO, cpu_env, free_port, launch, metrics, summary
 from tests.test_activation_planner import MODES, mode_id
 from tests.test_zero_bubble import gpt_grads
 
@@ -326,6 +326,28 @@ def test_predicted_peak_is_within_10_percent_of_the_step_windows_max_allocated(t
 
 TINY_CUDA = ["model=tiny", "data=synthetic", "model.attention=math", "train.precision=fp32", "logger=none"]
 TINY_CUDA += ["train.steps=6", "train.save_every=2", "train.micro_batches=2", "train.trace_step=0"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two visible GPUs")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_virtual_schedules_train_on_two_gpus_as_1f1b_does(tmp_path, precision):
+    """Interleaved 1F1B, ZB-V and V-Half over NCCL (their boundary batches posted with batch_isend_irecv, each message
+    waited for where it is read; on CPU only gloo has run them), 2 GPUs x 2 chunks, selective recompute with early
+    recompute in bf16: each run's losses 1F1B's, to fp32's rounding with math attention (CUDA may pick other kernels
+    for a chunk than for a stage), within bf16's epsilon in bf16 (docs/gpu.md's bound)."""
+    tiny = ["model=tiny", "data=synthetic", "model.attention=math", f"train.precision={precision}", "logger=none"]
+    tiny += ["train.steps=3", "train.micro_batches=4", "train.trace_step=0", "+recompute=selective"]
+    tiny += [f"recompute.early={str(precision == 'bf16').lower()}"]
+    losses = {}
+    for schedule in ("1f1b", "interleaved-1f1b", "zb-v", "v-half"):
+        run_dir = tmp_path / schedule
+        launch(run_dir, *tiny, "train.device=cuda", f"parallel.schedule={schedule}", env=cuda_env(tmp_path))
+        assert summary(run_dir)["schedule"] == schedule
+        losses[schedule] = [row["loss"] for row in metrics(run_dir)]
+    tolerance = 1e-5 if precision == "fp32" else 2**-8
+    for schedule in ("interleaved-1f1b", "zb-v", "v-half"):
+        assert losses[schedule] == pytest.approx(losses["1f1b"], rel=tolerance), schedule
 
 
 @pytest.mark.multiproc
