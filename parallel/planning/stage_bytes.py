@@ -26,7 +26,7 @@ from parallel.planning.partition import StageRange
 from parallel.planning.schedule_walk import ActivationPeak, activation_peak, in_flight_micro_batches, pipe_buffers
 from parallel.planning.shapes import RunShape, Shape, Target
 from parallel.planning.stage_plan import StagePlan
-from parallel.planning.working_set import backward_working_sets, early_recompute_copies, nested_early_bytes
+from parallel.planning.working_set import backward_working_sets, early_remade_bytes, early_working_sets
 
 
 @dataclass(frozen=True)
@@ -165,15 +165,11 @@ def stage_memory(
     # A micro-batch recomputed early holds what `none` keeps when its backward starts (the walk adds the remade bytes
     # as `recomputed`), so its backward's working set is none's; a nested one holds its block inputs, and remakes
     # each block's interior in the backward.
-    own_sets = plain_sets if early else sets
-    if early and plan.nested:
-        own_sets = backward_working_sets(layers, plan, shape, run.target, split, remade_early=True)
+    own_sets = early_working_sets(layers, plain_sets, plan, shape, run.target, split) if early else sets
     working = [max((own_sets if p else plain_sets).items(), key=lambda i: i[1], default=("", 0)) for p in under_plan]
 
     weights_pending = stage_weight_grad_bytes(recipes, stage.layers, shape, run.target)
-    early_copies = early_recompute_copies(plan, shape, run.target)
-    block_input = shape.bsh * run.target.dtype_bytes
-    early_remade = nested_early_bytes(plan, layers, block_input) if plan.nested else plain - kept + early_copies
+    early_remade = early_remade_bytes(plan, layers, plain_layers, shape, run.target)
     # A stage between two others under posted sends (every stage's `early` is recompute.early's) holds each input
     # gradient it sent until the previous stage surely has it; the last stage's are its kept outputs' anyway.
     posted = (schedule != "1f1b" or plan.early) and 0 < stage.stage < num_stages - 1

@@ -20,7 +20,7 @@ from parallel.planning.shapes import Shape, Target
 from parallel.planning.stage_plan import StagePlan, early_stages
 from parallel.planning.virtual_schedules import UNIT_SLOTS, Slots, virtual_schedule
 from parallel.planning.virtual_walk import ChunkBytes, RankMoments, VirtualPeak
-from parallel.planning.working_set import backward_working_sets, early_recompute_copies, nested_early_bytes
+from parallel.planning.working_set import backward_working_sets, early_remade_bytes, early_working_sets
 
 
 def micro_batch_bytes(
@@ -49,13 +49,9 @@ def micro_batch_bytes(
         remade = 0
         if early and under_plan:
             plain = stage_activations(recipes, stage.layers, StagePlan(), shape, target, last)
-            if plan.nested:
-                sets = backward_working_sets(layers, plan, shape, target, split, remade_early=True)
-                remade = nested_early_bytes(plan, layers, shape.bsh * target.dtype_bytes)
-            else:
-                sets = backward_working_sets(plain, StagePlan(), shape, target, split)
-                remade = sum(a.bytes for a in plain) - sum(a.bytes for a in layers)
-                remade += early_recompute_copies(plan, shape, target)
+            plain_sets = backward_working_sets(plain, StagePlan(), shape, target, split)
+            sets = early_working_sets(layers, plain_sets, plan, shape, target, split)
+            remade = early_remade_bytes(plan, layers, plain, shape, target)
         out[under_plan] = kept, remade + max(sets.values(), default=0)
     per_micro_batch = [out[plan.recomputes_micro_batch(k)] for k in range(micro_batches)]
     return tuple(k for k, _ in per_micro_batch), tuple(w for _, w in per_micro_batch)

@@ -325,6 +325,38 @@ def stage_working(layers: Sequence[LayerActivation], shape: Shape, target: Targe
     )
 
 
+def early_remade_bytes(
+    plan: StagePlan,
+    layers: Sequence[LayerActivation],
+    plain_layers: Sequence[LayerActivation],
+    shape: Shape,
+    target: Target,
+) -> int:
+    """What a micro-batch recomputed early (a RecomputeEarly ahead of its backward) holds from that recompute to its
+    backward beyond what its plan keeps (`layers`): a nested plan's block inputs (`nested_early_bytes`), else what
+    `none` keeps (`plain_layers`) beyond the plan, with the copies an early recompute makes
+    (`early_recompute_copies`)."""
+    if plan.nested:
+        return nested_early_bytes(plan, layers, shape.bsh * target.dtype_bytes)
+    remade = sum(a.bytes for a in plain_layers) - sum(a.bytes for a in layers)
+    return remade + early_recompute_copies(plan, shape, target)
+
+
+def early_working_sets(
+    layers: Sequence[LayerActivation],
+    plain_sets: dict[str, int],
+    plan: StagePlan,
+    shape: Shape,
+    target: Target,
+    split_weights: bool,
+) -> dict[str, int]:
+    """The backward's working sets of a micro-batch recomputed early: `none`'s (`plain_sets`), its activations being
+    remade already; a nested plan's backward remakes each block's interior (`backward_working_sets`' remade_early)."""
+    if plan.nested:
+        return backward_working_sets(layers, plan, shape, target, split_weights, remade_early=True)
+    return plain_sets
+
+
 def early_recompute_copies(plan: StagePlan, shape: Shape, target: Target) -> int:
     """What an early recompute (recompute.early) holds beyond what `none` keeps, from its RecomputeEarly to the
     backward: the q, k, v copies each `core_attn` block remakes while its checkpoint holds the QKV output."""

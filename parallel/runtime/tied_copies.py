@@ -71,7 +71,7 @@ class TiedCopies:
         engine.clip_fp32_gradients = clip_fp32_gradients
 
     def reduce(self, gradient: Callable[[nn.Parameter], torch.Tensor] = lambda weight: weight.grad) -> None:
-        """Every copy's `gradient` (the one its optimizer steps with: BF16_Optimizer's fp32 one, `_hp_grad`, as
+        """Every copy's `gradient` (the one its optimizer steps with: BF16_Optimizer's accumulated one, `_hp_grad`, as
         DeepSpeed's ReduceTiedGrads reduces it) becomes the sum of all copies'."""
         for key, copies in self.copies.items():
             if not copies:
