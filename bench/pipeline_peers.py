@@ -47,7 +47,7 @@ from bench.peer_report import report
 from bench.real_runs import REPO, STAGES, TRACE_STEP, Variant, launch_env, model_config, train_args
 from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.planning.shapes import GIB
-from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES
+from parallel.planning.virtual_program import VIRTUAL_SCHEDULES
 
 DS_PEERS = (
     Peer("DeepSpeed interval=1", "deepspeed", "interval=1"),

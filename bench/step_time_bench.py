@@ -53,7 +53,7 @@ from parallel.planning.plan_record import RunPlan
 from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import GIB, MIB, RunShape, Target, Topology
 from parallel.planning.step_sim import simulate_stages
-from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES
+from parallel.planning.virtual_program import VIRTUAL_SCHEDULES
 
 SEED, TARGET, MICRO_BATCHES = 1234, Target("cpu", "fp32"), 4
 SHAPES = {

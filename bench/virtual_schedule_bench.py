@@ -31,7 +31,8 @@ from parallel.planning.shapes import RunShape, Shape, Target, Topology
 from parallel.planning.stage_plan import StagePlan
 from parallel.planning.step_sim import StageCosts, simulate_stages
 from parallel.planning.virtual_memory import one_chunk_peaks, virtual_peaks
-from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES, virtual_schedule
+from parallel.planning.virtual_program import VIRTUAL_SCHEDULES
+from parallel.planning.virtual_schedules import virtual_schedule
 from parallel.planning.virtual_sim import simulate_virtual
 
 

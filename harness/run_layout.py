@@ -19,7 +19,7 @@ from parallel.planning.virtual_layout import (
     virtual_shape,
     with_virtual_plan,
 )
-from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES
+from parallel.planning.virtual_program import VIRTUAL_SCHEDULES
 from parallel.planning.virtual_support import CHUNKS
 
 CONSIDERED = 8

@@ -23,7 +23,7 @@ from harness.resume_check import ResumeCommand, absolute_paths, check_partition,
 from harness.run_dir import check_run_dir, remove_if_empty, starts_again
 from harness.run_layout import layout_of
 from model import gpt_layers, model_param_count
-from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES
+from parallel.planning.virtual_program import VIRTUAL_SCHEDULES
 from parallel.planning.virtual_support import schedule_change_refusal, virtual_run_refusal
 from parallel.runtime.accelerator import use_accelerator
 from parallel.runtime.dist_env import DistEnv, read_dist_env

@@ -8,7 +8,7 @@ from hydra.errors import ConfigCompositionException
 
 from harness.run_dir import register_run_stamp_resolver
 from parallel.planning.config import SCHEDULE_CHOICES
-from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES
+from parallel.planning.virtual_program import VIRTUAL_SCHEDULES
 from schema import GROUP_SCHEMAS, register_schemas
 from schema.checks import to_run_config, topology
 

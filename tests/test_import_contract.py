@@ -51,8 +51,9 @@ PLANNING = [
         "parallel.planning.partition",
         "parallel.planning.schedule_walk",
         "parallel.planning.step_sim",
-        "parallel.planning.virtual_schedules",  # v chunks per rank: interleaved 1F1B, ZB-V, V-Half
+        "parallel.planning.virtual_program",  # v chunks per rank: placements, instructions, programmes, slots
     },
+    {"parallel.planning.virtual_schedules"},  # the programmes of interleaved 1F1B, ZB-V and V-Half, laid out in slots
     {"parallel.planning.virtual_support"},  # what their multi-rank runtime runs so far, which resumes keep placement
     {"parallel.planning.compression"},  # compressed stashes: the bytes a stored segment input keeps, the lossy note
     {"parallel.planning.given_plan"},  # +recompute=plan: a plan.json's stage boundaries and plans, read once

@@ -11,7 +11,7 @@ which clear them themselves, found it). And the runtime refuses, in one line, wh
 import pytest
 
 from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute
-from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES
+from parallel.planning.virtual_program import VIRTUAL_SCHEDULES
 from parallel.planning.virtual_support import virtual_refusal
 from tests.fixtures.virtual_runs import CLIP, MODES
 from tests.shared_runs import EngineRun

@@ -25,7 +25,7 @@ from parallel.planning.virtual_layout import (
 )
 from parallel.planning.virtual_memory import rank_walks
 from parallel.planning.virtual_plan import VirtualPlan
-from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES
+from parallel.planning.virtual_program import VIRTUAL_SCHEDULES
 from parallel.planning.virtual_support import schedule_change_refusal, virtual_run_refusal
 
 MODEL = GPTConfig(n_layer=8, n_head=4, n_embd=64, seq_len=32, vocab_size=256, dropout=0.1)

@@ -19,7 +19,8 @@ from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute, 
 from parallel.planning.layout import build_layout
 from parallel.planning.shapes import GIB, RunShape, Target, Topology
 from parallel.planning.virtual_layout import virtual_layout, virtual_plan
-from parallel.planning.virtual_schedules import Slots, virtual_schedule
+from parallel.planning.virtual_program import Slots
+from parallel.planning.virtual_schedules import virtual_schedule
 from parallel.runtime.stage_interpreter import StageInterpreter
 
 CFG = GPTConfig(n_layer=4, n_head=2, n_embd=32, seq_len=16, vocab_size=64, dropout=0.1)

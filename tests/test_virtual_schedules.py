@@ -24,7 +24,8 @@ from parallel.planning.stage_plan import StagePlan
 from parallel.planning.step_sim import StageCosts, simulate_stages
 from parallel.planning.virtual_choice import virtual_lines, virtual_options
 from parallel.planning.virtual_memory import one_chunk_peaks, virtual_peaks
-from parallel.planning.virtual_schedules import UNIT_SLOTS, VIRTUAL_SCHEDULES, Slots, VirtualProgram, virtual_schedule
+from parallel.planning.virtual_program import UNIT_SLOTS, VIRTUAL_SCHEDULES, Slots, VirtualProgram
+from parallel.planning.virtual_schedules import virtual_schedule
 from parallel.planning.virtual_sim import simulate_virtual
 from parallel.planning.virtual_slots import MAX_SLOTS, priced_slots
 from parallel.planning.virtual_walk import ChunkBytes, RankMoments

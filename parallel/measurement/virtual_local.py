@@ -26,7 +26,8 @@ from parallel.planning import schedules
 from parallel.planning.layout import PipelineLayout
 from parallel.planning.shapes import TORCH_DTYPES
 from parallel.planning.stage_plan import early_stages
-from parallel.planning.virtual_schedules import ChunkCommand, VirtualProgram, virtual_schedule
+from parallel.planning.virtual_program import ChunkCommand, VirtualProgram
+from parallel.planning.virtual_schedules import virtual_schedule
 from parallel.runtime.chunk_work import ChunkStageWork, MicroBatchSource
 from parallel.runtime.dropout_keys import DropoutKeys
 from parallel.runtime.stage_interpreter import StageInterpreter, Transport

@@ -30,7 +30,7 @@ from parallel.planning.stage_plan import StagePlan
 from parallel.planning.stage_planner import StagePlanner
 from parallel.planning.stage_price import StagePricing
 from parallel.planning.virtual_auto import RankBudget
-from parallel.planning.virtual_schedules import UNIT_SLOTS, Slots
+from parallel.planning.virtual_program import UNIT_SLOTS, Slots
 
 DEEPSPEED_PARTITIONS = ("uniform", "parameters", "type:Block")
 """DeepSpeed's own partition methods, which `balanced` prices beside its own split."""

@@ -32,7 +32,7 @@ from parallel.planning.stage_plan import StagePlan
 from parallel.planning.stage_planner import StagePlanner
 from parallel.planning.stage_price import price_stage
 from parallel.planning.virtual_memory import RankWalk, rank_walks
-from parallel.planning.virtual_schedules import UNIT_SLOTS, Slots
+from parallel.planning.virtual_program import UNIT_SLOTS, Slots
 from parallel.planning.working_set import StageWorking, early_recompute_copies, stage_working
 
 

@@ -25,7 +25,8 @@ from parallel.planning.stage_planner import StagePlanner
 from parallel.planning.stage_price import StagePrice, StagePricing, price_stage
 from parallel.planning.virtual_auto import plan_ranks
 from parallel.planning.virtual_memory import one_chunk_peaks, virtual_peaks
-from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES, virtual_schedule
+from parallel.planning.virtual_program import VIRTUAL_SCHEDULES
+from parallel.planning.virtual_schedules import virtual_schedule
 from parallel.planning.virtual_sim import simulate_virtual
 from parallel.planning.virtual_slots import stage_slots
 from parallel.planning.virtual_support import CHUNKS

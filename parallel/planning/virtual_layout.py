@@ -27,7 +27,8 @@ from parallel.planning.virtual_auto import plan_ranks
 from parallel.planning.virtual_choice import even_counts, virtual_options
 from parallel.planning.virtual_memory import virtual_peaks
 from parallel.planning.virtual_plan import VirtualPlan
-from parallel.planning.virtual_schedules import VIRTUAL_SCHEDULES, placement_of, virtual_schedule
+from parallel.planning.virtual_program import VIRTUAL_SCHEDULES, placement_of
+from parallel.planning.virtual_schedules import virtual_schedule
 from parallel.planning.virtual_sim import simulate_virtual
 from parallel.planning.virtual_slots import stage_slots
 from parallel.planning.virtual_support import CHUNKS, virtual_run_refusal

@@ -18,7 +18,8 @@ from parallel.planning.partition import StageRange
 from parallel.planning.schedule_walk import ActivationPeak, activation_peak
 from parallel.planning.shapes import Shape, Target
 from parallel.planning.stage_plan import StagePlan, early_stages
-from parallel.planning.virtual_schedules import UNIT_SLOTS, Slots, virtual_schedule
+from parallel.planning.virtual_program import UNIT_SLOTS, Slots
+from parallel.planning.virtual_schedules import virtual_schedule
 from parallel.planning.virtual_walk import ChunkBytes, RankMoments, VirtualPeak
 from parallel.planning.working_set import backward_working_sets, early_remade_bytes, early_working_sets
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from parallel.planning import schedules
 from parallel.planning.step_sim import COMPUTE, StageCosts
-from parallel.planning.virtual_schedules import ChunkCommand, VirtualProgram
+from parallel.planning.virtual_program import ChunkCommand, VirtualProgram
 
 _SENDS = (schedules.SendActivation, schedules.SendGrad)
 _ONCE_PER_RANK = ("ReduceGrads", "OptimizerStep")

@@ -1,4 +1,4 @@
-"""The slots a run's virtual-stage programmes are laid out in (parallel/planning/virtual_schedules.py's Slots): from
+"""The slots a run's virtual-stage programmes are laid out in (parallel/planning/virtual_program.py's Slots): from
 measured prices, a forward's, a B's and a W's seconds over the model's layers without recompute, each a whole number
 of the cheapest one's; unit slots otherwise.
 
@@ -14,7 +14,7 @@ from parallel.planning.partition import StageRange
 from parallel.planning.stage_plan import StagePlan
 from parallel.planning.stage_price import StagePricing, price_stage
 from parallel.planning.step_sim import StageCosts
-from parallel.planning.virtual_schedules import UNIT_SLOTS, Slots
+from parallel.planning.virtual_program import UNIT_SLOTS, Slots
 
 MAX_SLOTS = 4
 """The most slots one op takes: a programme's steps (and the walk's and the simulator's work) grow with them."""

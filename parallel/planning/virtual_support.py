@@ -3,7 +3,8 @@ resumes may change the schedule, each as one refusal line naming the option to c
 start-up can read it before DeepSpeed loads."""
 
 from parallel.planning.config import GivenRecompute, RecomputeConfig
-from parallel.planning.virtual_schedules import V_SHAPED, VIRTUAL_SCHEDULES, virtual_schedule
+from parallel.planning.virtual_program import V_SHAPED, VIRTUAL_SCHEDULES
+from parallel.planning.virtual_schedules import virtual_schedule
 
 CHUNKS = 2
 """Model chunks per rank that train.py runs (the V shapes hold 2; the engine interleaves more)."""

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from parallel.planning import schedules
-from parallel.planning.virtual_schedules import VirtualProgram
+from parallel.planning.virtual_program import VirtualProgram
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 Message = tuple[str, int, int]
-"""(activation or grad, the sending virtual stage, micro-batch): parallel/planning/virtual_schedules.py's
+"""(activation or grad, the sending virtual stage, micro-batch): parallel/planning/virtual_program.py's
 ChunkCommand.message, the same on both sides."""
 
 

@@ -15,7 +15,7 @@ from deepspeed.runtime.utils import clip_grad_norm_
 
 from model import head_module
 from parallel.planning.layout import PipelineLayout
-from parallel.planning.virtual_schedules import Placement
+from parallel.planning.virtual_program import Placement
 from parallel.runtime.planned_layers import PlannedLayers
 
 

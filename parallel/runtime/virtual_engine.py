@@ -33,7 +33,8 @@ from parallel.planning.config import OptimConfig, ParallelConfig, RecomputeConfi
 from parallel.planning.layout import PipelineLayout
 from parallel.planning.shapes import TORCH_DTYPES
 from parallel.planning.stage_plan import early_stages
-from parallel.planning.virtual_schedules import Placement, Slots, VirtualProgram, placement_of, virtual_schedule
+from parallel.planning.virtual_program import Placement, Slots, VirtualProgram, placement_of
+from parallel.planning.virtual_schedules import virtual_schedule
 from parallel.planning.virtual_support import virtual_refusal
 from parallel.runtime.boundary_links import BoundaryBatch
 from parallel.runtime.chunk_work import ChunkStageWork, ForwardScope, unobserved

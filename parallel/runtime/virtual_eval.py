@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from model import head_module
 from model.fused_loss import HeadLoss
-from parallel.planning.virtual_schedules import Placement
+from parallel.planning.virtual_program import Placement
 from parallel.runtime.planned_layers import PlannedLayers
 
 

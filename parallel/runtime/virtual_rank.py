@@ -9,7 +9,7 @@ from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Protocol
 
 from parallel.planning import schedules
-from parallel.planning.virtual_schedules import ChunkCommand, VirtualProgram
+from parallel.planning.virtual_program import ChunkCommand, VirtualProgram
 from parallel.planning.virtual_sim import EXCHANGE, RECEIVE_WAIT
 from parallel.runtime.boundary_links import BoundaryBatch
 from parallel.runtime.stage_interpreter import StageInterpreter
