@@ -171,3 +171,26 @@ def test_auto_under_auto_recompute_prices_the_virtual_schedules_with_each_ranks_
     """parallel.schedule=auto with +recompute=auto: the virtual schedules are candidates, planned per rank; at a
     budget no plan needs to recompute under, the choice is none's."""
     assert _auto(GPT2_16, 2, 2, recompute=AutoRecompute())[1] == _auto(GPT2_16, 2, 2)[1] == "zb-v"
+
+
+def test_the_dry_runs_figures_of_auto_per_chunk_are_those_of_the_layout_it_trains_early_recompute_included():
+    """recompute.early=null: at GPT-2's shape on an H100 (analytic prices) auto recomputes V-Half's first chunk early,
+    which shortens the simulated step. The dry run's step and rank peaks (virtual_options, which `balanced` and
+    parallel.schedule=auto read) price the programmes and plans the run trains (virtual_layout, virtual_plan)."""
+    model = replace(GPT2_16, n_layer=12)
+    run = RunShape(Topology(2, 1), Target("cuda", "bf16"), 8, 1)
+    never = AutoRecompute(budget_gb=1e3, reserve_gb=0.0, early=False)
+    unbounded = virtual_layout(model, never, run, "type:Block", 0, "v-half", None, None, None)
+    floor = max(b.least_bytes for b in unbounded.rank_budgets)
+    none = max(b.peak_bytes for b in unbounded.rank_budgets)
+    auto = AutoRecompute(budget_gb=(floor + none) / 2 / GIB, reserve_gb=0.0, early=None)
+    layout = virtual_layout(model, auto, run, "balanced", 0, "v-half", None, None, None)
+    planned = virtual_plan(model, layout, run, "v-half")
+    late = virtual_plan(model, replace(layout, plans=[replace(p, early=False) for p in layout.plans]), run, "v-half")
+    assert planned.predicted_step_time_s < late.predicted_step_time_s  # early recompute matters here
+    one_chunk = build_layout(model, NoRecompute(), run, "balanced", 0, None, None)
+    (option,) = virtual_options(model, auto, one_chunk, run, ("v-half",))
+    assert (option.step_time_s, option.activation_bytes) == (
+        planned.predicted_step_time_s,
+        planned.activation_bytes_per_rank,
+    )

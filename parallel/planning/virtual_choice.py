@@ -20,12 +20,12 @@ from parallel.planning.config import AutoRecompute, GivenRecompute, RecomputeCon
 from parallel.planning.layout import PipelineLayout
 from parallel.planning.partition import StageRange, stages_of_block_counts
 from parallel.planning.shapes import GIB, RunShape, Shape, Topology
-from parallel.planning.stage_plan import with_early
+from parallel.planning.stage_plan import StagePlan, early_stages, with_early
 from parallel.planning.stage_planner import StagePlanner
 from parallel.planning.stage_price import StagePrice, StagePricing, price_stage
 from parallel.planning.virtual_auto import plan_ranks
 from parallel.planning.virtual_memory import one_chunk_peaks, virtual_peaks
-from parallel.planning.virtual_program import VIRTUAL_SCHEDULES
+from parallel.planning.virtual_program import VIRTUAL_SCHEDULES, VirtualProgram, placement_of
 from parallel.planning.virtual_schedules import virtual_schedule
 from parallel.planning.virtual_sim import simulate_virtual
 from parallel.planning.virtual_slots import stage_slots
@@ -74,53 +74,65 @@ def virtual_options(
     slots = stage_slots(
         planner.pricing, stages_of_block_counts(layout.recipes, even_counts(model.n_layer, CHUNKS * ranks))
     )
-    # recompute.early=true: every chunk that recomputes does it early, but the last (auto plans no early recompute here)
-    early = getattr(recompute, "early", None) is True
+    auto = isinstance(recompute, AutoRecompute)
+    programs: dict[tuple[str, frozenset[int]], list[VirtualProgram]] = {}
+
+    def plans_of(prices: Sequence[StagePrice]) -> list[StagePlan]:
+        """The chunks' plans with early recompute as the run has it: the mode's recompute.early on every chunk that
+        recomputes, or auto's choice per rank (plan_ranks')."""
+        plans = [p.plan for p in prices]
+        return plans if auto else with_early(plans, recompute.early)
+
+    def programs_of(schedule: str, prices: Sequence[StagePrice]) -> list[VirtualProgram]:
+        """The ranks' programmes with each chunk recomputed early where its plan says so."""
+        key = (schedule, early_stages(plans_of(prices)))
+        if key not in programs:
+            programs[key] = virtual_schedule(schedule, run.micro_batches, ranks, CHUNKS, slots, key[1])
+        return programs[key]
+
     out = []
     for schedule in schedules:
         try:
-            programs = virtual_schedule(
-                schedule, run.micro_batches, ranks, CHUNKS, slots, frozenset(range(CHUNKS * ranks - 1) if early else ())
-            )
+            programs_of(schedule, ())
         except ValueError:  # interleaved-1f1b's rounds: micro-batches not a multiple of the ranks
             continue
-        placement = programs[0].placement
+        placement = placement_of(schedule, ranks, CHUNKS)
         mine = [[placement.virtual_stage(rank, chunk) for chunk in range(CHUNKS)] for rank in range(ranks)]
 
         def prices_of(counts: list[int], schedule: str = schedule) -> list[StagePrice] | None:
             """Each chunk priced under its plan: the mode's, or auto's per rank (None: some rank fits none)."""
             stages = stages_of_block_counts(layout.recipes, counts)
-            if not isinstance(recompute, AutoRecompute):
+            if not auto:
                 return [price(stage) for stage in stages]
             plans, budgets = plan_ranks(planner, stages, schedule, slots)
             if any(b.choice is None for b in budgets):
                 return None
             return [price_stage(planner.pricing, stage, plan) for stage, plan in zip(stages, plans)]
 
-        step_s = partial(_step_s, programs, mine, prices_of, run.grad_clip > 0)
+        step_s = partial(_step_s, partial(programs_of, schedule), mine, prices_of, run.grad_clip > 0)
         counts = _chunk_counts(model.n_layer, CHUNKS * ranks, step_s)
         stages = stages_of_block_counts(layout.recipes, counts)
         prices = prices_of(counts)
         if prices is None:  # auto: not even the chosen boundaries fit the budget
             continue
-        plans = with_early([p.plan for p in prices], early)
         peaks = virtual_peaks(
-            layout.recipes, stages, plans, schedule, CHUNKS, run.micro_batches, shape, run.target, slots
+            layout.recipes, stages, plans_of(prices), schedule, CHUNKS, run.micro_batches, shape, run.target, slots
         )
         states = tuple(sum(sum(prices[v].memory.states.values()) for v in stages) for stages in mine)
         out.append(VirtualOption(schedule, step_s(counts), tuple(p.bytes for p in peaks), states, tuple(counts)))
     return out
 
 
-def _step_s(programs, mine, prices_of, clip: bool, counts: list[int]) -> float:
-    """The simulated step of `programs` with `counts` blocks per virtual stage (`mine[rank]`: its virtual stages),
-    with the optimizer steps' barrier where the run clips (`clip`: virtual_sim's `clip_barrier`); infinite where
-    `prices_of(counts)` is None (auto fits no plan: any boundaries that fit are shorter)."""
+def _step_s(programs_of, mine, prices_of, clip: bool, counts: list[int]) -> float:
+    """The simulated step of the schedule's programmes (`programs_of(prices)`: each chunk recomputed early where its
+    plan says so) with `counts` blocks per virtual stage (`mine[rank]`: its virtual stages), with the optimizer
+    steps' barrier where the run clips (`clip`: virtual_sim's `clip_barrier`); infinite where `prices_of(counts)` is
+    None (auto fits no plan: any boundaries that fit are shorter)."""
     prices = prices_of(counts)
     if prices is None:
         return math.inf
     costs = [[prices[v].costs for v in stages] for stages in mine]
-    return simulate_virtual(programs, costs, clip_barrier=clip).step_time_s
+    return simulate_virtual(programs_of(prices), costs, clip_barrier=clip).step_time_s
 
 
 def _chunk_counts(blocks: int, chunks: int, step_s) -> list[int]:

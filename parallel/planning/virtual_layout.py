@@ -97,8 +97,8 @@ def faster_virtual_schedule(
     """parallel.schedule=auto's choice beyond `one_chunk`'s (the fastest of 1f1b and zb-h1 on one stage per rank):
     the schedule with virtual stages whose simulated step (on its own chunk boundaries, as the dry run prices it) is
     the shortest and shorter than `one_chunk`'s, among those the run can run (virtual_support.virtual_run_refusal:
-    not fp16, no early recompute under auto, ...), under +recompute=auto with each rank's chunks planned against the
-    budget; None when none is."""
+    not fp16, ...), under +recompute=auto with each rank's chunks planned against the budget (early recompute where
+    auto chooses it); None when none is."""
     if one_chunk.timing is None:
         return None
     ranks = run.topology.pipeline_stages
