@@ -32,22 +32,11 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from parallel.runtime.posted_works import PostedWorks
+
 Message = tuple[str, int, int]
 """(activation or grad, the sending virtual stage, micro-batch): parallel/planning/virtual_program.py's
 ChunkCommand.message, the same on both sides."""
-
-
-class _Completion:
-    """Posted operations waited for once (a gloo Work waited for twice waits for a completion that never comes)."""
-
-    def __init__(self, works: list):
-        self.works, self.done = works, False
-
-    def wait(self) -> None:
-        if not self.done:
-            for work in self.works:
-                work.wait()
-            self.done = True
 
 
 Exchange = Callable[[list[tuple[torch.Tensor, int]], list[tuple[torch.Tensor, int]]], list]
@@ -74,9 +63,9 @@ class BoundaryBatch:
         self._sends: list[tuple[torch.Tensor, int, int, Message]] = []  # (tensor, from stage, to stage, message)
         self._recvs: list[tuple[torch.Tensor, int, int, Message]] = []
         self._local: defaultdict[tuple[int, int], deque[torch.Tensor]] = defaultdict(deque)
-        self._received: dict[Message, _Completion] = {}
-        self._sent_activations: dict[Message, tuple[_Completion, torch.Tensor]] = {}
-        self._sent_grads: list[tuple[_Completion, torch.Tensor]] = []
+        self._received: dict[Message, PostedWorks] = {}
+        self._sent_activations: dict[Message, tuple[PostedWorks, torch.Tensor]] = {}
+        self._sent_grads: list[tuple[PostedWorks, torch.Tensor]] = []
         """The last posted boundary's gradient sends, waited for at the next post."""
 
     def link(self, stage: int) -> "ChunkLink":
@@ -122,7 +111,7 @@ class BoundaryBatch:
         works = self.exchange([(t, peer) for t, peer, _ in remote_sends], [(t, peer) for t, peer, _ in remote_recvs])
         operations = len(remote_sends) + len(remote_recvs)
         # One Work per operation on gloo, one for the whole batch on NCCL.
-        each = [_Completion([w]) for w in works] if len(works) == operations else [_Completion(works)] * operations
+        each = [PostedWorks([w]) for w in works] if len(works) == operations else [PostedWorks(works)] * operations
         for (tensor, _, message), completion in zip(remote_sends, each):
             if message[0] == "activation":
                 self._sent_activations[message] = (completion, tensor)

@@ -33,6 +33,7 @@ from model.weight_grad import WeightGradStore, split_backward
 from parallel.planning import schedules
 from parallel.runtime.dropout_keys import DropoutKeys, keyed_forward
 from parallel.runtime.early_recompute import EarlyRecompute
+from parallel.runtime.posted_works import PostedWorks
 
 Send = Callable[[torch.Tensor, int], None]
 """(tensor, the peer's stage index)."""
@@ -93,16 +94,14 @@ class StageWork(Protocol):
 class _Posted:
     """Posted sends of one instruction, kept alive until waited for."""
 
-    works: list[Work]
+    works: PostedWorks
     tensors: list[torch.Tensor]
     micro_batch: int
     """The k-th send of its kind is micro-batch k's."""
 
     def complete(self) -> None:
-        """Wait for each Work once (a gloo Work waited for twice waits for a completion that never comes)."""
-        for work in self.works:
-            work.wait()
-        self.works, self.tensors = [], []
+        self.works.wait()
+        self.tensors = []
 
 
 @dataclass
@@ -250,7 +249,7 @@ class StageInterpreter:
         sends: list[tuple[torch.Tensor, int]] = []
         run(lambda tensor, stage: sends.append((tensor, stage)))
         # One Work per operation on gloo, one for the whole batch on NCCL: a batch is waited for as a whole.
-        return _Posted(self.transport.post(sends, receiving), [t for t, _ in sends], micro_batch)
+        return _Posted(PostedWorks(self.transport.post(sends, receiving)), [t for t, _ in sends], micro_batch)
 
     def _recv_activation(self, command: schedules.RecvActivation) -> None:
         micro_batch = self._counts.received_activations
