@@ -111,6 +111,16 @@ def run_prices(ctx: RunContext) -> tuple[BlockPrices | None, str]:
     curves = None if profile is None else profile_prices(profile, shape, ctx.target)
     if option == "curves":
         return curves, line
+    if option == "corrected":
+        if ctx.env.world_size > 1 and not ctx.run.dry_run:
+            raise ProfileRefused(
+                "train.prices=corrected prices dry runs and one-rank runs only (the ranks of a launch would read the "
+                "measured shapes at different moments): use train.prices=measured, curves or analytic"
+            )
+        if profile is None:
+            return None, line  # analytic, and why
+        fixed, how = corrected_curves(ctx, profile, shape, held_out=True)
+        return (fixed, how) if fixed is not None else (curves, f"{line}, uncorrected: no other shape measured here")
     measured, why = measured_prices_of(ctx, profile)
     if measured is not None:
         return measured, why
@@ -196,11 +206,14 @@ def measured_prices_of(ctx: RunContext, profile: DeviceProfile | None) -> tuple[
     return measured_prices(shape, target, seconds, CostSource("measured", str(path), created)), line
 
 
-def corrected_curves(ctx: RunContext, profile: DeviceProfile, shape: Shape) -> tuple[BlockPrices | None, str]:
+def corrected_curves(
+    ctx: RunContext, profile: DeviceProfile, shape: Shape, held_out: bool = False
+) -> tuple[BlockPrices | None, str]:
     """The profile's curves corrected by what the stages measured on this device taught (curve_seconds'
-    curve_corrections: every cached shape of the profile's signature and the run's architecture), or None. A launch
-    of several ranks is not corrected: its ranks would read the cache at different moments, and a file written
-    between them (another run's measurement) would give them different prices."""
+    curve_corrections: every cached shape of the profile's signature and the run's architecture, but `shape` itself
+    where `held_out`), or None. A launch of several ranks is not corrected: its ranks would read the cache at
+    different moments, and a file written between them (another run's measurement) would give them different
+    prices."""
     if ctx.topology.world_size > 1 and not ctx.run.dry_run:
         return None, ""
     pairs = []
@@ -213,6 +226,8 @@ def corrected_curves(ctx: RunContext, profile: DeviceProfile, shape: Shape) -> t
             seconds = with_residuals(MeasuredSeconds(**data["seconds"]), read_residuals(path)[0])
         except (OSError, ValueError, KeyError, TypeError):
             continue  # a damaged file teaches nothing (planning its own shape says so)
+        if held_out and measured_shape == shape:
+            continue
         if measured_shape.arch == shape.arch and not data.get("compiled"):  # the curves time eager kernels
             pairs.append((seconds, profile_seconds(profile, measured_shape, ctx.target)))
     if not pairs:
@@ -220,7 +235,8 @@ def corrected_curves(ctx: RunContext, profile: DeviceProfile, shape: Shape) -> t
     seconds = corrected(profile_seconds(profile, shape, ctx.target), curve_corrections(pairs))
     source = CostSource("corrected_curves", profile.source.path, profile.source.created)
     return measured_prices(shape, ctx.target, seconds, source), (
-        f"costs: the curves of {profile.source.describe()}, corrected by {len(pairs)} shape(s) measured on this device"
+        f"costs: the curves of {profile.source.describe()}, corrected by {len(pairs)} "
+        f"{'other ' if held_out else ''}shape(s) measured on this device"
     )
 
 

@@ -7,7 +7,7 @@ from parallel.planning.config import OptimConfig
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
-PRICES = ("measured", "curves", "analytic")
+PRICES = ("measured", "curves", "corrected", "analytic")
 """train.prices: where the step time's prices come from (its docstring)."""
 NAN_POLICIES = ("stop", "skip")
 RESUME_OFF = ("false", "no", "off", "none", "")
@@ -91,8 +91,10 @@ class TrainConfig(OptimConfig):
     embedding and the head timed instruction by instruction, on local rank 0 before any process group, cached per
     shape and device under $STAGECHECK_PRICE_DIR, default ~/.cache/stagecheck/stage_prices; the other ranks read
     that file), used whenever this device can build the stage (fp32 on CPU, all ranks on one node), else curves;
-    curves, train.device_profile's kernel curves (else analytic); analytic, FLOPs and bytes at realistic rates. Bytes
-    (what fits) never depend on it."""
+    curves, train.device_profile's kernel curves (else analytic); corrected, those curves corrected by the other
+    shapes measured on this device, never this run's own (how measured prices a shape this device cannot build; to
+    check that pricing on a shape it can: docs/step_time_benchmark.md), in a dry run or a one-rank run only; analytic,
+    FLOPs and bytes at realistic rates. Bytes (what fits) never depend on it."""
     device_memory_gb: float | None = None
     """Memory of one rank's device in GiB, for the dry run's per-stage verdict (fits, or over by how much); null:
     recompute.budget_gb under +recompute=auto, else an 80 GB H100 on cuda, or this machine's memory shared by the

@@ -23,7 +23,7 @@ from harness.run_layout import layout_of
 from parallel.measurement.stage_prices import refusal
 from parallel.planning.block_prices import SELECTIVE_PARTS
 from parallel.planning.curve_seconds import CORRECTED, profile_seconds
-from parallel.planning.device_profile_file import CACHE_ENV, cache_dir, read_profile
+from parallel.planning.device_profile_file import CACHE_ENV, ProfileRefused, cache_dir, read_profile
 from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import Shape, Target
 from parallel.runtime.device_signature import signature_of
@@ -138,7 +138,7 @@ def test_the_run_is_planned_with_its_clipping():
 
 
 def test_train_prices_names_its_allowed_values():
-    allowed = r"train.prices='measure' is unknown: allowed values are measured, curves, analytic"
+    allowed = r"train.prices='measure' is unknown: allowed values are measured, curves, corrected, analytic"
     with pytest.raises(ValueError, match=allowed):
         context(0, "train.prices=measure")
 
@@ -173,6 +173,35 @@ def test_a_shape_this_device_cannot_build_is_priced_by_the_curves_corrected_by_t
     assert prices.measured.block_forward == pytest.approx(2 * curves.block_forward)
     assert prices.measured.head_backward == pytest.approx(2 * curves.head_backward)
     assert prices.measured.transfer == curves.transfer  # the links are the profile's own
+
+
+def test_train_prices_corrected_prices_a_shape_by_the_other_shapes_measured_never_its_own(tmp_path, monkeypatch):
+    """train.prices=corrected at a shape this device measured: the curves corrected by the other shapes only (its own
+    measurement, priced 3x the curves here, is held out; another shape's, 2x, corrects it), in a dry run; a launch of
+    several ranks is refused in one line naming the option."""
+    monkeypatch.setenv(PRICE_CACHE_ENV, str(tmp_path / "prices"))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "profiles"))
+    ctx = context(0, "train.prices=corrected", "dry_run=true")
+    signature = expected_signature(ctx)
+    profile_path = cache_dir() / signature.file_name()
+    profile_path.parent.mkdir(parents=True)
+    profile_path.write_text(json.dumps(linear_profile(signature)))
+    profile = read_profile(profile_path, signature)
+    other_ctx = context(0, "model.n_embd=48")
+    for factor, at in ((3, ctx), (2, other_ctx)):
+        shape = Shape.of(at.run.model, 1)
+        seconds = replace(profile_seconds(profile, shape, at.target), transfer=None, link_bytes_per_s=None)
+        seconds = replace(seconds, **{name: factor * getattr(seconds, name) for name in CORRECTED})
+        path = price_file(at, signature)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"shape": vars(shape), "seconds": vars(seconds)}))
+    prices, line = run_prices(ctx)
+    assert line.endswith("corrected by 1 other shape(s) measured on this device")
+    curves = profile_seconds(profile, Shape.of(ctx.run.model, 1), ctx.target)
+    assert prices.source.kind == "corrected_curves"
+    assert prices.measured.block_forward == pytest.approx(2 * curves.block_forward)
+    with pytest.raises(ProfileRefused, match=r"^train.prices=corrected prices dry runs and one-rank runs only"):
+        run_prices(context(0, "train.prices=corrected", "dry_run=false"))
 
 
 def test_a_measurement_that_failed_is_said_to_every_rank_alike(tmp_path, monkeypatch):
