@@ -2,6 +2,7 @@
 virtual stages, each rank's planned peak and simulated step, parallel.schedule=auto's choice of one, and the start-up
 refusals (what the engine does not run, a resume that would move layers to other ranks), each one line."""
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -30,6 +31,8 @@ from parallel.planning.virtual_support import schedule_change_refusal, virtual_r
 
 MODEL = GPTConfig(n_layer=8, n_head=4, n_embd=64, seq_len=32, vocab_size=256, dropout=0.1)
 RUN = RunShape(Topology(2, 1), Target("cpu", "fp32"), 4, 2)
+NO = (None, None, None)
+"""virtual_layout's costs, rates and held parts: analytic prices, a fresh run."""
 
 
 @pytest.mark.parametrize("schedule", VIRTUAL_SCHEDULES)
@@ -127,7 +130,7 @@ def _rank_peaks(layout, auto: AutoRecompute, schedule: str) -> list[RankPeak]:
     pricing = StagePricing.of(layout.recipes, virtual_shape(RUN), shape, layout.timing)
     planner = StagePlanner(pricing, auto, layout.timing.table)
     walks = rank_walks(layout.recipes, layout.stages, schedule, 2, RUN.micro_batches, shape, RUN.target)
-    return [RankPeak(w, [chunk_side(planner, layout.stages[v]) for v in w.virtual_stages]) for w in walks]
+    return [RankPeak(w, [chunk_side(planner, layout.stages[v], w.split) for v in w.virtual_stages]) for w in walks]
 
 
 @pytest.mark.parametrize("schedule", VIRTUAL_SCHEDULES)
@@ -153,6 +156,54 @@ def test_auto_per_chunk_fits_each_ranks_peak_at_the_least_recompute_of_any_pair(
         assert peak.bytes(b.choice) == b.peak_bytes
         fitting = [a.cost + c.cost for a in first.choices for c in second.choices if peak.bytes((a, c)) <= budget]
         assert sum(c.cost for c in b.choice) == min(fitting)
+
+
+@pytest.mark.parametrize("schedule", VIRTUAL_SCHEDULES)
+@pytest.mark.parametrize("early", [True, None])
+def test_auto_per_chunk_recomputing_early_fits_at_the_least_recompute_of_any_pair(schedule, early):
+    """recompute.early=true (every chunk that recomputes does it early, but the last virtual stage) and null (early
+    where that costs no more): the chosen pair is the cheapest of every pair that fits (brute force over
+    RankPeak.bytes), though recomputed early a choice's backward holds more the less it keeps."""
+    unbounded, _ = _auto_layout(schedule, 1e12)
+    floor = max(b.least_bytes for b in unbounded.rank_budgets)
+    none = max(b.peak_bytes for b in unbounded.rank_budgets)
+    for budget in (int(floor + (none - floor) * f) for f in (0.3, 0.6, 0.9)):
+        _check_cheapest_pairs(schedule, budget, early)
+
+
+def _check_cheapest_pairs(schedule: str, budget: int, early: bool | None) -> None:
+    auto = AutoRecompute(budget_gb=budget / GIB, reserve_gb=0.0, early=early)
+    layout = virtual_layout(MODEL, auto, RUN, "type:Block", 0, schedule, *NO)
+    for b, peak in zip(layout.rank_budgets, _rank_peaks(layout, auto, schedule)):
+        flags = tuple(v < len(layout.stages) - 1 for v in peak.walk.virtual_stages)
+        wanted = _cheapest_fitting(peak, budget, flags)
+        if not early:
+            wanted = min(wanted, _cheapest_fitting(peak, budget, (False, False)))
+        assert sum(c.cost for c in b.choice) == wanted and b.peak_bytes <= budget
+
+
+def _cheapest_fitting(peak: RankPeak, budget: int, early: tuple[bool, bool]) -> float:
+    """The least summed cost of any pair of the rank's chunks' choices whose RankPeak.bytes fits (brute force)."""
+    first, second = peak.sides
+    pairs = [(a, c) for a in first.choices for c in second.choices]
+    return min((a.cost + c.cost for a, c in pairs if peak.bytes((a, c), early=early) <= budget), default=math.inf)
+
+
+@pytest.mark.parametrize("schedule", VIRTUAL_SCHEDULES)
+def test_auto_per_chunks_rank_plan_fits_its_budget_under_the_schedules_own_backward(schedule):
+    """The planned rank peak virtual_plan reports (activations walked with each backward's working set inside it, and
+    the states) is within the budget auto fitted, at the tiny model's width, where a split backward's B holds
+    much more than 1F1B's (each Linear's input and output gradient kept for its W)."""
+    model = GPTConfig()
+    unbounded = virtual_layout(model, AutoRecompute(budget_gb=1e3, early=False), RUN, "type:Block", 0, schedule, *NO)
+    floor = max(b.least_bytes for b in unbounded.rank_budgets)
+    none = max(b.peak_bytes for b in unbounded.rank_budgets)
+    for budget in (floor + (none - floor) * f for f in (0.1, 0.5, 0.9)):
+        auto = AutoRecompute(budget_gb=budget / GIB, reserve_gb=0.0, early=False)
+        layout = virtual_layout(model, auto, RUN, "type:Block", 0, schedule, *NO)
+        planned = virtual_plan(model, layout, RUN, schedule)
+        for activations, states in zip(planned.activation_bytes_per_rank, planned.state_bytes_per_rank):
+            assert activations + states <= budget
 
 
 def test_auto_per_chunk_refuses_a_budget_below_a_ranks_floor_in_one_line():

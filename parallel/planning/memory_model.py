@@ -11,6 +11,7 @@ forward (and, on the last stage, by the loss), parameters excluded. That include
 checkpoint), but not DeepSpeed's pipe buffers themselves (see `pipe_buffer_bytes`).
 """
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import combinations
@@ -160,10 +161,16 @@ def llama_block_items(shape: Shape, target: Target, modules: Sequence[str] = ())
 def block_kept_items(shape: Shape, target: Target, modules: Sequence[str] = ()) -> list[Item]:
     """block_items or llama_block_items, by the shape's architecture; a compiled block's measured bytes under
     train.compile (Target.compiled), where the partitioner, not eager autograd, chose what the block saves."""
+    return list(_block_kept_items(shape, target, tuple(modules)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _block_kept_items(shape: Shape, target: Target, modules: tuple[str, ...]) -> tuple[Item, ...]:
+    """Cached: auto's planners price thousands of plans of the same few block options."""
     if target.compiled is not None:
-        kept = target.compiled.kept_bytes(shape, target.precision, tuple(modules))
-        return [("compiled block's saved tensors (measured)", kept)]
-    return (llama_block_items if shape.arch == "llama" else block_items)(shape, target, modules)
+        kept = target.compiled.kept_bytes(shape, target.precision, modules)
+        return (("compiled block's saved tensors (measured)", kept),)
+    return tuple((llama_block_items if shape.arch == "llama" else block_items)(shape, target, modules))
 
 
 def block_full_items(shape: Shape, target: Target, segment_start: bool, compress: str = "none") -> list[Item]:
@@ -294,7 +301,7 @@ class LayerActivation:
     """`none`, `full`, `nested` or `selective:<modules>` for blocks; `-` for other layers."""
     items: tuple[Item, ...]
 
-    @property
+    @functools.cached_property
     def bytes(self) -> int:
         return total(self.items)
 

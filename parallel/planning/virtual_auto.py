@@ -2,90 +2,114 @@
 budget, since they share its memory.
 
 A rank's planned peak is its chunks' states and causal masks, then the larger of its walked activation peak
-(parallel/planning/virtual_memory.py's RankWalk, each chunk keeping its other layers' bytes and its blocks' choice's per
-micro-batch) with the largest of its chunks' backward working sets on top (working_set.StageWorking, the 1F1B
-backward's, counted whenever it runs), and what comes after every backward (ReduceGrads' flattened gradients of all
-its chunks, each chunk's optimizer step); it must fit recompute.budget_gb - recompute.reserve_gb.
+(parallel/planning/virtual_memory.py's RankWalk, each chunk keeping what its plan keeps per micro-batch) with the
+largest of its chunks' backward working sets on top (virtual_memory.micro_batch_bytes of the chunk's plan, the
+schedule's B under a split backward, counted whenever it runs), and what comes after every backward (ReduceGrads'
+flattened gradients of all its chunks, each chunk's optimizer step); it must fit recompute.budget_gb -
+recompute.reserve_gb. That bounds the walk `virtual_plan` reports, which counts each working set only inside its own
+backward.
 
 Per chunk the candidates are auto_recompute.stage_choices (per-block choices, full and nested segments, compressed
-stashes where allowed; not per-micro-batch recompute, which the walk does not count), kept, per working set w a chunk's
-blocks may hold, as the (kept bytes, cost) Pareto frontier of the choices whose working set is at most w (its class).
-For each pair of classes, with each chunk's working set counted as its class's w, the peak grows with either chunk's
-kept bytes, so one sweep finds every fitting pair worth having: the first chunk's points by kept bytes ascending, the
-second's cheapest point that still fits moving only towards fewer bytes. The least summed cost wins (cost per
-micro-batch: every chunk runs every micro-batch), ties to the smaller peak; a class pair, or a point, whose cheapest
-pairing cannot beat the best so far is skipped. Exact under that monotonicity, as auto_recompute.choose_stage is;
-tests/test_virtual_layout.py checks it against every pair of candidates on a small model.
+stashes where allowed; not per-micro-batch recompute, which the walk does not count). Every pair of the two chunks'
+candidates is priced at once (`pair_peaks`: the walk's few linear moments, the larger backward working set on top, as
+matrices), and the least summed cost that fits wins (cost per micro-batch: every chunk runs every micro-batch), ties
+to the smaller peak. Exact: no pair is left out, whatever early recompute does to a choice's working set (recomputed
+early, a choice's backward holds more the less it keeps, so no frontier of kept bytes and cost would be safe);
+tests/test_virtual_layout.py checks it against RankPeak.bytes of every pair on a small model.
 """
 
+import bisect
 import functools
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
-from model import BLOCK_CLASSES
+import numpy as np
+
+from model import BLOCK_CLASSES, LayerRecipe
 from parallel.planning.auto_recompute import StageChoice, stage_choices, to_stage_plan
-from parallel.planning.memory_model import checkpoint_rng_bytes
+from parallel.planning.memory_model import is_head
 from parallel.planning.partition import StageRange
 from parallel.planning.shapes import gib_text
 from parallel.planning.stage_plan import StagePlan
 from parallel.planning.stage_planner import StagePlanner
 from parallel.planning.stage_price import price_stage
-from parallel.planning.virtual_memory import RankWalk, rank_walks
+from parallel.planning.virtual_memory import RankWalk, micro_batch_bytes, rank_walks
 from parallel.planning.virtual_program import UNIT_SLOTS, Slots
-from parallel.planning.working_set import StageWorking, early_recompute_copies, stage_working
+from parallel.planning.working_set import stage_working
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """A chunk's choices worth pricing, and what each keeps per micro-batch, its backward's working set and its cost."""
+
+    choices: tuple[StageChoice, ...]
+    kept: np.ndarray
+    work: np.ndarray
+    cost: np.ndarray
 
 
 @dataclass(frozen=True)
 class ChunkSide:
     """What one chunk brings to its rank's peak whatever its plan, and the plans it may run."""
 
-    stage: StageRange
     positions: tuple[int, ...]
     """Its blocks' local layer indices."""
-    others: int
-    """What its other layers keep per micro-batch (its input included)."""
     fixed: int
     """Its parameters, gradients, optimizer state and causal masks."""
     optimizer: int
     """What its optimizer step allocates on top of the states."""
     reduce_grads: int
     """Its gradients as ReduceGrads flattens them, with the rank's other chunks' (StageMemory.reduce_grads)."""
-    working: StageWorking
     choices: tuple[StageChoice, ...]
-    rng_states: dict[StageChoice, int]
-    """Per choice: what its checkpoints keep besides their inputs (memory_model.checkpoint_rng_bytes)."""
+    per_micro_batch: dict[StageChoice, tuple[int, int]]
+    """Per choice: what a micro-batch keeps from its forward to its backward, and what its backward allocates on top
+    (virtual_memory.micro_batch_bytes of its plan under the schedule's backward, split into B and W or not)."""
     early_work: dict[StageChoice, int]
     """Per choice that can recompute early (it recomputes, all its micro-batches, no nested segment, no compressed
     stash): its backward's working set when the recompute ran as a RecomputeEarly right before it (what the recompute
     remade, then `none`'s working set), as virtual_memory.micro_batch_bytes counts it."""
+    frontiers: dict[tuple[bool, bool], "Candidates"] = field(default_factory=dict, compare=False, repr=False)
+    """`candidates`' answers, computed once."""
 
     def kept(self, choice: StageChoice) -> int:
-        """What the chunk keeps per micro-batch under `choice` (virtual_memory.micro_batch_bytes of its plan)."""
-        return self.others + choice.kept_bytes + self.rng_states[choice]
+        """What the chunk keeps per micro-batch under `choice`."""
+        return self.per_micro_batch[choice][0]
 
-    @functools.cached_property
-    def classes(self) -> list[tuple[int, list[StageChoice]]]:
-        """(w, the (kept asc, cost desc) Pareto frontier of the choices whose working set is at most w), per w."""
-        out = []
-        for w in sorted({c.working_bytes for c in self.choices}):
-            frontier: list[StageChoice] = []
-            for c in sorted((c for c in self.choices if c.working_bytes <= w), key=lambda c: (c.kept_bytes, c.cost)):
-                if not frontier or c.cost < frontier[-1].cost:
-                    frontier.append(c)
-            out.append((w, frontier))
-        return out
+    def candidates(self, early: bool, nested: bool = True) -> "Candidates":
+        """The choices (nested ones where `nested`) that no other beats: none keeps no more, works no more (`early`:
+        recomputed early) and costs no more. A rank's peak grows with a chunk's kept bytes and its working set, so a
+        beaten choice never fits where the one beating it does not, nor costs less."""
+        key = (early, nested)
+        if key not in self.frontiers:
+            priced = sorted(
+                (c.cost, self.kept(c), self.work(c, early), n, c)
+                for n, c in enumerate(self.choices)
+                if nested or not c.nested
+            )
+            # the (kept, work) staircase of the cheaper choices kept so far: kept ascending, work descending
+            stair_kept: list[int] = []
+            stair_work: list[int] = []
+            chosen = []
+            for cost, kept, work, _, c in priced:
+                i = bisect.bisect_right(stair_kept, kept)
+                if i and stair_work[i - 1] <= work:
+                    continue  # a cheaper choice keeps no more and works no more
+                chosen.append((c, kept, work, cost))
+                j = i
+                while j < len(stair_kept) and stair_work[j] >= work:
+                    j += 1  # beaten by this one from now on
+                stair_kept[i:j], stair_work[i:j] = [kept], [work]
+            columns = list(zip(*chosen))
+            self.frontiers[key] = Candidates(
+                tuple(columns[0]), *(np.array(column, dtype=np.int64) for column in columns[1:3]), np.array(columns[3])
+            )
+        return self.frontiers[key]
 
-    def bound(self, working_bytes: int) -> float:
-        """The moment StageWorking counts for blocks whose working set is `working_bytes` (none without blocks)."""
-        return working_bytes if self.positions else -math.inf
-
-    def work(self, choice: StageChoice, moment: float | None = None, early: bool = False) -> int:
-        """Its backward's working set under `choice` (`moment`: a bound on its blocks' largest, else the choice's);
-        `early`: recomputed early where the choice can be."""
+    def work(self, choice: StageChoice, early: bool = False) -> int:
+        """Its backward's working set under `choice`; `early`: recomputed early where the choice can be."""
         if early and choice in self.early_work:
             return self.early_work[choice]
-        return self.working.bytes(choice.kept_bytes, 0, self.bound(choice.working_bytes) if moment is None else moment)
+        return self.per_micro_batch[choice][1]
 
 
 @dataclass(frozen=True)
@@ -131,96 +155,94 @@ class RankPeak:
         # optimizer step runs its own transient.
         self.optimizer = max(max(side.optimizer for side in sides), sum(side.reduce_grads for side in sides))
 
-    def bytes(
-        self,
-        choices: Sequence[StageChoice],
-        moments: Sequence[float | None] = (None, None),
-        early: Sequence[bool] = (False, False),
-    ) -> int:
+    def bytes(self, choices: Sequence[StageChoice], early: Sequence[bool] = (False, False)) -> int:
         """`early[c]`: chunk c recomputes early where its choice can (ChunkSide.early_work)."""
         activations = self.walk.peak_bytes([side.kept(c) for side, c in zip(self.sides, choices)])
-        work = max(side.work(c, m, e) for side, c, m, e in zip(self.sides, choices, moments, early))
+        work = max(side.work(c, e) for side, c, e in zip(self.sides, choices, early))
         return self.fixed + max(activations + work, self.optimizer)
+
+    def pair_peaks(self, first: Candidates, second: Candidates) -> np.ndarray:
+        """`bytes` of every pair of the chunks' candidates: [i, j] for `first.choices[i]` and `second.choices[j]`,
+        with the working sets they were chosen by. The walk's peak is the largest of its linear moments
+        (RankWalk.rows), each a matrix here."""
+        activations = np.zeros((len(first.choices), len(second.choices)), dtype=np.int64)
+        for (n_first, n_second), held in self.walk.rows:
+            moment = n_first * first.kept[:, None] + n_second * second.kept[None, :] + held
+            np.maximum(activations, moment, out=activations)
+        larger_work = np.maximum(first.work[:, None], second.work[None, :])
+        return self.fixed + np.maximum(activations + larger_work, self.optimizer)
+
+
+@dataclass(frozen=True)
+class _Composition:
+    """What a chunk's memory depends on: its layers' kinds, in order, and whether it ends the pipeline (its loss)."""
+
+    layers: tuple[tuple[type, bool], ...]
+    """Per layer: its module class, and whether it runs as the LM head."""
+    last: bool
+    stage: StageRange = field(compare=False)
+    """A chunk of this composition: the one priced, for all of them."""
+
+    @classmethod
+    def of(cls, recipes: Sequence[LayerRecipe], stage: StageRange) -> "_Composition":
+        kinds = tuple((recipes[flat].module_class, is_head(recipes[flat])) for flat in stage.layers)
+        return cls(kinds, stage.stop == len(recipes), stage)
+
+
+def chunk_side(planner: StagePlanner, stage: StageRange, split: bool) -> ChunkSide:
+    """`split`: the schedule splits the backward into B and W (RankWalk.split). Chunks of one composition share one
+    ChunkSide: the chunk boundaries' search (virtual_choice.py) plans chunks of the same few kinds again and again."""
+    return _chunk_side(planner, _Composition.of(planner.pricing.recipes, stage), split)
 
 
 @functools.lru_cache(maxsize=512)
-def chunk_side(planner: StagePlanner, stage: StageRange) -> ChunkSide:
-    """Cached: the chunk boundaries' search (virtual_choice.py) plans the same chunks again and again."""
-    recipes, pricing = planner.pricing.recipes, planner.pricing
-    run_target = pricing.run.target
+def _chunk_side(planner: StagePlanner, composition: _Composition, split: bool) -> ChunkSide:
+    recipes, pricing, stage = planner.pricing.recipes, planner.pricing, composition.stage
     positions = tuple(local for local, flat in enumerate(stage.layers) if recipes[flat].module_class in BLOCK_CLASSES)
     memory = price_stage(pricing, stage, StagePlan()).memory
     working = stage_working(memory.plain_layers, pricing.shape, pricing.run.target)
     choices = tuple(stage_choices(len(positions), planner.table, working.blocks_end_stage))
-    plain = len(positions) * planner.table.block_bytes
-    nones = [c for c in choices if set(c.choices) <= {"none"}]
-    early_work = {}
-    for none in nones[:1]:  # a chunk without blocks has nothing to recompute
-        none_work = working.bytes(none.kept_bytes, 0, none.working_bytes if positions else -math.inf)
-        for c in choices:
-            if set(c.choices) - {"none"} and c.micro_batches is None and not c.nested and c.compress == "none":
-                copies = early_recompute_copies(to_stage_plan(c, positions, planner.table), pricing.shape, run_target)
-                early_work[c] = plain - c.kept_bytes + copies + none_work
+
+    def per_micro_batch(choice: StageChoice, early: bool = False) -> tuple[int, int]:
+        plan = to_stage_plan(choice, positions, planner.table)
+        kept, work = micro_batch_bytes(recipes, stage, plan, pricing.shape, pricing.run.target, 1, split, early)
+        return kept[0], work[0]
+
+    early_work = {
+        c: per_micro_batch(c, early=True)[1]
+        for c in choices
+        if set(c.choices) - {"none"} and c.micro_batches is None and not c.nested and c.compress == "none"
+    }
     return ChunkSide(
-        stage,
         positions,
-        sum(layer.bytes for layer in memory.layers if not layer.is_block),
         sum(memory.states.values()) + memory.causal_masks,
         memory.optimizer_step,
         memory.reduce_grads,
-        working,
         choices,
-        {c: checkpoint_rng_bytes(to_stage_plan(c, positions, planner.table), run_target) for c in choices},
+        {c: per_micro_batch(c) for c in choices},
         early_work,
     )
 
 
-def _least(peak: RankPeak, choices: Sequence[Sequence[StageChoice]], early: Sequence[bool] = (False, False)) -> int:
-    """The smallest peak of any pair of `choices[c]` (`early`: as RankPeak.bytes), among each chunk's choices those no
-    other beats on both kept bytes and working set. Recomputed early, a choice's backward holds more the less it
-    keeps, so that filter keeps nearly every choice: the pairs are then those of the filter without early recompute,
-    a budget that fits (a pair reaches it), if not always the smallest."""
-
-    def lowest(options: Sequence[StageChoice]) -> list[StageChoice]:
-        out: list[StageChoice] = []
-        for c in sorted(options, key=lambda c: (c.kept_bytes, c.working_bytes)):
-            if not out or c.working_bytes < out[-1].working_bytes:
-                out.append(c)
-        return out
-
-    firsts, seconds = (lowest(options) for options in choices)
-    return min(peak.bytes((a, b), early=early) for a in firsts for b in seconds)
+def _least(peak: RankPeak, early: Sequence[bool] = (False, False), nested: bool = True) -> int:
+    """The smallest peak of any pair of the chunks' choices (nested ones where `nested`; `early`: as RankPeak.bytes)."""
+    first, second = (side.candidates(e, nested) for side, e in zip(peak.sides, early))
+    return int(peak.pair_peaks(first, second).min())
 
 
 def choose_rank(
     peak: RankPeak, budget: float, early: Sequence[bool] = (False, False)
 ) -> tuple[StageChoice, StageChoice] | None:
     """The cheapest pair of the rank's chunks' choices whose planned peak fits `budget` (ties: the smaller peak);
-    `early[c]`: chunk c recomputes early where its choice can. What a choice recomputed early adds to its backward
-    shrinks as it keeps more, by no more than its kept bytes add to the rank's micro-batches in flight, so the peak
-    still grows with either chunk's kept bytes and the sweep below stays exact."""
-    first, second = peak.sides
-    best: tuple[tuple[float, int], tuple[StageChoice, StageChoice]] | None = None
-    # the widest classes first: their frontiers reach the cheapest plans, so the best found early prunes the rest
-    for wa, frontier_a in reversed(first.classes):
-        for wb, frontier_b in reversed(second.classes):
-            if best is not None and frontier_a[-1].cost + frontier_b[-1].cost > best[0][0]:
-                continue  # not even the class's cheapest pair beats the best
-            bounds = (first.bound(wa), second.bound(wb))
-            j = len(frontier_b) - 1
-            for a in frontier_a:  # kept bytes ascending: the second chunk's room only shrinks
-                if best is not None and a.cost + frontier_b[-1].cost > best[0][0]:
-                    continue
-                while j >= 0 and peak.bytes((a, frontier_b[j]), bounds, early) > budget:
-                    j -= 1
-                if j < 0:
-                    break
-                cost = a.cost + frontier_b[j].cost
-                if best is None or cost <= best[0][0]:
-                    key = (cost, peak.bytes((a, frontier_b[j]), early=early))
-                    if best is None or key < best[0]:
-                        best = (key, (a, frontier_b[j]))
-    return None if best is None else best[1]
+    `early[c]`: chunk c recomputes early where its choice can."""
+    first, second = (side.candidates(e) for side, e in zip(peak.sides, early))
+    peaks = peak.pair_peaks(first, second)
+    costs = np.where(peaks <= budget, np.add.outer(first.cost, second.cost), np.inf)
+    least = costs.min()
+    if least == np.inf:
+        return None
+    i, j = np.unravel_index(np.where(costs == least, peaks, np.iinfo(np.int64).max).argmin(), peaks.shape)
+    return first.choices[i], second.choices[j]
 
 
 def plan_ranks(
@@ -238,7 +260,7 @@ def plan_ranks(
     plans = [StagePlan()] * len(stages)
     budgets = []
     for rank, walk in enumerate(walks):
-        sides = [chunk_side(planner, stages[v]) for v in walk.virtual_stages]
+        sides = [chunk_side(planner, stages[v], walk.split) for v in walk.virtual_stages]
         peak = RankPeak(walk, sides)
         wanted = planner.recompute.early
         early = tuple(wanted is not False and v < len(stages) - 1 for v in walk.virtual_stages)
@@ -250,7 +272,6 @@ def plan_ranks(
                 choice = early_choice
             else:
                 early = (False, False)
-        unnested = [tuple(c for c in side.choices if not c.nested) for side in sides]
         budgets.append(
             RankBudget(
                 rank,
@@ -258,8 +279,8 @@ def plan_ranks(
                 int(planner.usable),
                 choice,
                 None if choice is None else peak.bytes(choice, early=early),
-                _least(peak, [side.choices for side in sides], floor_early),
-                _least(peak, unnested, floor_early),
+                _least(peak, floor_early),
+                _least(peak, floor_early, nested=False),
             )
         )
         for v, side, c, e in zip(walk.virtual_stages, sides, choice or (), early):
