@@ -42,7 +42,9 @@ class RankAccounting(Accounting):
                 parameter.grad = torch.zeros_like(parameter)
 
     def _meter_engine(self, armed: bool) -> None:
-        """No early recompute and no zb-h1 store to meter (parallel/planning/virtual_support.py)."""
+        """Nothing: the engine builds its chunks' interpreters anew every step (parallel/runtime/virtual_engine.py),
+        so there is no interpreter to arm for what an early recompute remade or what B holds until its W, which a 1F1B
+        stage's summary reports; a virtual-stage run's summary has neither."""
 
     def _this_rank(self) -> dict:
         step_time = statistics.median(self.step_times) if self.step_times else None

@@ -41,7 +41,7 @@ CASES = [
     ),
     (
         ["train.compile=true", "+recompute=full", "parallel.schedule=zb-h1"],
-        "train.compile=true needs parallel.schedule=1f1b, not zb-h1: zb-h1's split backward defers",
+        "train.compile=true needs parallel.schedule=1f1b, not zb-h1: its split backward defers",
     ),
     (
         ["parallel.schedule=zb-v", "model.n_layer=1"],

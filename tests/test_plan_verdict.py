@@ -9,6 +9,7 @@ from parallel.planning.layout import build_layout
 from parallel.planning.plan_verdict import Replanner, verdict_lines
 from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import GIB, RunShape, Target, Topology
+from parallel.planning.virtual_layout import virtual_layout, virtual_plan, virtual_shape, with_virtual_plan
 
 MODEL = GPTConfig(n_layer=8, n_head=4, n_embd=128, seq_len=128, vocab_size=256, dropout=0.1)
 CUDA = RunShape(Topology(2), Target("cuda", "bf16"), micro_batches=4, micro_batch_size=2)
@@ -115,3 +116,20 @@ def test_the_table_says_where_the_state_bytes_per_parameter_come_from():
     assert "param+grad+opt: 12 bytes per parameter" in legend
     step = next(line for line in planned(NoRecompute())[1].lines() if line.startswith("predicted_step_time_s"))
     assert "1,024 tokens per step, " in step and " tokens/s (" in step
+
+
+def test_a_virtual_stage_layout_gets_one_verdict_per_rank_its_chunks_together():
+    """Under V-Half rank 0 holds the first and the last chunk: the verdict adds its chunks' activation peak and
+    states, so a memory below that rank's total is over on that rank, though each virtual stage alone fits."""
+    run = RunShape(Topology(2), Target("cuda", "bf16"), micro_batches=4, micro_batch_size=2)
+    layout = virtual_layout(MODEL, NoRecompute(), run, "type:Block", 0, "v-half", None, None, None)
+    virtual = virtual_plan(MODEL, layout, run, "v-half")
+    plan = with_virtual_plan(plan_run(MODEL, NoRecompute(), layout, virtual_shape(run)), virtual, run)
+    ranks = [a + s for a, s in zip(virtual.activation_bytes_per_rank, virtual.state_bytes_per_rank)]
+    memory_gb = (max(ranks) - 1024) / GIB
+    assert max(s.predicted_peak_bytes for s in plan.stages) < memory_gb * GIB  # every virtual stage alone fits
+    lines = verdict(plan, memory_gb, NoRecompute(), run, "v-half")
+    worst = ranks.index(max(ranks))
+    assert lines[1 + worst].startswith(f"rank {worst}: predicted peak ") and "over by" in lines[1 + worst]
+    assert lines[3] == f"verdict: does not fit: 1 of 2 ranks over {memory_gb:.3f} GiB"
+    assert lines[4].startswith(f"+recompute=auto recompute.budget_gb={memory_gb:.4g} recompute.reserve_gb=0 ")

@@ -49,6 +49,7 @@ def test_a_new_instruction_reaches_the_engine_the_replay_and_the_local_pipeline(
     assert set(stage_interpreter._HANDLERS) == kinds  # one handler for each planned instruction
     # The engine: each of DeepSpeed's instruction classes goes to the interpreter as its planned instruction.
     engine = type("Engine", (), {"interpreter": _Recording()})()
+    assert set(DEEPSPEED_INSTRUCTION) == kinds  # each planned instruction has DeepSpeed's
     for kind, deepspeed in DEEPSPEED_INSTRUCTION.items():
         command = kind(3) if issubclass(kind, planned.BufferCommand) else kind()
         ZeroBubblePipelineEngine._INSTRUCTION_MAP[deepspeed](engine, **to_kwargs(command))

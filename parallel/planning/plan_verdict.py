@@ -68,21 +68,33 @@ def verdict_lines(
     run: RunShape,
     schedule: str,
 ) -> list[str]:
-    """One line per stage against `memory_bytes` (`memory_name` says whose memory it is), the change that helps most
-    when a stage is over, and the bubble advice. `schedule`: parallel.schedule as set."""
-    peaks = [s.predicted_peak_bytes for s in plan.stages]
+    """One line per stage (per rank under a schedule with virtual stages, whose chunks share it) against
+    `memory_bytes` (`memory_name` says whose memory it is), the change that helps most when one is over, and the
+    bubble advice. `schedule`: parallel.schedule as set."""
+    virtual = plan.virtual
+    if virtual is not None:
+        unit = "rank"
+        peaks = [a + s for a, s in zip(virtual.activation_bytes_per_rank, virtual.state_bytes_per_rank)]
+    else:
+        unit, peaks = "stage", [s.predicted_peak_bytes for s in plan.stages]
     lines = [f"verdict against {gib_text(memory_bytes)} GiB per rank ({memory_name}):"]
-    for stage, peak in enumerate(peaks):
+    for index, peak in enumerate(peaks):
         state = "fits" if peak <= memory_bytes else f"over by {gib_text(peak - memory_bytes)} GiB"
-        lines.append(f"stage {stage}: predicted peak {gib_text(peak)} GiB: {state}")
+        lines.append(f"{unit} {index}: predicted peak {gib_text(peak)} GiB: {state}")
     over = sum(peak > memory_bytes for peak in peaks)
     speed = f", {plan.tokens_per_s:,.0f} tokens/s predicted" if plan.tokens_per_s else ""
-    if over:
-        lines.append(f"verdict: does not fit: {over} of {len(peaks)} stages over {gib_text(memory_bytes)} GiB")
+    if not over:
+        lines.append(f"verdict: fits: all {len(peaks)} {unit}s within {gib_text(memory_bytes)} GiB{speed}")
+        return lines + (_bubble_advice(plan, replanner, recompute, run, schedule) if virtual is None else [])
+    lines.append(f"verdict: does not fit: {over} of {len(peaks)} {unit}s over {gib_text(memory_bytes)} GiB")
+    if virtual is None:
         lines.append(_most_helpful(plan, memory_bytes, replanner, recompute, run, schedule))
-    else:
-        lines.append(f"verdict: fits: all {len(peaks)} stages within {gib_text(memory_bytes)} GiB{speed}")
-    return lines + _bubble_advice(plan, replanner, recompute, run, schedule)
+    elif not isinstance(recompute, AutoRecompute):  # the alternatives are priced on one stage per rank only
+        lines.append(
+            f"+recompute=auto recompute.budget_gb={memory_bytes / GIB:.4g} recompute.reserve_gb=0 plans each rank's "
+            "chunks against it"
+        )
+    return lines
 
 
 def _most_helpful(

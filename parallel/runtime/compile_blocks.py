@@ -22,11 +22,16 @@ from parallel.planning.config import AutoRecompute, GivenRecompute, SelectiveRec
 def compile_refusal(schedule: str, recompute) -> str | None:
     """Why train.compile=true cannot run under `schedule` (parallel.schedule) and `recompute` (the recompute group's
     config), as one line naming the option to change; None when it can."""
-    if schedule != "1f1b":
+    if schedule in ("zb-h1", "zb-v", "v-half"):
         return (
-            f"train.compile=true needs parallel.schedule=1f1b, not {schedule}: zb-h1's split backward defers each "
+            f"train.compile=true needs parallel.schedule=1f1b, not {schedule}: its split backward defers each "
             f"Linear's weight gradient from Python inside backward, which a compiled backward graph cannot do "
             f"(PyTorch refuses compiled zero-bubble stages too); use parallel.schedule=1f1b or train.compile=false"
+        )
+    if schedule != "1f1b":  # interleaved 1F1B: its chunks' compiled blocks are not yet measured (exactness, bytes)
+        return (
+            f"train.compile=true needs parallel.schedule=1f1b, not {schedule}: compiled blocks are not yet checked "
+            f"under the schedules with virtual stages; use parallel.schedule=1f1b or train.compile=false"
         )
     if getattr(recompute, "early", False):
         return (
