@@ -118,7 +118,9 @@ def test_a_middle_stage_holds_each_posted_gradient_send_until_the_previous_stage
 
 
 def test_a_three_stage_zb_h1_early_pipelines_measured_peak_is_the_plans():
-    """Every stage of 3, the middle one holding posted gradient sends, against the plan that counts them."""
+    """Every stage of 3, the middle one holding posted gradient sends, against the plan that counts them: within
+    0.5%, the middle one within 0.25% (measured 2026-12-05: +0.13%, +0.09%, -0.39%), below what one send's lifetime
+    left uncounted would add there (a hidden-state tensor, bsh d = 96 KiB: 0.42% of its peak)."""
     cfg = GPTConfig(n_layer=6, n_head=8, n_embd=64, seq_len=192, vocab_size=384, dropout=0.1, attention="math")
     run = RunShape(Topology(3), Target("cpu", "fp32"), micro_batches=6, micro_batch_size=2)
     recompute = FullRecompute(interval="1", early=True)
@@ -127,7 +129,8 @@ def test_a_three_stage_zb_h1_early_pipelines_measured_peak_is_the_plans():
     for index, stage in enumerate(plan.stages):
         measured = StageReplay(layout, index, run).measure_peak()
         assert measured.unaccounted_bytes == 0
-        assert abs(measured.peak_bytes / stage.predicted_peak_bytes - 1) <= 0.10, (index, stage.peak_tensor_terms)
+        within = 0.0025 if index == 1 else 0.005
+        assert abs(measured.peak_bytes / stage.predicted_peak_bytes - 1) <= within, (index, stage.peak_tensor_terms)
 
 
 def test_the_replays_fixed_work_is_deepspeeds_reduce_grads_flat_buffer_and_clipping():
