@@ -218,6 +218,15 @@ def test_an_fp32_pipeline_clips_by_the_norm_of_every_stage(engine_runs, stages):
 
 
 @pytest.mark.multiproc
+def test_no_send_posted_in_an_evaluation_outlives_it(engine_runs):
+    """eval_batch after training, every combination on 2 stages: the sends evaluation posted (stage 0's activations
+    under the schedules that post them) are complete when it returns, not held into the next training step."""
+    runs = _by_combination(engine_runs["stages-2"])
+    assert all(rank["sends_after_eval"] == 0 for ranks in runs.values() for rank in ranks)
+    assert any(rank["sends_in_eval"] > 0 for rank in runs["zb-h1/none"])  # evaluation did post and hold some
+
+
+@pytest.mark.multiproc
 def test_zb_h1_with_data_parallel_zero1_trains_like_1f1b(engine_runs):
     runs = _by_combination(engine_runs["zero1"])
     assert sorted(r["stage"] for r in runs["1f1b/none"]) == [0, 0, 1, 1]
