@@ -116,6 +116,15 @@ def test_two_stage_1f1b_matches_the_hand_computed_timeline_exactly():
     assert timeline.idle_s(0) == 4.625 and timeline.idle_s(1) == 11.125
 
 
+def test_an_untied_lm_heads_reduce_tied_grads_meets_no_one():
+    """Without tied weights (an untied LM head, Llama's) ReduceTiedGrads is no collective: stage 1 runs it at 17.0,
+    where it waited for stage 0's last backward until 20.0 when tied."""
+    timeline = simulate(micro_batches=3, stages=2, cost=synthetic, tied=False)
+    reduce = next(i for i in timeline.of_stage(1) if i.instruction.name == "ReduceTiedGrads")
+    assert (reduce.start_s, reduce.end_s) == (17.0, 17.25)
+    assert timeline.step_time_s == 21.375  # stage 0's own end still sets the step
+
+
 def test_one_stage_is_the_sum_of_its_costs():
     timeline = simulate(micro_batches=4, stages=1, cost=lambda ins: 1.0 + (ins.micro_batch or 0))
     expected = sum(1.0 + (i.micro_batch or 0) for i in instructions(4, 1, 0))

@@ -79,7 +79,8 @@ def price_stage(pricing: StagePricing, stage: StageRange, plan: StagePlan, sched
 
 def simulate_priced(prices: Sequence[StagePrice]) -> Timeline:
     """The simulated step (parallel/planning/step_sim.py) of priced stages, under their schedule and their plans'
-    early recompute and ZB-H1 deferral, their optimizer steps a barrier when the run clips its gradients."""
+    early recompute and ZB-H1 deferral, their optimizer steps a barrier when the run clips its gradients, and
+    ReduceTiedGrads a meeting of the end stages where the model ties its embedding and LM head."""
     run = prices[0].pricing.run
     return simulate_stages(
         [price.costs for price in prices],
@@ -88,4 +89,5 @@ def simulate_priced(prices: Sequence[StagePrice]) -> Timeline:
         [price.plan.early for price in prices],
         [price.plan.deferred_weights for price in prices],
         clip_barrier=run.grad_clip > 0,
+        tied=prices[0].pricing.shape.tied,
     )

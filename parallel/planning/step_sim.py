@@ -155,8 +155,10 @@ ASYNC_SENDS = ("SendActivation", "SendGrad")
 ASYNC_RECVS = ("RecvActivation", "RecvGrad")
 
 
-def _meeting(ins: Instruction, stages: int, clip_barrier: bool) -> tuple | None:
-    """The rendezvous an instruction takes part in (the same key on every side), or None when local."""
+def _meeting(ins: Instruction, stages: int, clip_barrier: bool, tied: bool) -> tuple | None:
+    """The rendezvous an instruction takes part in (the same key on every side), or None when local. `tied`: the
+    first and last stages hold copies of one weight, whose gradients ReduceTiedGrads all-reduces (an untied LM head
+    has no such collective: the instruction is local)."""
     m = ins.micro_batch
     if ins.name == "SendActivation":
         return ("activation", ins.stage, m)
@@ -166,7 +168,7 @@ def _meeting(ins: Instruction, stages: int, clip_barrier: bool) -> tuple | None:
         return ("grad", ins.stage, m)
     if ins.name == "RecvGrad":
         return ("grad", ins.stage + 1, m)
-    if ins.name == "ReduceTiedGrads" and stages > 1 and ins.stage in (0, stages - 1):
+    if ins.name == "ReduceTiedGrads" and tied and stages > 1 and ins.stage in (0, stages - 1):
         return ("tied",)
     if ins.name == "OptimizerStep" and clip_barrier and stages > 1:
         return CLIP
@@ -185,9 +187,11 @@ def simulate(
     early: bool | Sequence[bool] = False,
     deferred: Sequence[int | None] | None = None,
     clip_barrier: bool = False,
+    tied: bool = True,
 ) -> Timeline:
     """Replay `schedule` with `cost(instruction)` seconds per instruction; `early` (one for every stage, or
-    one per stage) and `deferred` (per stage, zb-h1) as the stage plans say. A rendezvous lasts the shorter of
+    one per stage) and `deferred` (per stage, zb-h1) as the stage plans say; `tied`: the model ties its embedding
+    and LM head (ReduceTiedGrads a meeting of the first and last stages). A rendezvous lasts the shorter of
     its sides' costs: a measured blocking call includes its wait, and the side that arrived last waited least.
     `clip_barrier` (the run clips its gradients): every stage's OptimizerStep starts when the last stage reaches its
     own, and lasts its own cost (a traced run's OptimizerStep already holds that wait: replay it without).
@@ -212,7 +216,7 @@ def simulate(
         for s in range(stages):
             while pc[s] < len(programs[s]):
                 ins = programs[s][pc[s]]
-                key = _meeting(ins, stages, clip_barrier)
+                key = _meeting(ins, stages, clip_barrier, tied)
                 if key is None:
                     end = clock[s] + cost(ins)
                     intervals.append(Interval(ins, clock[s], clock[s], end))
@@ -256,16 +260,25 @@ def simulate_stages(
     early: bool | Sequence[bool] = False,
     deferred: Sequence[int | None] | None = None,
     clip_barrier: bool = False,
+    tied: bool = True,
 ) -> Timeline:
     """The simulated step of stages with these costs. `early` (for all stages, or per stage): the stage runs
     its recompute as RecomputeEarly (never the last, which never waits for a gradient: it recomputes inside
-    its backward). `deferred`: each stage plan's `deferred_weights` (zb-h1). `clip_barrier`: see `simulate`."""
+    its backward). `deferred`: each stage plan's `deferred_weights` (zb-h1). `clip_barrier`, `tied`: see
+    `simulate`."""
     last = len(costs) - 1
     early_of = [early] * len(costs) if isinstance(early, bool) else list(early)
     early_of = [e and s < last for s, e in enumerate(early_of)]
     seconds = [c.by_instruction(early_of[s]) for s, c in enumerate(costs)]
     return simulate(
-        micro_batches, len(costs), lambda ins: seconds[ins.stage][ins.name], schedule, early_of, deferred, clip_barrier
+        micro_batches,
+        len(costs),
+        lambda ins: seconds[ins.stage][ins.name],
+        schedule,
+        early_of,
+        deferred,
+        clip_barrier,
+        tied,
     )
 
 

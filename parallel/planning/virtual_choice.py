@@ -132,7 +132,8 @@ def _step_s(programs_of, mine, prices_of, clip: bool, counts: list[int]) -> floa
     if prices is None:
         return math.inf
     costs = [[prices[v].costs for v in stages] for stages in mine]
-    return simulate_virtual(programs_of(prices), costs, clip_barrier=clip).step_time_s
+    tied = prices[0].pricing.shape.tied
+    return simulate_virtual(programs_of(prices), costs, clip_barrier=clip, tied_weights=tied).step_time_s
 
 
 def _chunk_counts(blocks: int, chunks: int, step_s) -> list[int]:

@@ -137,7 +137,7 @@ def virtual_plan(
     if layout.timing is not None:
         programs = virtual_schedule(schedule, run.micro_batches, ranks, chunks, slots, early_stages(layout.plans))
         costs = [[prices[v].costs for v in stages] for stages in mine]
-        timeline = simulate_virtual(programs, costs, clip_barrier=run.grad_clip > 0)
+        timeline = simulate_virtual(programs, costs, clip_barrier=run.grad_clip > 0, tied_weights=shape.tied)
     return VirtualPlan(
         schedule,
         chunks,

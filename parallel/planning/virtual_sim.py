@@ -8,8 +8,8 @@ and receives are posted together at its boundary, once the gradients the rank se
 crossed; a message crosses once both its sides are posted, plus the transfer (a send is a rendezvous: gloo's, and
 NCCL's for large messages); the computation that reads a message waits for it; and before the once-per-step
 instructions every message has crossed. A message to the rank itself (the V's turn) is a copy. ReduceTiedGrads is a
-collective of the ranks holding the first and the last virtual stage when they differ (a V's rank 0 holds both: its
-reduce is local). Under gradient clipping (`clip_barrier`) the optimizer step is a barrier of every rank, as
+collective of the ranks holding the first and the last virtual stage when they differ and the model ties its
+embedding and LM head (a V's rank 0 holds both: its reduce is local; an untied head has none). Under gradient clipping (`clip_barrier`) the optimizer step is a barrier of every rank, as
 step_sim.simulate's: DeepSpeed clips inside its step, after an all-reduce of the norm over the pipeline's ranks, so no
 rank steps before the last has reached its own step, and each then takes its own step's seconds.
 """
@@ -69,13 +69,18 @@ def _transfer_s(command: ChunkCommand, rank: int, costs: Sequence[StageCosts]) -
 
 
 def simulate_virtual(
-    programs: Sequence[VirtualProgram], costs: Sequence[Sequence[StageCosts]], clip_barrier: bool = False
+    programs: Sequence[VirtualProgram],
+    costs: Sequence[Sequence[StageCosts]],
+    clip_barrier: bool = False,
+    tied_weights: bool = True,
 ) -> VirtualTimeline:
     """Replay the ranks' programmes; `costs[rank][chunk]` are the seconds of that chunk's instructions.
-    `clip_barrier`: the run clips its gradients (see the module's docstring)."""
+    `clip_barrier`: the run clips its gradients (see the module's docstring). `tied_weights`: the model ties its
+    embedding and LM head; an untied head has no ReduceTiedGrads collective (parallel/runtime/tied_copies.py)."""
     ranks = len(programs)
     placement = programs[0].placement
-    tied = sorted({placement.holder(0)[0], placement.holder(placement.virtual_stages - 1)[0]})
+    ends = {placement.holder(0)[0], placement.holder(placement.virtual_stages - 1)[0]}
+    tied = sorted(ends) if tied_weights else []
     # Per rank, its work in order: a compute (or per-step) instruction, a step's communication batch, or the drain.
     work: list[list[ChunkCommand | tuple[ChunkCommand, ...] | str]] = []
     for program in programs:
