@@ -9,9 +9,10 @@ crossed; a message crosses once both its sides are posted, plus the transfer (a 
 NCCL's for large messages); the computation that reads a message waits for it; and before the once-per-step
 instructions every message has crossed. A message to the rank itself (the V's turn) is a copy. ReduceTiedGrads is a
 collective of the ranks holding the first and the last virtual stage when they differ and the model ties its
-embedding and LM head (a V's rank 0 holds both: its reduce is local; an untied head has none). Under gradient clipping (`clip_barrier`) the optimizer step is a barrier of every rank, as
-step_sim.simulate's: DeepSpeed clips inside its step, after an all-reduce of the norm over the pipeline's ranks, so no
-rank steps before the last has reached its own step, and each then takes its own step's seconds.
+embedding and LM head (a V's rank 0 holds both: its reduce is local; an untied head has none). Under gradient
+clipping (`clip_barrier`) the optimizer step is a barrier of every rank, as step_sim.simulate's: DeepSpeed clips
+inside its step, after an all-reduce of the norm over the pipeline's ranks, so no rank steps before the last has
+reached its own step, and each then takes its own step's seconds.
 """
 
 import statistics
