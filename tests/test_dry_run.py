@@ -100,7 +100,12 @@ def test_gpt3_175b_on_16_stages_matches_the_paper_per_block(tmp_path):
     plan = json.loads((run_dir / "plan.json").read_text())
     paper = plan["korthikanti_per_block_bytes"]
     assert len(plan["stages"]) == 16
-    assert all(b == pytest.approx(paper["selective"], rel=0.10) for b in plan["per_block_activation_bytes"])
+    # The last stage holds one micro-batch, and its peak is its optimizer step (BF16_Optimizer's fp32 copy of the
+    # gradients): recomputing there would lower nothing, so the planner leaves it out.
+    choices = [c for stage in plan["stages"] for c in stage["choices"]]
+    assert {c for stage in plan["stages"][:-1] for c in stage["choices"]} == {"selective:core_attn"}
+    selective = [b for b, c in zip(plan["per_block_activation_bytes"], choices) if c == "selective:core_attn"]
+    assert all(b == pytest.approx(paper["selective"], rel=0.10) for b in selective)
     choices = plan["block_choices"]
     assert choices["none"]["activation_bytes"] == pytest.approx(paper["none"], rel=0.10)
     assert choices["full"]["activation_bytes"] == pytest.approx(paper["full"], rel=0.10)

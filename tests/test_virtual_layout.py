@@ -130,7 +130,8 @@ def _rank_peaks(layout, auto: AutoRecompute, schedule: str) -> list[RankPeak]:
     pricing = StagePricing.of(layout.recipes, virtual_shape(RUN), shape, layout.timing)
     planner = StagePlanner(pricing, auto, layout.timing.table)
     walks = rank_walks(layout.recipes, layout.stages, schedule, 2, RUN.micro_batches, shape, RUN.target)
-    return [RankPeak(w, [chunk_side(planner, layout.stages[v], w.split) for v in w.virtual_stages]) for w in walks]
+    sides = [[chunk_side(planner, layout.stages[v], w.split) for v in w.virtual_stages] for w in walks]
+    return [RankPeak(w, chunk_sides, planner.pricing.run) for w, chunk_sides in zip(walks, sides)]
 
 
 @pytest.mark.parametrize("schedule", VIRTUAL_SCHEDULES)
@@ -225,11 +226,12 @@ def test_auto_under_auto_recompute_prices_the_virtual_schedules_with_each_ranks_
 
 
 def test_the_dry_runs_figures_of_auto_per_chunk_are_those_of_the_layout_it_trains_early_recompute_included():
-    """recompute.early=null: at GPT-2's shape on an H100 (analytic prices) auto recomputes V-Half's first chunk early,
-    which shortens the simulated step. The dry run's step and rank peaks (virtual_options, which `balanced` and
-    parallel.schedule=auto read) price the programmes and plans the run trains (virtual_layout, virtual_plan)."""
+    """recompute.early=null: at GPT-2's shape on an H100 in fp32 (analytic prices) auto recomputes V-Half's first
+    chunk early, which shortens the simulated step. The dry run's step and rank peaks (virtual_options, which
+    `balanced` and parallel.schedule=auto read) price the programmes and plans the run trains (virtual_layout,
+    virtual_plan)."""
     model = replace(GPT2_16, n_layer=12)
-    run = RunShape(Topology(2, 1), Target("cuda", "bf16"), 8, 1)
+    run = RunShape(Topology(2, 1), Target("cuda", "fp32"), 8, 1)
     never = AutoRecompute(budget_gb=1e3, reserve_gb=0.0, early=False)
     unbounded = virtual_layout(model, never, run, "type:Block", 0, "v-half", None, None, None)
     floor = max(b.least_bytes for b in unbounded.rank_budgets)

@@ -71,15 +71,36 @@ def largest_parameter(recipes: Sequence[LayerRecipe], layers: range, shape: Shap
 
 def optimizer_step_bytes(largest: int, params: int, target: Target, zero_stage: int, data_parallel: int) -> int:
     """What the optimizer step allocates on top of the states (DeepSpeed 0.19.8's optimizers, read from their code;
-    fp32 on CPU measured). On CPU, torch's AdamW steps one tensor at a time and makes its denominator from a square
-    root and a division, two fp32 tensors of its size at once: the largest parameter's (fp32), or the one flat fp32
-    partition of the stage's parameters that DeepSpeed's BF16 / FP16 optimizers step (sharded as the optimizer
-    state is). CUDA's fused Adam makes no such tensor."""
-    if target.device == "cuda":
-        return 0
+    fp32 and bf16 on CPU measured). On CPU, torch's AdamW steps one tensor at a time and makes its denominator from a
+    square root and a division, two fp32 tensors of its size at once: the largest parameter's (fp32), or the one flat
+    fp32 partition of the stage's parameters that DeepSpeed's BF16 / FP16 optimizers step (sharded as the optimizer
+    state is). CUDA's fused Adam makes no such tensor. Under bf16 the step's gradient is an fp32 copy of the
+    partition's bf16 gradients, alive through the step: BF16_Optimizer casts its accumulation buffer (DeepSpeed
+    accumulates in the model's dtype unless told otherwise), ZeRO-1 casts a flat bf16 copy it makes first, the two
+    alive together at the cast."""
     if target.precision == "fp32":
-        return 2 * FP32 * largest
-    return 2 * FP32 * -(-params // optimizer_shards(target.precision, zero_stage, data_parallel))
+        return 0 if target.device == "cuda" else 2 * FP32 * largest
+    partition = -(-params // optimizer_shards(target.precision, zero_stage, data_parallel))
+    adam = 0 if target.device == "cuda" else 2 * FP32 * partition
+    if target.precision != "bf16":
+        return adam
+    if zero_stage:
+        return max(FP32 * partition + adam, (2 + FP32) * partition)
+    return FP32 * partition + adam
+
+
+def rank_step_bytes(
+    largest: Sequence[int], params: Sequence[int], target: Target, zero_stage: int, data_parallel: int
+) -> int:
+    """What a rank holding several chunks (virtual stages: `largest[c]` elements in chunk c's largest parameter,
+    `params[c]` parameters) allocates on top of their states after every backward, the larger of its ReduceGrads and
+    its optimizer step: to DeepSpeed its chunks are one module, so one optimizer steps all their parameters (one flat
+    partition under bf16) and ReduceGrads flattens all their gradients."""
+    biggest, total = max(largest), sum(params)
+    return max(
+        optimizer_step_bytes(biggest, total, target, zero_stage, data_parallel),
+        reduce_grads_bytes(biggest, total, target, zero_stage),
+    )
 
 
 REDUCE_BUCKET_ELEMENTS = 500_000_000

@@ -4,8 +4,9 @@ budget, since they share its memory.
 A rank's planned peak is its chunks' states and causal masks, then the larger of its walked activation peak
 (parallel/planning/virtual_memory.py's RankWalk, each chunk keeping what its plan keeps per micro-batch) with the
 largest of its chunks' backward working sets on top (virtual_memory.micro_batch_bytes of the chunk's plan, the
-schedule's B under a split backward, counted whenever it runs), and what comes after every backward (ReduceGrads'
-flattened gradients of all its chunks, each chunk's optimizer step); it must fit recompute.budget_gb -
+schedule's B under a split backward, counted whenever it runs), and what comes after every backward (the rank's
+ReduceGrads and optimizer step over all its chunks' parameters: model_states.rank_step_bytes); it must fit
+recompute.budget_gb -
 recompute.reserve_gb. That bounds the walk `virtual_plan` reports, which counts each working set only inside its own
 backward.
 
@@ -28,8 +29,9 @@ import numpy as np
 from model import BLOCK_CLASSES, LayerRecipe
 from parallel.planning.auto_recompute import StageChoice, stage_choices, to_stage_plan
 from parallel.planning.memory_model import is_head
+from parallel.planning.model_states import largest_parameter, rank_step_bytes
 from parallel.planning.partition import StageRange
-from parallel.planning.shapes import gib_text
+from parallel.planning.shapes import RunShape, gib_text
 from parallel.planning.stage_plan import StagePlan
 from parallel.planning.stage_planner import StagePlanner
 from parallel.planning.stage_price import price_stage
@@ -56,10 +58,9 @@ class ChunkSide:
     """Its blocks' local layer indices."""
     fixed: int
     """Its parameters, gradients, optimizer state and causal masks."""
-    optimizer: int
-    """What its optimizer step allocates on top of the states."""
-    reduce_grads: int
-    """Its gradients as ReduceGrads flattens them, with the rank's other chunks' (StageMemory.reduce_grads)."""
+    largest: int
+    """Elements of its largest parameter (model_states.largest_parameter)."""
+    params: int
     choices: tuple[StageChoice, ...]
     per_micro_batch: dict[StageChoice, tuple[int, int]]
     """Per choice: what a micro-batch keeps from its forward to its backward, and what its backward allocates on top
@@ -148,12 +149,17 @@ def _counted(choices: Sequence[str]) -> str:
 class RankPeak:
     """A rank's planned peak under any pair of its chunks' choices."""
 
-    def __init__(self, walk: RankWalk, sides: Sequence[ChunkSide]):
+    def __init__(self, walk: RankWalk, sides: Sequence[ChunkSide], run: RunShape):
         self.walk, self.sides = walk, sides
         self.fixed = sum(side.fixed for side in sides)
-        # After every backward: the rank's ReduceGrads flattens every chunk's gradients at once, then each chunk's
-        # optimizer step runs its own transient.
-        self.optimizer = max(max(side.optimizer for side in sides), sum(side.reduce_grads for side in sides))
+        # after every backward: the rank's ReduceGrads and optimizer step, over all its chunks' parameters at once
+        self.optimizer = rank_step_bytes(
+            [side.largest for side in sides],
+            [side.params for side in sides],
+            run.target,
+            run.zero_stage,
+            run.topology.data_parallel_size,
+        )
 
     def bytes(self, choices: Sequence[StageChoice], early: Sequence[bool] = (False, False)) -> int:
         """`early[c]`: chunk c recomputes early where its choice can (ChunkSide.early_work)."""
@@ -216,8 +222,8 @@ def _chunk_side(planner: StagePlanner, composition: _Composition, split: bool) -
     return ChunkSide(
         positions,
         sum(memory.states.values()) + memory.causal_masks,
-        memory.optimizer_step,
-        memory.reduce_grads,
+        largest_parameter(recipes, stage.layers, pricing.shape),
+        memory.params,
         choices,
         {c: per_micro_batch(c) for c in choices},
         early_work,
@@ -261,7 +267,7 @@ def plan_ranks(
     budgets = []
     for rank, walk in enumerate(walks):
         sides = [chunk_side(planner, stages[v], walk.split) for v in walk.virtual_stages]
-        peak = RankPeak(walk, sides)
+        peak = RankPeak(walk, sides, run)
         wanted = planner.recompute.early
         early = tuple(wanted is not False and v < len(stages) - 1 for v in walk.virtual_stages)
         floor_early = early if wanted is True else (False, False)  # the floor of the setting that must hold

@@ -14,10 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 
-from model import GPTConfig
+from model import GPTConfig, LayerRecipe
 from parallel.planning.balanced_search import shortened_by_single_moves
 from parallel.planning.config import AutoRecompute, GivenRecompute, RecomputeConfig
 from parallel.planning.layout import PipelineLayout
+from parallel.planning.model_states import largest_parameter, rank_step_bytes
 from parallel.planning.partition import StageRange, stages_of_block_counts
 from parallel.planning.shapes import GIB, RunShape, Shape, Topology
 from parallel.planning.stage_plan import StagePlan, early_stages, with_early
@@ -25,7 +26,7 @@ from parallel.planning.stage_planner import StagePlanner
 from parallel.planning.stage_price import StagePrice, StagePricing, price_stage
 from parallel.planning.virtual_auto import plan_ranks
 from parallel.planning.virtual_memory import one_chunk_peaks, virtual_peaks
-from parallel.planning.virtual_program import VIRTUAL_SCHEDULES, VirtualProgram, placement_of
+from parallel.planning.virtual_program import VIRTUAL_SCHEDULES, Slots, VirtualProgram, placement_of
 from parallel.planning.virtual_schedules import virtual_schedule
 from parallel.planning.virtual_sim import simulate_virtual
 from parallel.planning.virtual_slots import stage_slots
@@ -115,12 +116,41 @@ def virtual_options(
         prices = prices_of(counts)
         if prices is None:  # auto: not even the chosen boundaries fit the budget
             continue
-        peaks = virtual_peaks(
-            layout.recipes, stages, plans_of(prices), schedule, CHUNKS, run.micro_batches, shape, run.target, slots
-        )
+        peaks = rank_peaks(layout.recipes, stages, plans_of(prices), prices, schedule, mine, run, shape, slots)
         states = tuple(sum(sum(prices[v].memory.states.values()) for v in stages) for stages in mine)
-        out.append(VirtualOption(schedule, step_s(counts), tuple(p.bytes for p in peaks), states, tuple(counts)))
+        out.append(VirtualOption(schedule, step_s(counts), peaks, states, tuple(counts)))
     return out
+
+
+def rank_peaks(
+    recipes: Sequence[LayerRecipe],
+    stages: Sequence[StageRange],
+    plans: Sequence[StagePlan],
+    prices: Sequence[StagePrice],
+    schedule: str,
+    mine: Sequence[Sequence[int]],
+    run: RunShape,
+    shape: Shape,
+    slots: Slots,
+) -> tuple[int, ...]:
+    """Each rank's activation peak (`mine[rank]`: its virtual stages): its walk's (virtual_memory.virtual_peaks), or
+    where larger what its ReduceGrads or optimizer step allocates after every backward, over all its chunks'
+    parameters at once (model_states.rank_step_bytes)."""
+    chunks = len(mine[0])
+    walked = virtual_peaks(recipes, stages, plans, schedule, chunks, run.micro_batches, shape, run.target, slots)
+    return tuple(
+        max(
+            walk.bytes,
+            rank_step_bytes(
+                [largest_parameter(recipes, stages[v].layers, shape) for v in rank_stages],
+                [prices[v].memory.params for v in rank_stages],
+                run.target,
+                run.zero_stage,
+                run.topology.data_parallel_size,
+            ),
+        )
+        for walk, rank_stages in zip(walked, mine)
+    )
 
 
 def _step_s(programs_of, mine, prices_of, clip: bool, counts: list[int]) -> float:

@@ -24,8 +24,7 @@ from parallel.planning.stage_plan import early_stages
 from parallel.planning.stage_planner import StagePlanner
 from parallel.planning.stage_price import StagePricing, price_stage
 from parallel.planning.virtual_auto import plan_ranks
-from parallel.planning.virtual_choice import even_counts, virtual_options
-from parallel.planning.virtual_memory import virtual_peaks
+from parallel.planning.virtual_choice import even_counts, rank_peaks, virtual_options
 from parallel.planning.virtual_plan import VirtualPlan
 from parallel.planning.virtual_program import VIRTUAL_SCHEDULES, placement_of
 from parallel.planning.virtual_schedules import virtual_schedule
@@ -130,9 +129,7 @@ def virtual_plan(
     placement = placement_of(schedule, ranks, chunks)
     mine = [tuple(placement.virtual_stage(rank, chunk) for chunk in range(chunks)) for rank in range(ranks)]
     slots = layout.virtual_slots
-    peaks = virtual_peaks(
-        layout.recipes, layout.stages, layout.plans, schedule, chunks, run.micro_batches, shape, run.target, slots
-    )
+    peaks = rank_peaks(layout.recipes, layout.stages, layout.plans, prices, schedule, mine, run, shape, slots)
     timeline = None
     if layout.timing is not None:
         programs = virtual_schedule(schedule, run.micro_batches, ranks, chunks, slots, early_stages(layout.plans))
@@ -142,7 +139,7 @@ def virtual_plan(
         schedule,
         chunks,
         tuple(mine),
-        tuple(peak.bytes for peak in peaks),
+        peaks,
         tuple(sum(sum(prices[v].memory.states.values()) for v in stages) for stages in mine),
         timeline.step_time_s if timeline else None,
         layout.timing.source if layout.timing is not None else None,

@@ -15,7 +15,8 @@ class VirtualPlan:
     virtual_stages_per_rank: tuple[tuple[int, ...], ...]
     """Each pipeline rank's virtual stages, in chunk order."""
     activation_bytes_per_rank: tuple[int, ...]
-    """Each rank's activation peak: its chunks' kept bytes, deferred W's and received messages at once."""
+    """Each rank's activation peak: its chunks' kept bytes, deferred W's and received messages at once, or where larger
+    what its ReduceGrads or optimizer step allocates after every backward (model_states.rank_step_bytes)."""
     state_bytes_per_rank: tuple[int, ...]
     """Each rank's parameters, gradients and optimizer state: its chunks' together."""
     predicted_step_time_s: float | None
