@@ -126,7 +126,7 @@ def test_the_fused_log_sum_exp_is_planned_with_the_efficient_kernels_padding(s, 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_torch_adam_on_every_device(device):
-    config = deepspeed_config(OptimConfig(), ParallelConfig(), 1, "fp32", device)
+    config = deepspeed_config(OptimConfig(), ParallelConfig(), 1, "fp32", device, 10**6)
     assert config["optimizer"]["params"]["torch_adam"] is True
 
 

@@ -110,11 +110,27 @@ REDUCED_GRAD_BYTES = {"fp32": 4, "fp16": 2}
 BF16_Optimizer's gradients instead (engine.buffered_allreduce_fallback through get_grads_for_reduction)."""
 
 
+ZERO_BUCKET_BYTES = {"fp32": 8, "bf16": 4, "fp16": 4}
+"""Bytes per element of ZeRO-1's reduction bucket that its ReduceGrads allocates under pipeline parallelism: two
+buffers of the bucket's size (DeepSpeed 0.19.8's stage_1_and_2.py, measured on CPU: 8 bytes in fp32, 4 in bf16;
+fp16 taken as bf16's, not measured)."""
+
+
+def zero_bucket_elements(params: int) -> int:
+    """ZeRO's reduce_bucket_size for a rank of `params` parameters: DeepSpeed's default, 5e8 elements, allocated
+    whole at every ReduceGrads (4 GB per rank in fp32 whatever the stage holds), bounded by the rank's parameters,
+    since a bucket never needs to hold more than all its gradients."""
+    return max(1, min(params, REDUCE_BUCKET_ELEMENTS))
+
+
 def reduce_grads_bytes(largest: int, params: int, target: Target, zero_stage: int) -> int:
     """What DeepSpeed's ReduceGrads allocates on top of the states, after every backward, at any data-parallel size
     (one too): without ZeRO, engine.allreduce_no_retain flattens the gradients into one buffer, all-reduces it and
     copies it back, a bucket at a time; a bucket closes once it holds more than REDUCE_BUCKET_ELEMENTS (so at most
-    that plus the largest parameter). ZeRO-1 reduces through its own buckets, bf16 its optimizer's: not counted."""
-    if zero_stage or target.precision not in REDUCED_GRAD_BYTES:
+    that plus the largest parameter). ZeRO-1 allocates its reduction buckets (ZERO_BUCKET_BYTES per element of
+    zero_bucket_elements); bf16 without ZeRO reduces through its optimizer's buffer: not counted."""
+    if zero_stage:
+        return ZERO_BUCKET_BYTES[target.precision] * zero_bucket_elements(params)
+    if target.precision not in REDUCED_GRAD_BYTES:
         return 0
     return REDUCED_GRAD_BYTES[target.precision] * min(params, REDUCE_BUCKET_ELEMENTS + largest)

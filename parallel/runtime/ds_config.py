@@ -1,13 +1,15 @@
 """The DeepSpeed config dict, built from the typed run config in this one place."""
 
 from parallel.planning.config import OptimConfig, ParallelConfig
+from parallel.planning.model_states import zero_bucket_elements
 
 NEVER = 10**9  # steps_per_print: DeepSpeed's own step log would duplicate ours
 
 
 def deepspeed_config(
-    train: OptimConfig, parallel: ParallelConfig, data_parallel_size: int, precision: str, device: str
+    train: OptimConfig, parallel: ParallelConfig, data_parallel_size: int, precision: str, device: str, params: int
 ) -> dict:
+    """`params`: the rank's parameters, which bound ZeRO's gradient-reduction bucket (zero_bucket_elements)."""
     return {
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": train.micro_batches,
@@ -28,7 +30,7 @@ def deepspeed_config(
         "gradient_clipping": train.grad_clip,
         "bf16": {"enabled": precision == "bf16"},
         "fp16": {"enabled": precision == "fp16"},
-        "zero_optimization": {"stage": parallel.zero_stage},
+        "zero_optimization": {"stage": parallel.zero_stage, "reduce_bucket_size": zero_bucket_elements(params)},
         # Recompute is applied by our own stage plans, never by DeepSpeed's interval.
         "pipeline": {"activation_checkpoint_interval": 0},
         "steps_per_print": NEVER,

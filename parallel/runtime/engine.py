@@ -158,7 +158,8 @@ def build_engine(
     with torch.no_grad():
         for param, value in weights.items():
             param.copy_(value)
-    config = deepspeed_config(train, parallel, data_parallel_size, precision, device)
+    params = sum(p.numel() for p in module.parameters())
+    config = deepspeed_config(train, parallel, data_parallel_size, precision, device, params)
     with dropping_lines(DEEPSPEED_OPTIMIZER_LINES):
         engine, _, _, _ = deepspeed.initialize(
             model=module,

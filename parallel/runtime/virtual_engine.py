@@ -331,7 +331,9 @@ def build_virtual_engine(
         engine, _, _, _ = deepspeed.initialize(
             model=module,
             model_parameters=param_groups(module, train.weight_decay),
-            config=deepspeed_config(train, parallel, data_parallel, precision, device),
+            config=deepspeed_config(
+                train, parallel, data_parallel, precision, device, sum(p.numel() for p in module.parameters())
+            ),
             lr_scheduler=partial(warmup_cosine, train=train, segment=lr_segment),
             mpu=grid,
         )
