@@ -111,9 +111,9 @@ BF16_Optimizer's gradients instead (engine.buffered_allreduce_fallback through g
 
 
 ZERO_BUCKET_BYTES = {"fp32": 8, "bf16": 4, "fp16": 4}
-"""Bytes per element of ZeRO-1's reduction bucket that its ReduceGrads allocates under pipeline parallelism: two
-buffers of the bucket's size (DeepSpeed 0.19.8's stage_1_and_2.py, measured on CPU: 8 bytes in fp32, 4 in bf16;
-fp16 taken as bf16's, not measured)."""
+"""Bytes per element of ZeRO-1's reduction bucket that its ReduceGrads allocates under pipeline parallelism, its
+buffers of the bucket's size together (DeepSpeed 0.19.8's stage_1_and_2.py; measured on CPU from two bucket sizes:
+8 bytes in fp32, 4 in bf16; fp16 taken as bf16's, not measured)."""
 
 
 def zero_bucket_elements(params: int) -> int:
