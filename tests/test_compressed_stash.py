@@ -11,13 +11,14 @@ import torch.nn.functional as F
 
 from model import GPT, Block, GPTConfig, lm_loss
 from parallel.measurement.stage_replay import StageReplay
+from parallel.planning.block_prices import MACHINE_BALANCE
 from parallel.planning.budget_refusal import BudgetTooSmall
-from parallel.planning.compression import check_compress, lossy_note
+from parallel.planning.compression import check_compress, compress_traffic_bytes, lossy_note
 from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute
 from parallel.planning.layout import build_layout
 from parallel.planning.plan_record import RunPlan
 from parallel.planning.run_plan import plan_run
-from parallel.planning.shapes import GIB, RunShape, Target, Topology
+from parallel.planning.shapes import GIB, RunShape, Shape, Target, Topology
 from parallel.planning.stage_plan import plan_stage
 from parallel.runtime.compressed_stash import CompressedStash
 from parallel.runtime.early_recompute import EarlyRecompute
@@ -149,6 +150,31 @@ def test_auto_stores_compressed_only_when_allowed_and_where_that_lets_a_stage_fi
     assert any("segment inputs stored as fp8: lossy" in line for line in layout.describe_budgets(auto))
     roomy = AutoRecompute(budget_gb=1.0, reserve_gb=0.0, compress="fp8")  # nothing to recompute: nothing stored
     assert lossy_note(build_layout(AUTO_MODEL, roomy, AUTO_RUN, "type:Block", 0).plans) is None
+
+
+@pytest.mark.parametrize("compress", ["bf16", "fp8", "int8"])
+def test_a_compressed_plan_pays_its_compression_in_the_predicted_step(compress):
+    """Each segment input stored compressed costs its passes' memory traffic at the table's price of a byte (here
+    the analytic machine balance, FLOP-equivalents), charged with the recompute: full(2) on 4 blocks a stage, two
+    segments each, is priced 2 x that above the same plan stored exactly, and its simulated step is longer."""
+    layouts = [
+        build_layout(AUTO_MODEL, FullRecompute(interval="2", compress=c), AUTO_RUN, "type:Block", 0)
+        for c in ("none", compress)
+    ]
+    exact, compressed = (
+        plan_run(AUTO_MODEL, r, layout, AUTO_RUN)
+        for r, layout in zip((FullRecompute(interval="2"), FullRecompute(interval="2", compress=compress)), layouts)
+    )
+    timing = layouts[0].timing
+    per_input = timing.table.compress_cost(compress)
+    shape = Shape.of(AUTO_MODEL, AUTO_RUN.micro_batch_size)
+    assert per_input == MACHINE_BALANCE["cpu"] * compress_traffic_bytes(shape, AUTO_RUN.target, compress) > 0
+    for stage, plan in enumerate(layouts[1].plans):
+        assert len(plan.segments) == 2 and plan.compress == compress
+        extra = compressed.step_time.stage_recompute_s[stage] - exact.step_time.stage_recompute_s[stage]
+        micro_batches = AUTO_RUN.micro_batches
+        assert extra == pytest.approx(micro_batches * 2 * per_input * timing.seconds_per_cost)
+    assert compressed.predicted_step_time_s > exact.predicted_step_time_s
 
 
 @pytest.mark.parametrize("compress", ["bf16", "fp8", "int8"])

@@ -162,6 +162,8 @@ def _candidates(n: int, table: BlockPrices, ends_stage: bool):
                             continue
                         moment = max(w if m < n else -math.inf, segment)
                         cost = _segments_cost(table, m, k, nested)
+                        if compressed:
+                            cost += k * table.compress_cost(table.stash[0])
                         yield options, frontiers[n - m], m, k, moment, k * stored, cost, nested, compressed
 
 

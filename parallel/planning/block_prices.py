@@ -16,6 +16,7 @@ not a silent fall-back to the analytic model where it is read.
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 
+from parallel.planning.compression import FORMAT_WORDS, compress_traffic_bytes
 from parallel.planning.device_profile_file import ANALYTIC, CostSource
 from parallel.planning.flops import block_forward_flops, mlp_output_matmul_flops, selective_recompute_flops
 from parallel.planning.memory_model import (
@@ -169,8 +170,14 @@ class BlockPrices:
     segments (parallel/runtime/compile_blocks.py's compile_refusal)."""
     stash: tuple[str, int] | None = None
     """The lossy storage auto may use (recompute.compress): its format and the bytes a segment input keeps stored in
-    it; None: every plan stores exactly. Its (de)compression is not priced: auto uses it wherever it lets a stage
-    recompute less, ties going to exact storage."""
+    it; None: every plan stores exactly."""
+    compress_costs: tuple[tuple[str, float], ...] = ()
+    """(format, the price of storing one segment input in it and making it again at the recompute) per format: its
+    passes' memory traffic (compression.compress_traffic_bytes) at the table's price of an elementwise byte."""
+
+    def compress_cost(self, compress: str) -> float:
+        """The price of one segment input stored in `compress` (0 for `none`)."""
+        return dict(self.compress_costs).get(compress, 0.0)
 
     def selective_cost(self, modules: Iterable[str]) -> float:
         """The price of recomputing these selective parts of one block."""
@@ -223,7 +230,8 @@ def analytic_prices(shape: Shape, target: Target) -> BlockPrices:
 
 def measured_prices(shape: Shape, target: Target, seconds: MeasuredSeconds, source: CostSource) -> BlockPrices:
     """Costs in seconds of one block: a full recompute's forward and each selective part's; the step-time model
-    reads the rest of `seconds`."""
+    reads the rest of `seconds`. An elementwise byte costs what the measured norms' recompute did per byte."""
+    norms = ("layernorm",)
     return _table(
         shape,
         target,
@@ -231,6 +239,7 @@ def measured_prices(shape: Shape, target: Target, seconds: MeasuredSeconds, sour
         full_block_cost=seconds.block_recompute,
         measured=seconds,
         source=source,
+        byte_cost=seconds.selective(norms) / _elementwise_bytes(shape, target, norms),
     )
 
 
@@ -242,8 +251,11 @@ def _table(
     segment_discount: float = 0.0,
     measured: MeasuredSeconds | None = None,
     source: CostSource = ANALYTIC,
+    byte_cost: float | None = None,
 ) -> BlockPrices:
+    """`byte_cost`: the price of an elementwise byte (default: the device's machine balance, FLOP-equivalents)."""
     options = block_options(shape, target, cost)
+    per_byte = MACHINE_BALANCE[target.device] if byte_cost is None else byte_cost
     return BlockPrices(
         tuple(options),
         total(block_full_items(shape, target, True)),
@@ -254,6 +266,7 @@ def _table(
         source,
         tuple((option_key(combo), float(cost(combo))) for combo in selective_combinations()),
         nesting=target.compiled is None,
+        compress_costs=tuple((f, per_byte * compress_traffic_bytes(shape, target, f)) for f in FORMAT_WORDS),
     )
 
 

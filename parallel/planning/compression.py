@@ -25,6 +25,20 @@ def stored_input_bytes(shape: Shape, target: Target, compress: str) -> int:
     return elements * target.dtype_bytes
 
 
+def compress_traffic_bytes(shape: Shape, target: Target, compress: str) -> int:
+    """Memory traffic (read + write) of storing one segment input (b, s, h) in `compress` and making it again at its
+    recompute, pass by pass as parallel/runtime/compressed_stash.py runs them: bf16 a cast each way; fp8 and int8
+    the magnitudes, their per-row largest, the scaling in fp32 (int8 rounded), the cast, and back: the cast to fp32,
+    the scale, the cast to the run's dtype."""
+    d, elements = target.dtype_bytes, shape.bsh
+    if compress == "bf16":
+        return 2 * (d + 2) * elements
+    to_fp32 = d + FP32 if d != FP32 else 0  # a pass only when the run's dtype is not fp32 already
+    pack = 2 * d + d + to_fp32 + 2 * FP32 + (2 * FP32 if compress == "int8" else 0) + FP32 + 1
+    unpack = 1 + FP32 + 2 * FP32 + to_fp32
+    return (pack + unpack) * elements
+
+
 def lossy_note(plans: Sequence[StagePlan]) -> str | None:
     """What a layout whose stages run `plans` loses, in one sentence (plan.json, summary.json, the start-up print);
     None: it is exact."""

@@ -108,9 +108,11 @@ class TimeModel:
     """ReduceGrads' own work per parameter (the replicas' all-reduce is the links')."""
 
     def recompute_cost(self, plan: StagePlan, blocks_in: dict[tuple[int, int], int]) -> float:
-        """The table's cost of a plan: each selective block's option, each segment's blocks. `blocks_in`:
-        blocks inside each of the plan's segments."""
+        """The table's cost of a plan: each selective block's option, each segment's blocks, and each segment input
+        stored compressed (its compression in the forward, charged with the recompute that decompresses it).
+        `blocks_in`: blocks inside each of the plan's segments."""
         cost = sum(self.table.selective_cost(modules) for modules in plan.selective.values())
+        cost += len(plan.segments) * self.table.compress_cost(plan.compress)
         full, discount = self.table.full_block_cost, self.table.segment_discount
         for segment in plan.segments:
             blocks = blocks_in[segment]
