@@ -155,7 +155,12 @@ def rendezvous_replay(progs: tuple[VirtualProgram, ...]) -> None:
             raise AssertionError(f"deadlock under rendezvous: ranks blocked at {stuck}")
 
 
-@pytest.mark.parametrize("slots", [UNIT_SLOTS, CPU_SLOTS], ids=Slots.text)
+LAID_OUT = [UNIT_SLOTS, CPU_SLOTS, Slots(4, 3, 1), Slots(2, 2, 1), Slots(1, 2, 1), Slots(4, 4, 1), Slots(1, 4, 4)]
+"""Slot layouts as virtual_slots.stage_slots makes them (the cheapest op one slot, the others 1 to 4): the papers'
+units, this CPU's measured 3:2:1, the peers' run's 4:3:1, and others that change the V shapes' greedy order."""
+
+
+@pytest.mark.parametrize("slots", LAID_OUT, ids=Slots.text)
 @pytest.mark.parametrize("ranks", RANKS)
 @pytest.mark.parametrize("schedule, chunks", KINDS)
 def test_every_send_meets_its_receive_at_the_same_boundary_and_nothing_deadlocks(schedule, chunks, ranks, slots):
