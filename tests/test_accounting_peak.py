@@ -9,8 +9,9 @@ import torch
 from harness.accounting import live_peak
 from model import Block, GPTConfig, gpt_layers
 from model.weight_grad import WeightGradStore, split_backward
-from parallel.planning.memory_model import total, weight_grad_items
+from parallel.planning.memory_model import total
 from parallel.planning.shapes import Shape, Target
+from parallel.planning.weight_grad_bytes import weight_grad_items
 
 KEPT = [10, 20, 30, 40]
 """Bytes each micro-batch's forward keeps until its backward: all different, so a wrong window shows."""

@@ -64,6 +64,7 @@ PLANNING = [
         "parallel.planning.virtual_walk",
         "parallel.planning.virtual_sim",
     },
+    {"parallel.planning.weight_grad_bytes"},  # what a split backward holds from B to W, and a W's transient
     {"parallel.planning.working_set"},  # the backward's working set, from memory_model's kept items
     {"parallel.planning.virtual_memory"},  # each rank's peak under a virtual-stage schedule, working sets inside
     # what a stage holds, and the one record of what each block option keeps and costs

@@ -19,7 +19,6 @@ from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute, 
 from parallel.planning.device_profile_file import CostSource
 from parallel.planning.instruction_seconds import PEAK_EFFICIENCY, analytic_rates, time_model
 from parallel.planning.layout import build_layout
-from parallel.planning.memory_model import stage_weight_grad_bytes
 from parallel.planning.run_plan import plan_run
 from parallel.planning.schedules import SCHEDULES
 from parallel.planning.shapes import RunShape, Shape, Target, Topology
@@ -33,6 +32,7 @@ from parallel.planning.step_sim import (
     simulate,
     simulate_stages,
 )
+from parallel.planning.weight_grad_bytes import stage_weight_grad_bytes
 from tests.runs import TINY, python_run
 from tests.shared_runs import case
 

@@ -101,7 +101,7 @@ def _deferrals(pricing: StagePricing, stages: list[StageRange], plans: list[Stag
     1F1B peak of the same plans. That is ZB-H1's promise
     ("1F1B's activation memory"): a later stage holds fewer micro-batches under 1F1B than stage 0, and the room
     left takes deferred W's. A W-pending micro-batch holds each Linear's input and output gradient
-    (memory_model.weight_grad_items), whatever the plan recomputes, so under heavy recompute even one may not
+    (weight_grad_bytes.weight_grad_items), whatever the plan recomputes, so under heavy recompute even one may not
     fit: the stage then defers none, and its B and W are 1F1B's backward cut in two."""
 
     def peak(stage: StageRange, plan: StagePlan, kind: str) -> int:

@@ -14,7 +14,6 @@ from parallel.planning.memory_model import (
     stage_activations,
     stage_input_bytes,
     stage_output_bytes,
-    stage_weight_grad_bytes,
 )
 from parallel.planning.model_states import (
     largest_parameter,
@@ -26,6 +25,7 @@ from parallel.planning.partition import StageRange
 from parallel.planning.schedule_walk import ActivationPeak, activation_peak, in_flight_micro_batches, pipe_buffers
 from parallel.planning.shapes import RunShape, Shape, Target
 from parallel.planning.stage_plan import StagePlan
+from parallel.planning.weight_grad_bytes import stage_weight_grad_bytes
 from parallel.planning.working_set import backward_working_sets, early_remade_bytes, early_working_sets
 
 

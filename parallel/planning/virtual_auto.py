@@ -61,6 +61,7 @@ class ChunkSide:
     largest: int
     """Elements of its largest parameter (model_states.largest_parameter)."""
     params: int
+    """Its parameters (StageMemory.params)."""
     choices: tuple[StageChoice, ...]
     per_micro_batch: dict[StageChoice, tuple[int, int]]
     """Per choice: what a micro-batch keeps from its forward to its backward, and what its backward allocates on top

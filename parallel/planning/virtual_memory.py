@@ -8,12 +8,7 @@ from dataclasses import dataclass
 
 from model import LayerRecipe
 from parallel.planning import schedules
-from parallel.planning.memory_model import (
-    checkpoint_rng_bytes,
-    stage_activations,
-    stage_weight_grad_bytes,
-    weight_grad_transient_bytes,
-)
+from parallel.planning.memory_model import checkpoint_rng_bytes, stage_activations
 from parallel.planning.partition import StageRange
 from parallel.planning.schedule_walk import ActivationPeak, activation_peak
 from parallel.planning.shapes import Shape, Target
@@ -21,6 +16,7 @@ from parallel.planning.stage_plan import StagePlan, early_stages
 from parallel.planning.virtual_program import UNIT_SLOTS, Slots
 from parallel.planning.virtual_schedules import virtual_schedule
 from parallel.planning.virtual_walk import ChunkBytes, RankMoments, VirtualPeak
+from parallel.planning.weight_grad_bytes import stage_weight_grad_bytes, weight_grad_transient_bytes
 from parallel.planning.working_set import backward_working_sets, early_remade_bytes, early_working_sets
 
 

@@ -43,7 +43,7 @@ class ChunkBytes:
     weights_pending: int
     """Per micro-batch through B whose W has not run: what its W's need."""
     weight_working: int
-    """What a W allocates on top while it runs (memory_model.weight_grad_transient_bytes)."""
+    """What a W allocates on top while it runs (weight_grad_bytes.weight_grad_transient_bytes)."""
     message: int
     """One received activation or gradient."""
     output: int

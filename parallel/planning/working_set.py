@@ -29,12 +29,11 @@ from parallel.planning.memory_model import (
     attention_kernel,
     block_kept_items,
     dropout_mask_bytes,
-    lm_head_weight_grad_items,
     total,
-    weight_grad_items,
 )
 from parallel.planning.shapes import Shape, Target
 from parallel.planning.stage_plan import StagePlan
+from parallel.planning.weight_grad_bytes import lm_head_weight_grad_items, weight_grad_items
 
 MLP = "block backward"
 """The second MLP matmul's backward: where each block's backward starts."""
@@ -150,7 +149,7 @@ def block_backward_bytes(
       (2 N C d), less what the block kept after the attention core and has freed, plus every saving of `modules`
       but the ln_1 output's (remade only at the QKV matmul's backward), plus q, k, v copies made while the QKV output
       is held (`_remade_copies`). Under `split_weights` the Linear layers after the core keep their inputs and
-      output gradients for W (memory_model.weight_grad_items): those are not freed.
+      output gradients for W (weight_grad_bytes.weight_grad_items): those are not freed.
     """
     if target.compiled is not None:  # zb-h1's split backward never runs compiled (compile_blocks.compile_refusal)
         return {COMPILED: target.compiled.working_bytes(shape, target.precision, modules)}
@@ -168,7 +167,7 @@ def block_backward_bytes(
     if "mlp" in modules and "layernorm" in modules:  # one checkpoint over ln_2 and the MLP
         mlp_region.append("layernorm")
     mlp_ln_1_output = bsh * d if "layernorm" in mlp_region else 0
-    mlp_saving = kept_none - total(block_kept_items(shape, target, mlp_region)) - mlp_ln_1_output
+    mlp_saving = kept_none - total(block_kept_items(shape, target, tuple(mlp_region))) - mlp_ln_1_output
     saving = kept_none - total(block_kept_items(shape, target, modules)) - ln_1_output
     h, ffn = shape.h, shape.b * shape.s * shape.mlp_width * d
     mlp = ffn + shape.mlp_width * h * d + h * d
