@@ -82,7 +82,8 @@ def fixed_variants(micro_batches: int) -> list[Variant]:
 
 
 def virtual_variants(micro_batches: int, modes: tuple[str, ...] = ("none", "selective")) -> list[Variant]:
-    """stagecheck's schedules with virtual stages under `modes`, 2 chunks per rank under `type:Block` (the blocks
+    """stagecheck's schedules with virtual stages under `modes`, 2 chunks per rank (parallel.chunks=2: interleaved
+    1F1B's planner would weigh more) under `type:Block` (the blocks
     split evenly over the 4 virtual stages, as the torch peers split theirs): the rows the issue-34 targets compare
     with torch's interleaved 1F1B and ZBV."""
     early = ("+recompute=full", "recompute.early=true")
@@ -98,7 +99,7 @@ def virtual_variants(micro_batches: int, modes: tuple[str, ...] = ("none", "sele
             micro_batches,
             recompute[mode][0],
             "type:Block",
-            (*recompute[mode][1], f"parallel.schedule={schedule}"),
+            (*recompute[mode][1], f"parallel.schedule={schedule}", "parallel.chunks=2"),
             (),
         )
         for schedule in VIRTUAL_SCHEDULES

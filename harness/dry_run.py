@@ -30,7 +30,7 @@ def dry_run(ctx: RunContext, layout: PipelineLayout) -> RunPlan:
     if plan.virtual is not None:  # the layout's stages are virtual stages: each rank's chunks together
         lines += plan.virtual.lines()
     else:
-        lines += virtual_lines(run.model, run.recompute, layout, ctx.shape)
+        lines += virtual_lines(run.model, run.recompute, layout, ctx.shape, run.parallel.chunks)
     if ctx.env.rank == 0:
         memory_bytes, memory_name = memory_target(ctx)
         profile, _ = run_profile(ctx)

@@ -1,12 +1,11 @@
 """The engine a run's schedule asks for: DeepSpeed's PipelineEngine for one stage per rank (1f1b, zb-h1;
-parallel/runtime/engine.py), the virtual engine for ranks x 2 virtual stages (interleaved-1f1b, zb-v, v-half;
+parallel/runtime/engine.py), the virtual engine for ranks x chunks virtual stages (interleaved-1f1b, zb-v, v-half;
 parallel/runtime/virtual_engine.py). The trainer drives either through the same calls (harness/trainer.py)."""
 
 from harness.context import RunContext
 from harness.hf.init_from import hf_initial_weights
 from harness.run_layout import is_virtual
 from parallel.planning.layout import PipelineLayout
-from parallel.planning.virtual_support import CHUNKS
 from parallel.runtime.engine import build_engine
 from parallel.runtime.virtual_engine import build_virtual_engine
 
@@ -23,7 +22,7 @@ def build_run_engine(ctx: RunContext, layout: PipelineLayout):
         return build_virtual_engine(
             layout,
             layout.virtual_schedule,
-            CHUNKS,
+            layout.virtual_chunks,
             run.train,
             run.parallel,
             target.precision,

@@ -14,13 +14,13 @@ from parallel.planning.plan_record import RunPlan
 from parallel.planning.run_plan import plan_run
 from parallel.planning.virtual_layout import (
     faster_virtual_schedule,
+    parts_of,
     virtual_layout,
     virtual_plan,
     virtual_shape,
     with_virtual_plan,
 )
 from parallel.planning.virtual_program import VIRTUAL_SCHEDULES
-from parallel.planning.virtual_support import CHUNKS
 
 CONSIDERED = 8
 """How many of the plans +recompute=auto weighed a dry run lists (plan.json's `considered`), fastest first."""
@@ -53,15 +53,31 @@ def layout_of(ctx: RunContext) -> PipelineLayout:
         if parallel.schedule != "auto" or ctx.resume is not None:  # a resume keeps its checkpoint's placement
             return layout
         # parallel.schedule=auto: a schedule with virtual stages where one simulates faster and the run can run it
-        virtual = faster_virtual_schedule(run.model, run.recompute, layout, ctx.shape, parallel.zero_stage)
-        if virtual is None:
+        faster = faster_virtual_schedule(
+            run.model, run.recompute, layout, ctx.shape, parallel.zero_stage, parallel.chunks
+        )
+        if faster is None:
             return layout
-    resume = ctx.resume
-    held = None  # ranks x 2 virtual stages (parallel/planning/virtual_layout.py): a resume's, else chosen
-    if resume is not None and "parallel.partition_method" not in resume.changed:
-        held = resume.saved_partition
+        # its chunks, and under `balanced` the chunk boundaries it was priced on
+        virtual, chunks = faster.schedule, faster.chunks
+        held = parts_of(layout.recipes, faster.blocks) if parallel.partition_method == "balanced" else None
+    else:
+        chunks = parallel.chunks
+        held = None  # ranks x chunks virtual stages (parallel/planning/virtual_layout.py): a resume's, else chosen
+        resume = ctx.resume
+        if resume is not None and "parallel.partition_method" not in resume.changed:
+            held = resume.saved_partition
     return virtual_layout(
-        run.model, run.recompute, ctx.shape, parallel.partition_method, run.seed, virtual, costs, run_rates(ctx), held
+        run.model,
+        run.recompute,
+        ctx.shape,
+        parallel.partition_method,
+        run.seed,
+        virtual,
+        costs,
+        run_rates(ctx),
+        held,
+        chunks,
     )
 
 
@@ -106,7 +122,7 @@ def check_same_layout(layout: PipelineLayout) -> None:
     """Once the process group exists: every rank planned the same layout, or the run ends here with one message. Ranks
     plan before the group exists, each on its own, from prices that must be one set (harness/price_source.py); ranks
     whose plans differed would otherwise wait for each other's mismatched sends forever."""
-    mine = repr((layout.parts, layout.plans, layout.schedule, layout.virtual_schedule))
+    mine = repr((layout.parts, layout.plans, layout.schedule, layout.virtual_schedule, layout.virtual_chunks))
     every: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     others = [rank for rank, theirs in enumerate(every) if theirs != every[0]]
@@ -128,6 +144,6 @@ def run_plan(ctx: RunContext, layout: PipelineLayout) -> RunPlan:
     run = ctx.run
     if not is_virtual(layout):
         return plan_run(run.model, run.recompute, layout, ctx.shape)
-    plan = plan_run(run.model, run.recompute, layout, virtual_shape(ctx.shape, CHUNKS))
-    virtual = virtual_plan(run.model, layout, ctx.shape, layout.virtual_schedule, CHUNKS)
+    plan = plan_run(run.model, run.recompute, layout, virtual_shape(ctx.shape, layout.virtual_chunks))
+    virtual = virtual_plan(run.model, layout, ctx.shape, layout.virtual_schedule)
     return with_virtual_plan(plan, virtual, ctx.shape)

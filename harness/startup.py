@@ -118,6 +118,7 @@ def validate(cfg: DictConfig, run_dir: Path, env: DistEnv, job: JobHooks) -> Run
             run.train.micro_batches,
             shape.topology.pipeline_stages,
             run.model.n_layer,
+            run.parallel.chunks,
         )
         if refusal:
             raise ValueError(refusal)

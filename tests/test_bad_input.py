@@ -48,6 +48,16 @@ CASES = [
         "parallel.schedule=zb-v splits the model into 2 chunks per rank, 2 in all: model.n_layer=1 is fewer blocks",
     ),
     (
+        ["parallel.schedule=interleaved-1f1b", "parallel.chunks=5"],
+        "parallel.schedule=interleaved-1f1b splits the model into 5 chunks per rank, 5 in all: model.n_layer=4 is "
+        "fewer blocks; use model.n_layer >= 5 or parallel.chunks=null",
+    ),
+    (
+        ["parallel.schedule=v-half", "parallel.chunks=3"],
+        "parallel.chunks=3 with parallel.schedule=v-half: a V holds 2 chunks per rank; use parallel.chunks=2 or null",
+    ),
+    (["parallel.chunks=1"], "parallel.chunks=1 is invalid: use 2 or more chunks per rank, or null"),
+    (
         ["+recompute=full", "recompute.micro_batches=0"],
         "recompute.micro_batches=0 is invalid: it must be from 1 to train.micro_batches, or null (all)",
     ),

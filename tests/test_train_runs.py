@@ -5,6 +5,7 @@ per rank) trains through the same trainer with the same losses, evaluates, saves
 V placement) continues it bit for bit."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -56,6 +57,17 @@ CASES = {
         "logger=none",
         "parallel.schedule=v-half",
         "train.resume={runs}/train_runs-zb-v/checkpoints/step_00000002",
+    ),
+    # interleaved 1F1B at 3 chunks per rank (parallel.chunks=3): 6 blocks, one per virtual stage
+    "interleaved-3": case(
+        *TINY,
+        *STEPS,
+        "model.n_layer=6",
+        "model.dropout=0.1",
+        "+recompute=selective",
+        "parallel.schedule=interleaved-1f1b",
+        "parallel.chunks=3",
+        "logger=none",
     ),
     "pipe": case(
         *TINY,
@@ -177,6 +189,19 @@ def test_zb_v_trains_through_the_trainer_as_1f1b_does_and_resumes_under_v_half(c
     assert (zb_v / "checkpoints" / "step_00000002").is_dir()
     assert summary(resumed)["schedule"] == "v-half"
     assert [r["loss"] for r in metrics(resumed)] == s["losses"][2:]
+
+
+def test_interleaved_1f1b_trains_three_chunks_per_rank_as_parallel_chunks_asks(case_runs):
+    """parallel.chunks=3: rank r holds virtual stages r, r + 2 and r + 4, each one block; what each micro-batch keeps
+    per virtual stage is as planned, to the byte (bit-identical losses at 3 chunks: tests/test_virtual_engine.py)."""
+    s = summary(case_runs["interleaved-3"])
+    assert s["schedule"] == "interleaved-1f1b" and s["virtual"]["chunks"] == 3
+    assert s["virtual_stages_per_rank"] == [[0, 2, 4], [1, 3, 5]]
+    assert len(s["losses"]) == 3 and all(math.isfinite(loss) for loss in s["losses"])
+    kept = s["activation_bytes_per_micro_batch_per_virtual_stage"]
+    assert len(kept) == 6 and all(k and len(k) == 4 and min(k) > 0 for k in kept)
+    assert kept == s["planned_activation_bytes_per_micro_batch_per_virtual_stage"]
+    assert all(b and b > 0 for b in s["measured_activation_bytes_per_rank"])
 
 
 def test_zb_v_meters_each_rank_as_the_rank_replay_does(case_runs):

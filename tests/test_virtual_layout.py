@@ -1,7 +1,9 @@
-"""A run under a schedule with virtual stages, as start-up plans it (no process group): its layout of ranks x 2
-virtual stages, each rank's planned peak and simulated step, parallel.schedule=auto's choice of one, and the start-up
-refusals (what the engine does not run, a resume that would move layers to other ranks), each one line."""
+"""A run under a schedule with virtual stages, as start-up plans it (no process group): its layout of ranks x v
+virtual stages (v chunks per rank: parallel.chunks, or the planner's choice), each rank's planned peak and simulated
+step, parallel.schedule=auto's choice of one, and the start-up refusals (what the engine does not run, a resume that
+would move layers to other ranks), each one line."""
 
+import itertools
 import math
 from dataclasses import replace
 
@@ -38,7 +40,7 @@ NO = (None, None, None)
 @pytest.mark.parametrize("schedule", VIRTUAL_SCHEDULES)
 @pytest.mark.parametrize("method", ["balanced", "type:Block"])
 def test_a_virtual_run_plans_ranks_times_two_virtual_stages_and_each_ranks_peak(schedule, method):
-    layout = virtual_layout(MODEL, SelectiveRecompute(), RUN, method, 0, schedule, None, None, None)
+    layout = virtual_layout(MODEL, SelectiveRecompute(), RUN, method, 0, schedule, *NO, chunks=2)
     assert len(layout.stages) == 4 and layout.parts[0] == 0 and layout.parts[-1] == len(layout.recipes)
     assert all(any(layout.recipes[i].module_class in BLOCK_CLASSES for i in s.layers) for s in layout.stages)
     virtual = virtual_plan(MODEL, layout, RUN, schedule)
@@ -52,10 +54,33 @@ def test_a_virtual_run_plans_ranks_times_two_virtual_stages_and_each_ranks_peak(
     assert len(virtual.lines()) == 3
 
 
-def test_a_resumed_layout_keeps_the_checkpoints_chunk_boundaries():
+def test_a_resumed_layout_keeps_the_checkpoints_chunk_boundaries_and_with_them_its_chunks_per_rank():
     held = [0, 3, 5, 6, 11]
     layout = virtual_layout(MODEL, NoRecompute(), RUN, "balanced", 0, "zb-v", None, None, held)
-    assert layout.parts == held
+    assert layout.parts == held and layout.virtual_chunks == 2
+    held = [0, 3, 4, 5, 6, 8, 11]
+    layout = virtual_layout(MODEL, NoRecompute(), RUN, "balanced", 0, "interleaved-1f1b", None, None, held)
+    assert layout.parts == held and layout.virtual_chunks == 3
+
+
+def test_interleaved_1f1b_runs_the_chunks_per_rank_that_simulate_fastest_or_those_parallel_chunks_names():
+    """parallel.chunks=null: of 2, 3 and 4 chunks per rank (8 blocks on 2 ranks allow 4), the count whose simulated
+    step (each on its own chunk boundaries) is the shortest; the rank's chunks placed r, r + p, r + 2p, ...; a V holds
+    2 whatever the blocks allow."""
+    one_chunk = build_layout(MODEL, NoRecompute(), RUN, "balanced", 0)
+    options = virtual_options(MODEL, NoRecompute(), one_chunk, RUN, ("interleaved-1f1b",))
+    assert [o.chunks for o in options] == [2, 3, 4]
+    assert all(len(o.blocks) == 2 * o.chunks and sum(o.blocks) == MODEL.n_layer for o in options)
+    fastest = min(options, key=lambda o: o.step_time_s)
+    for method in ("balanced", "type:Block"):
+        layout = virtual_layout(MODEL, NoRecompute(), RUN, method, 0, "interleaved-1f1b", *NO)
+        assert layout.virtual_chunks == fastest.chunks and len(layout.stages) == 2 * fastest.chunks
+    named = virtual_layout(MODEL, NoRecompute(), RUN, "balanced", 0, "interleaved-1f1b", *NO, chunks=3)
+    assert named.virtual_chunks == 3 and len(named.stages) == 6
+    virtual = virtual_plan(MODEL, named, RUN, "interleaved-1f1b")
+    assert [list(s) for s in virtual.virtual_stages_per_rank] == [[0, 2, 4], [1, 3, 5]]
+    assert virtual.chunks == 3 and virtual.predicted_step_time_s == min(o.step_time_s for o in options if o.chunks == 3)
+    assert [o.chunks for o in virtual_options(MODEL, NoRecompute(), one_chunk, RUN, ("zb-v", "v-half"))] == [2, 2]
 
 
 def test_a_resume_may_change_the_schedule_only_where_the_layers_stay_on_their_ranks():
@@ -68,8 +93,10 @@ def test_a_resume_may_change_the_schedule_only_where_the_layers_stay_on_their_ra
 
 
 def test_what_train_py_does_not_run_under_a_virtual_schedule_is_refused_in_one_line():
-    def refusal(schedule="zb-v", recompute=None, precision="fp32", micro_batches=4, ranks=2, blocks=8):
-        return virtual_run_refusal(schedule, recompute or NoRecompute(), precision, 0, micro_batches, ranks, blocks)
+    def refusal(schedule="zb-v", recompute=None, precision="fp32", micro_batches=4, ranks=2, blocks=8, chunks=None):
+        return virtual_run_refusal(
+            schedule, recompute or NoRecompute(), precision, 0, micro_batches, ranks, blocks, chunks
+        )
 
     assert refusal() is None and refusal(schedule="interleaved-1f1b", micro_batches=4) is None
     assert refusal(recompute=AutoRecompute()) is None  # auto is planned per rank (parallel/planning/virtual_auto.py)
@@ -79,27 +106,31 @@ def test_what_train_py_does_not_run_under_a_virtual_schedule_is_refused_in_one_l
         "train.precision=fp16": refusal(precision="fp16"),
         "model.n_layer=3": refusal(blocks=3),
         "train.micro_batches=5": refusal(schedule="interleaved-1f1b", micro_batches=5),
+        "parallel.chunks=null": refusal(schedule="interleaved-1f1b", chunks=5),  # 10 chunks, 8 blocks
+        "parallel.chunks=3": refusal(chunks=3),  # a V: under parallel.schedule=auto, its V shapes are left out
     }
     for option, line in refusals.items():
         assert line and "\n" not in line, option
     assert "model.n_layer=3" in refusals["model.n_layer=3"]
     assert "train.micro_batches=5" in refusals["train.micro_batches=5"]
+    assert all(option in line for option, line in refusals.items() if option.startswith("parallel.chunks"))
 
 
 GPT2_16 = GPTConfig(n_layer=16, n_head=12, n_embd=768, seq_len=1024, vocab_size=50304)
 
 
-def _auto(model: GPTConfig, ranks: int, micro_batches: int, precision: str = "fp32", recompute=None):
+def _auto(model: GPTConfig, ranks: int, micro_batches: int, precision: str = "fp32", recompute=None, chunks=None):
     run = RunShape(Topology(ranks, 1), Target("cuda", precision), micro_batches, 1)
     one_chunk = build_layout(model, NoRecompute(), run, "balanced", 0, schedule="auto")
-    return one_chunk, faster_virtual_schedule(model, recompute or NoRecompute(), one_chunk, run, 0)
+    chosen = faster_virtual_schedule(model, recompute or NoRecompute(), one_chunk, run, 0, chunks)
+    return one_chunk, chosen and (chosen.schedule, chosen.chunks)
 
 
 def test_auto_picks_a_virtual_schedule_only_where_it_simulates_faster_than_1f1b_and_zb_h1():
     """Analytic H100 costs, fp32, no recompute: 2 ranks x 2 micro-batches idle most of a 1F1B step, and ZB-V's V fills
     it; with 4 micro-batches the chunks' boundaries cost more than the V saves."""
     one_chunk, chosen = _auto(GPT2_16, 2, 2)
-    assert chosen == "zb-v"
+    assert chosen == ("zb-v", 2)
     steps = {o.schedule: o.step_time_s for o in one_chunk.schedule_options if not o.early}
     run = RunShape(Topology(2, 1), Target("cuda", "fp32"), 2, 1)
     virtual = {o.schedule: o.step_time_s for o in virtual_options(GPT2_16, NoRecompute(), one_chunk, run)}
@@ -109,85 +140,99 @@ def test_auto_picks_a_virtual_schedule_only_where_it_simulates_faster_than_1f1b_
 
 def test_auto_leaves_out_the_virtual_schedules_where_the_run_cannot_run_them():
     assert _auto(GPT2_16, 2, 2, precision="fp16")[1] is None  # the virtual engine runs fp32 and bf16 only
-    assert _auto(GPT2_16, 2, 2, precision="bf16")[1] == "zb-v"
-    assert _auto(GPT2_16, 2, 2, recompute=AutoRecompute(early=True))[1] == "zb-v"  # auto per chunk recomputes early
+    assert _auto(GPT2_16, 2, 2, precision="bf16")[1] == ("zb-v", 2)
+    assert _auto(GPT2_16, 2, 2, recompute=AutoRecompute(early=True))[1] == ("zb-v", 2)  # early per chunk
     assert _auto(replace(GPT2_16, n_layer=3), 2, 2)[1] is None  # fewer blocks than chunks
+
+
+def test_auto_with_parallel_chunks_weighs_interleaved_1f1b_at_that_many_chunks_and_no_v():
+    """GPT-2 XL's width, 48 blocks on 4 ranks x 4 micro-batches, bf16 on analytic H100 prices: ZB-V simulates fastest,
+    and with parallel.chunks=3 (no V holds 3) interleaved 1F1B at 3 chunks per rank, faster than 1F1B and zb-h1."""
+    xl = GPTConfig(n_layer=48, n_head=25, n_embd=1600, seq_len=1024, vocab_size=50304)
+    assert _auto(xl, 4, 4, "bf16")[1] == ("zb-v", 2)
+    assert _auto(xl, 4, 4, "bf16", chunks=3)[1] == ("interleaved-1f1b", 3)
 
 
 def test_a_resume_under_auto_keeps_the_checkpoints_placement():
     assert schedule_change_refusal("zb-v", "auto") is None and schedule_change_refusal("1f1b", "auto") is None
 
 
-def _auto_layout(schedule: str, budget_bytes: float):
-    # without early recompute: what each candidate pair holds is then its classes' (early: tests/test_virtual_local.py)
+PLACEMENTS = [(schedule, 2) for schedule in VIRTUAL_SCHEDULES] + [("interleaved-1f1b", 3)]
+"""Each schedule with virtual stages and its chunks per rank, for auto per chunk's brute-force checks."""
+
+
+def _auto_layout(schedule: str, budget_bytes: float, chunks: int = 2):
+    # without early recompute: what each candidate holds is then its classes' (early: tests/test_virtual_local.py)
     auto = AutoRecompute(budget_gb=budget_bytes / GIB, reserve_gb=0.0, early=False)
-    return virtual_layout(MODEL, auto, RUN, "type:Block", 0, schedule, None, None, None), auto
+    return virtual_layout(MODEL, auto, RUN, "type:Block", 0, schedule, *NO, chunks=chunks), auto
 
 
 def _rank_peaks(layout, auto: AutoRecompute, schedule: str) -> list[RankPeak]:
     """Each rank's RankPeak as virtual_auto.plan_ranks builds it for `layout`'s virtual stages."""
     shape = Shape.of(MODEL, RUN.micro_batch_size)
-    pricing = StagePricing.of(layout.recipes, virtual_shape(RUN), shape, layout.timing)
+    chunks = layout.virtual_chunks
+    pricing = StagePricing.of(layout.recipes, virtual_shape(RUN, chunks), shape, layout.timing)
     planner = StagePlanner(pricing, auto, layout.timing.table)
-    walks = rank_walks(layout.recipes, layout.stages, schedule, 2, RUN.micro_batches, shape, RUN.target)
+    walks = rank_walks(layout.recipes, layout.stages, schedule, chunks, RUN.micro_batches, shape, RUN.target)
     sides = [[chunk_side(planner, layout.stages[v], w.split) for v in w.virtual_stages] for w in walks]
     return [RankPeak(w, chunk_sides, planner.pricing.run) for w, chunk_sides in zip(walks, sides)]
 
 
-@pytest.mark.parametrize("schedule", VIRTUAL_SCHEDULES)
-def test_auto_per_chunk_fits_each_ranks_peak_at_the_least_recompute_of_any_pair(schedule):
+@pytest.mark.parametrize("schedule, chunks", PLACEMENTS)
+def test_auto_per_chunk_fits_each_ranks_peak_at_the_least_recompute_of_any_combination(schedule, chunks):
     """Between the largest rank floor and none's largest rank peak: every rank's walked peak within the budget, some
-    chunk recomputing, no pair of the chunks' candidates (brute force) cheaper, and the planner's peak at least what
-    the rank plan (virtual_plan) reports."""
-    unbounded, _ = _auto_layout(schedule, 1e12)
+    chunk recomputing, no combination of the chunks' candidates (brute force) cheaper, and the planner's peak at
+    least what the rank plan (virtual_plan) reports."""
+    unbounded, _ = _auto_layout(schedule, 1e12, chunks)
     assert all(not (p.segments or p.selective) for p in unbounded.plans)
     floor = max(b.least_bytes for b in unbounded.rank_budgets)
     none = max(b.peak_bytes for b in unbounded.rank_budgets)
     budget = (floor + none) // 2
-    layout, auto = _auto_layout(schedule, budget)
+    layout, auto = _auto_layout(schedule, budget, chunks)
     assert any(p.segments or p.selective for p in layout.plans)
     assert all(b.peak_bytes <= budget for b in layout.rank_budgets)
     activations = virtual_plan(MODEL, layout, RUN, schedule).activation_bytes_per_rank
     for b, peak, planned in zip(layout.rank_budgets, _rank_peaks(layout, auto, schedule), activations):
-        first, second = peak.sides
         # the plan walks each backward's working set inside it; auto bounds it by the largest chunk's on top of the
         # walk between instructions
         walked = peak.walk.peak_bytes([side.kept(c) for side, c in zip(peak.sides, b.choice)])
         assert walked < planned <= walked + max(side.work(c) for side, c in zip(peak.sides, b.choice))
         assert peak.bytes(b.choice) == b.peak_bytes
-        fitting = [a.cost + c.cost for a in first.choices for c in second.choices if peak.bytes((a, c)) <= budget]
-        assert sum(c.cost for c in b.choice) == min(fitting)
+        assert sum(c.cost for c in b.choice) == _cheapest_fitting(peak, budget, (False,) * chunks)
 
 
-@pytest.mark.parametrize("schedule", VIRTUAL_SCHEDULES)
+@pytest.mark.parametrize("schedule, chunks", PLACEMENTS)
 @pytest.mark.parametrize("early", [True, None])
-def test_auto_per_chunk_recomputing_early_fits_at_the_least_recompute_of_any_pair(schedule, early):
+def test_auto_per_chunk_recomputing_early_fits_at_the_least_recompute_of_any_combination(schedule, chunks, early):
     """recompute.early=true (every chunk that recomputes does it early, but the last virtual stage) and null (early
-    where that costs no more): the chosen pair is the cheapest of every pair that fits (brute force over
+    where that costs no more): the chosen combination is the cheapest of every one that fits (brute force over
     RankPeak.bytes), though recomputed early a choice's backward holds more the less it keeps."""
-    unbounded, _ = _auto_layout(schedule, 1e12)
+    unbounded, _ = _auto_layout(schedule, 1e12, chunks)
     floor = max(b.least_bytes for b in unbounded.rank_budgets)
     none = max(b.peak_bytes for b in unbounded.rank_budgets)
     for budget in (int(floor + (none - floor) * f) for f in (0.3, 0.6, 0.9)):
-        _check_cheapest_pairs(schedule, budget, early)
+        _check_cheapest_combinations(schedule, chunks, budget, early)
 
 
-def _check_cheapest_pairs(schedule: str, budget: int, early: bool | None) -> None:
+def _check_cheapest_combinations(schedule: str, chunks: int, budget: int, early: bool | None) -> None:
     auto = AutoRecompute(budget_gb=budget / GIB, reserve_gb=0.0, early=early)
-    layout = virtual_layout(MODEL, auto, RUN, "type:Block", 0, schedule, *NO)
+    layout = virtual_layout(MODEL, auto, RUN, "type:Block", 0, schedule, *NO, chunks=chunks)
     for b, peak in zip(layout.rank_budgets, _rank_peaks(layout, auto, schedule)):
         flags = tuple(v < len(layout.stages) - 1 for v in peak.walk.virtual_stages)
         wanted = _cheapest_fitting(peak, budget, flags)
         if not early:
-            wanted = min(wanted, _cheapest_fitting(peak, budget, (False, False)))
+            wanted = min(wanted, _cheapest_fitting(peak, budget, (False,) * chunks))
         assert sum(c.cost for c in b.choice) == wanted and b.peak_bytes <= budget
 
 
-def _cheapest_fitting(peak: RankPeak, budget: int, early: tuple[bool, bool]) -> float:
-    """The least summed cost of any pair of the rank's chunks' choices whose RankPeak.bytes fits (brute force)."""
-    first, second = peak.sides
-    pairs = [(a, c) for a in first.choices for c in second.choices]
-    return min((a.cost + c.cost for a, c in pairs if peak.bytes((a, c), early=early) <= budget), default=math.inf)
+def _cheapest_fitting(peak: RankPeak, budget: int, early: tuple[bool, ...]) -> float:
+    """The least summed cost of any combination of the rank's chunks' choices (one each) whose RankPeak.bytes fits
+    (brute force)."""
+    combinations = itertools.product(*(side.choices for side in peak.sides))
+    return min(
+        (sum(c.cost for c in combo) for combo in combinations if peak.bytes(combo, early=early) <= budget),
+        default=math.inf,
+    )
 
 
 @pytest.mark.parametrize("schedule", VIRTUAL_SCHEDULES)
@@ -222,7 +267,7 @@ def test_auto_per_chunk_refuses_a_budget_below_a_ranks_floor_in_one_line():
 def test_auto_under_auto_recompute_prices_the_virtual_schedules_with_each_ranks_chunks_planned():
     """parallel.schedule=auto with +recompute=auto: the virtual schedules are candidates, planned per rank; at a
     budget no plan needs to recompute under, the choice is none's."""
-    assert _auto(GPT2_16, 2, 2, recompute=AutoRecompute())[1] == _auto(GPT2_16, 2, 2)[1] == "zb-v"
+    assert _auto(GPT2_16, 2, 2, recompute=AutoRecompute())[1] == _auto(GPT2_16, 2, 2)[1] == ("zb-v", 2)
 
 
 def test_the_dry_runs_figures_of_auto_per_chunk_are_those_of_the_layout_it_trains_early_recompute_included():

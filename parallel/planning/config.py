@@ -75,11 +75,16 @@ class ParallelConfig:
     bubbles within 1F1B's activation memory), `interleaved-1f1b` (Megatron's interleaved 1F1B), `zb-v` (ZB-V) or
     `v-half` (V-Half), or `auto` (the planner picks the schedule with the shortest simulated step time: 1f1b, zb-h1
     and the three with virtual stages where the run can run them, under `+recompute=auto` each within the budget).
-    Those three hold two model chunks per rank (docs/virtual_stages.md) and train through the virtual engine
-    (parallel/runtime/virtual_engine.py): fp32 or bf16, with or without recompute.early; under `+recompute=auto`
-    each rank's two chunks are planned together against the rank's budget. A resume may change the schedule only
-    among those that keep the layers on their ranks (1f1b and zb-h1; zb-v and v-half); `auto` keeps the
-    checkpoint's."""
+    Those three hold `parallel.chunks` model chunks per rank (docs/virtual_stages.md) and train through the virtual
+    engine (parallel/runtime/virtual_engine.py): fp32 or bf16, with or without recompute.early; under
+    `+recompute=auto` each rank's chunks are planned together against the rank's budget. A resume may change the
+    schedule only among those that keep the layers on their ranks (1f1b and zb-h1; zb-v and v-half); `auto` keeps
+    the checkpoint's."""
+    chunks: int | None = None
+    """Model chunks per rank under a schedule with virtual stages (Megatron's virtual pipeline size): 2 for zb-v and
+    v-half (a V holds two), 2 or more for interleaved-1f1b (each more chunk divides 1F1B's bubble further and adds a
+    boundary's sends to every micro-batch); null lets the planner choose interleaved-1f1b's from 2 to 4 (as the
+    blocks allow) by simulated step time, under `parallel.schedule=auto` too. A resume keeps the checkpoint's."""
 
     def __post_init__(self) -> None:
         if self.pipeline_stages is not None and self.pipeline_stages <= 0:
@@ -103,6 +108,22 @@ class ParallelConfig:
             raise ValueError(
                 f"parallel.schedule={self.schedule!r} is unknown: allowed values are {', '.join(SCHEDULE_CHOICES)}"
             )
+        if self.chunks is not None:
+            if self.chunks < 2:
+                raise ValueError(
+                    f"parallel.chunks={self.chunks} is invalid: use 2 or more chunks per rank, or null (the planner "
+                    f"chooses)"
+                )
+            if self.schedule in ("1f1b", "zb-h1"):
+                raise ValueError(
+                    f"parallel.chunks={self.chunks} needs a schedule with virtual stages: use parallel.schedule="
+                    f"interleaved-1f1b, zb-v, v-half or auto, or parallel.chunks=null"
+                )
+            if self.schedule in ("zb-v", "v-half") and self.chunks != 2:
+                raise ValueError(
+                    f"parallel.chunks={self.chunks} with parallel.schedule={self.schedule}: a V holds 2 chunks per "
+                    f"rank; use parallel.chunks=2 or null, or parallel.schedule=interleaved-1f1b"
+                )
 
 
 COMPRESS_FORMATS = ("none", "bf16", "fp8", "int8")

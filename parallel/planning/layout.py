@@ -58,7 +58,9 @@ class PipelineLayout:
     too (parallel/runtime/dropout_keys.py)."""
     virtual_schedule: str | None = None
     """The schedule with virtual stages (interleaved-1f1b, zb-v, v-half) whose virtual stages `stages` are, ranks x
-    2 of them (parallel/planning/virtual_layout.py); None: one stage per rank, under `schedule`."""
+    `virtual_chunks` of them (parallel/planning/virtual_layout.py); None: one stage per rank, under `schedule`."""
+    virtual_chunks: int = 2
+    """`virtual_schedule`'s model chunks per rank."""
     virtual_slots: Slots = UNIT_SLOTS
     """The slots `virtual_schedule`'s programmes are laid out in (parallel/planning/virtual_slots.py): every rank,
     the walk, the simulator and the replays build them alike."""

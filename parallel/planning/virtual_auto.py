@@ -11,12 +11,13 @@ recompute.reserve_gb. That bounds the walk `virtual_plan` reports, which counts 
 backward.
 
 Per chunk the candidates are auto_recompute.stage_choices (per-block choices, full and nested segments, compressed
-stashes where allowed; not per-micro-batch recompute, which the walk does not count). Every pair of the two chunks'
-candidates is priced at once (`pair_peaks`: the walk's few linear moments, the larger backward working set on top, as
-matrices), and the least summed cost that fits wins (cost per micro-batch: every chunk runs every micro-batch), ties
-to the smaller peak. Exact: no pair is left out, whatever early recompute does to a choice's working set (recomputed
-early, a choice's backward holds more the less it keeps, so no frontier of kept bytes and cost would be safe);
-tests/test_virtual_layout.py checks it against RankPeak.bytes of every pair on a small model.
+stashes where allowed; not per-micro-batch recompute, which the walk does not count). Every combination of the rank's
+chunks' candidates (one per chunk) is priced at once (`grid_peaks`: the walk's few linear moments, the largest
+backward working set on top, as arrays with one axis per chunk), and the least summed cost that fits wins (cost per
+micro-batch: every chunk runs every micro-batch), ties to the smaller peak. Exact: no combination is left out,
+whatever early recompute does to a choice's working set (recomputed early, a choice's backward holds more the less
+it keeps, so no frontier of kept bytes and cost would be safe); tests/test_virtual_layout.py checks it against
+RankPeak.bytes of every combination on a small model.
 """
 
 import bisect
@@ -123,12 +124,13 @@ class RankBudget:
     virtual_stages: tuple[int, ...]
     budget_bytes: int
     choice: tuple[StageChoice, ...] | None
-    """Each chunk's plan, in chunk order; None: no pair fits."""
+    """Each chunk's plan, in chunk order; None: no combination fits."""
     peak_bytes: int | None
     """The rank's planned peak under `choice`."""
-    least_bytes: int
-    """The smallest peak any pair of plans reaches on this rank."""
-    least_bytes_unnested: int
+    least_bytes: int | None
+    """The smallest peak any combination of its chunks' plans reaches on this rank; None: not asked for
+    (plan_ranks' `floors`)."""
+    least_bytes_unnested: int | None
     """The smallest without nested segments."""
 
     def line(self) -> str:
@@ -148,7 +150,7 @@ def _counted(choices: Sequence[str]) -> str:
 
 
 class RankPeak:
-    """A rank's planned peak under any pair of its chunks' choices."""
+    """A rank's planned peak under any combination of its chunks' choices."""
 
     def __init__(self, walk: RankWalk, sides: Sequence[ChunkSide], run: RunShape):
         self.walk, self.sides = walk, sides
@@ -162,22 +164,31 @@ class RankPeak:
             run.topology.data_parallel_size,
         )
 
-    def bytes(self, choices: Sequence[StageChoice], early: Sequence[bool] = (False, False)) -> int:
-        """`early[c]`: chunk c recomputes early where its choice can (ChunkSide.early_work)."""
+    def bytes(self, choices: Sequence[StageChoice], early: Sequence[bool] | None = None) -> int:
+        """`early[c]`: chunk c recomputes early where its choice can (ChunkSide.early_work); None: none does."""
+        early = early or [False] * len(self.sides)
         activations = self.walk.peak_bytes([side.kept(c) for side, c in zip(self.sides, choices)])
         work = max(side.work(c, e) for side, c, e in zip(self.sides, choices, early))
         return self.fixed + max(activations + work, self.optimizer)
 
-    def pair_peaks(self, first: Candidates, second: Candidates) -> np.ndarray:
-        """`bytes` of every pair of the chunks' candidates: [i, j] for `first.choices[i]` and `second.choices[j]`,
-        with the working sets they were chosen by. The walk's peak is the largest of its linear moments
-        (RankWalk.rows), each a matrix here."""
-        activations = np.zeros((len(first.choices), len(second.choices)), dtype=np.int64)
-        for (n_first, n_second), held in self.walk.rows:
-            moment = n_first * first.kept[:, None] + n_second * second.kept[None, :] + held
+    def grid_peaks(self, candidates: Sequence[Candidates]) -> np.ndarray:
+        """`bytes` of every combination of the chunks' candidates (`candidates[c]`: chunk c's), one axis per chunk:
+        [i, j, ...] for the first's choices[i], the second's choices[j], ..., with the working sets they were chosen
+        by. The walk's peak is the largest of its linear moments (RankWalk.rows), each such an array here."""
+        kept = [_along(c.kept, axis, len(candidates)) for axis, c in enumerate(candidates)]
+        activations = np.zeros([len(c.choices) for c in candidates], dtype=np.int64)
+        for counts, held in self.walk.rows:
+            moment = sum(n * k for n, k in zip(counts, kept)) + held
             np.maximum(activations, moment, out=activations)
-        larger_work = np.maximum(first.work[:, None], second.work[None, :])
-        return self.fixed + np.maximum(activations + larger_work, self.optimizer)
+        largest_work = functools.reduce(
+            np.maximum, (_along(c.work, axis, len(candidates)) for axis, c in enumerate(candidates))
+        )
+        return self.fixed + np.maximum(activations + largest_work, self.optimizer)
+
+
+def _along(values: np.ndarray, axis: int, axes: int) -> np.ndarray:
+    """`values` as an array of `axes` axes that varies along `axis` only (for broadcasting)."""
+    return values.reshape([-1 if a == axis else 1 for a in range(axes)])
 
 
 @dataclass(frozen=True)
@@ -231,54 +242,88 @@ def _chunk_side(planner: StagePlanner, composition: _Composition, split: bool) -
     )
 
 
-def _least(peak: RankPeak, early: Sequence[bool] = (False, False), nested: bool = True) -> int:
-    """The smallest peak of any pair of the chunks' choices (nested ones where `nested`; `early`: as RankPeak.bytes)."""
-    first, second = (side.candidates(e, nested) for side, e in zip(peak.sides, early))
-    return int(peak.pair_peaks(first, second).min())
+def _least(peak: RankPeak, early: Sequence[bool], nested: bool = True) -> int:
+    """The smallest peak of any combination of the chunks' choices (nested ones where `nested`; `early`: as
+    RankPeak.bytes)."""
+    return int(peak.grid_peaks([side.candidates(e, nested) for side, e in zip(peak.sides, early)]).min())
 
 
-def choose_rank(
-    peak: RankPeak, budget: float, early: Sequence[bool] = (False, False)
-) -> tuple[StageChoice, StageChoice] | None:
-    """The cheapest pair of the rank's chunks' choices whose planned peak fits `budget` (ties: the smaller peak);
-    `early[c]`: chunk c recomputes early where its choice can."""
-    first, second = (side.candidates(e) for side, e in zip(peak.sides, early))
-    peaks = peak.pair_peaks(first, second)
-    costs = np.where(peaks <= budget, np.add.outer(first.cost, second.cost), np.inf)
+def choose_rank(peak: RankPeak, budget: float, early: Sequence[bool]) -> tuple[StageChoice, ...] | None:
+    """The cheapest combination of the rank's chunks' choices (one each) whose planned peak fits `budget` (ties: the
+    smaller peak); `early[c]`: chunk c recomputes early where its choice can. Two shortcuts keep it exact: each
+    chunk's cheapest choice, where it is the only one that cheap and together they fit, is the answer; and a choice
+    that cannot fit whatever the other chunks choose (`_may_fit`) is no candidate."""
+    candidates = [side.candidates(e) for side, e in zip(peak.sides, early)]
+    cheapest = [np.flatnonzero(c.cost == c.cost.min()) for c in candidates]
+    if all(len(at) == 1 for at in cheapest):
+        choice = tuple(c.choices[at[0]] for c, at in zip(candidates, cheapest))
+        if peak.bytes(choice, early) <= budget:
+            return choice
+    candidates = _may_fit(peak, candidates, budget)
+    if any(not c.choices for c in candidates):
+        return None
+    peaks = peak.grid_peaks(candidates)
+    summed = sum(_along(c.cost, axis, len(candidates)) for axis, c in enumerate(candidates))
+    costs = np.where(peaks <= budget, summed, np.inf)
     least = costs.min()
     if least == np.inf:
         return None
-    i, j = np.unravel_index(np.where(costs == least, peaks, np.iinfo(np.int64).max).argmin(), peaks.shape)
-    return first.choices[i], second.choices[j]
+    at = np.unravel_index(np.where(costs == least, peaks, np.iinfo(np.int64).max).argmin(), peaks.shape)
+    return tuple(c.choices[i] for c, i in zip(candidates, at))
+
+
+def _may_fit(peak: RankPeak, candidates: Sequence[Candidates], budget: float) -> list[Candidates]:
+    """Each chunk's candidates less those whose peak exceeds `budget` even with every other chunk at its least kept
+    bytes and working set (a lower bound of any combination holding them: the walk's moments count micro-batches
+    in flight, never negative)."""
+    least_kept = [int(c.kept.min()) for c in candidates]
+    least_work = [int(c.work.min()) for c in candidates]
+    kept_out = []
+    for i, c in enumerate(candidates):
+        others_work = max([w for j, w in enumerate(least_work) if j != i], default=0)
+        activations = np.zeros(len(c.choices), dtype=np.int64)
+        for counts, held in peak.walk.rows:
+            others = sum(n * k for j, (n, k) in enumerate(zip(counts, least_kept)) if j != i)
+            np.maximum(activations, counts[i] * c.kept + others + held, out=activations)
+        bound = peak.fixed + np.maximum(activations + np.maximum(c.work, others_work), peak.optimizer)
+        kept_out.append(_subset(c, np.flatnonzero(bound <= budget)))
+    return kept_out
+
+
+def _subset(candidates: Candidates, at: np.ndarray) -> Candidates:
+    return Candidates(
+        tuple(candidates.choices[i] for i in at), candidates.kept[at], candidates.work[at], candidates.cost[at]
+    )
 
 
 def plan_ranks(
-    planner: StagePlanner, stages: Sequence[StageRange], schedule: str, slots: Slots = UNIT_SLOTS
+    planner: StagePlanner,
+    stages: Sequence[StageRange],
+    schedule: str,
+    chunks: int,
+    slots: Slots = UNIT_SLOTS,
+    floors: bool = True,
 ) -> tuple[list[StagePlan], list[RankBudget]]:
-    """Each virtual stage's plan (none where its rank fits no pair) and each rank's RankBudget, `stages` being the
-    virtual stages in pipeline order, 2 per rank, planned by `planner` (auto, for the virtual stages' run), the
-    programmes laid out in `slots`. Under recompute.early=true every chunk that recomputes does it early (but the last
-    virtual stage's, nested and compressed ones); under null (auto's default) a rank's chunks do where that fits at no
-    more recompute than without (early recompute never lengthens the simulated step: it only moves the recompute
-    ahead of the wait for the gradient); under false none does."""
+    """Each virtual stage's plan (none where its rank fits no combination) and each rank's RankBudget, `stages` being
+    the virtual stages in pipeline order, `chunks` per rank, planned by `planner` (auto, for the virtual stages' run),
+    the programmes laid out in `slots`. Under recompute.early=true every chunk that recomputes does it early (but the
+    last virtual stage's, nested and compressed ones); under null (auto's default) a rank's chunks do where that fits
+    at no more recompute than without (early recompute never lengthens the simulated step: it only moves the recompute
+    ahead of the wait for the gradient); under false none does. `floors`: each RankBudget's smallest peaks too (a
+    search that only asks whether a rank fits leaves them out: each prices every combination of the candidates)."""
     pricing = planner.pricing
     run = pricing.run
-    walks = rank_walks(pricing.recipes, stages, schedule, 2, run.micro_batches, pricing.shape, run.target, slots)
+    walks = rank_walks(pricing.recipes, stages, schedule, chunks, run.micro_batches, pricing.shape, run.target, slots)
     plans = [StagePlan()] * len(stages)
     budgets = []
     for rank, walk in enumerate(walks):
-        sides = [chunk_side(planner, stages[v], walk.split) for v in walk.virtual_stages]
+        compositions = tuple(_Composition.of(pricing.recipes, stages[v]) for v in walk.virtual_stages)
+        sides = [_chunk_side(planner, composition, walk.split) for composition in compositions]
         peak = RankPeak(walk, sides, run)
-        wanted = planner.recompute.early
-        early = tuple(wanted is not False and v < len(stages) - 1 for v in walk.virtual_stages)
-        floor_early = early if wanted is True else (False, False)  # the floor of the setting that must hold
-        choice = choose_rank(peak, planner.usable) if wanted is not True else None
-        if any(early):
-            early_choice = choose_rank(peak, planner.usable, early)
-            if early_choice is not None and (choice is None or _cost(early_choice) <= _cost(choice)):
-                choice = early_choice
-            else:
-                early = (False, False)
+        early = tuple(planner.recompute.early is not False and v < len(stages) - 1 for v in walk.virtual_stages)
+        late = (False,) * chunks
+        floor_early = early if planner.recompute.early is True else late  # the floor of the setting that must hold
+        choice, early = _rank_choice(_RankKey(planner, compositions, walk.split, walk.rows, early, peak))
         budgets.append(
             RankBudget(
                 rank,
@@ -286,8 +331,8 @@ def plan_ranks(
                 int(planner.usable),
                 choice,
                 None if choice is None else peak.bytes(choice, early=early),
-                _least(peak, floor_early),
-                _least(peak, floor_early, nested=False),
+                _least(peak, floor_early) if floors else None,
+                _least(peak, floor_early, nested=False) if floors else None,
             )
         )
         for v, side, c, e in zip(walk.virtual_stages, sides, choice or (), early):
@@ -295,5 +340,32 @@ def plan_ranks(
     return plans, budgets
 
 
-def _cost(choice: tuple[StageChoice, StageChoice]) -> float:
+@dataclass(frozen=True)
+class _RankKey:
+    """What a rank's choice depends on: its chunks' compositions under the schedule's backward, its walk's moments and
+    which chunks may recompute early (a search of the chunk boundaries meets the same rank again and again)."""
+
+    planner: StagePlanner
+    compositions: tuple[_Composition, ...]
+    split: bool
+    rows: tuple[tuple[tuple[int, ...], int], ...]
+    early: tuple[bool, ...]
+    peak: RankPeak = field(compare=False)
+    """The rank's peak for this key (any rank of the key: all price alike)."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_choice(key: _RankKey) -> tuple[tuple[StageChoice, ...] | None, tuple[bool, ...]]:
+    """The rank's choice and which of its chunks recompute early (plan_ranks' rules)."""
+    peak, planner, early = key.peak, key.planner, key.early
+    late = (False,) * len(early)
+    choice = choose_rank(peak, planner.usable, late) if planner.recompute.early is not True else None
+    if any(early):
+        early_choice = choose_rank(peak, planner.usable, early)
+        if early_choice is not None and (choice is None or _cost(early_choice) <= _cost(choice)):
+            return early_choice, early
+    return choice, late
+
+
+def _cost(choice: tuple[StageChoice, ...]) -> float:
     return sum(c.cost for c in choice)

@@ -1,5 +1,6 @@
 """The schedules with virtual stages priced for a run, as the dry run prints them beside today's: the model split into
-2 chunks per rank, each chunk planned under the run's fixed recompute mode by the stage planner and priced by
+v chunks per rank (a V's 2; interleaved 1F1B's parallel.chunks, or each count virtual_support.chunk_choices allows),
+each chunk planned under the run's fixed recompute mode by the stage planner and priced by
 `price_stage` (its seconds per instruction), every rank's programme replayed by parallel/planning/virtual_sim.py
 and walked for its activation bytes (parallel/planning/virtual_memory.py). The chunk boundaries are chosen per
 schedule: the even split of the blocks, then single-block moves while the simulated step gets shorter.
@@ -26,11 +27,11 @@ from parallel.planning.stage_planner import StagePlanner
 from parallel.planning.stage_price import StagePrice, StagePricing, price_stage
 from parallel.planning.virtual_auto import plan_ranks
 from parallel.planning.virtual_memory import one_chunk_peaks, virtual_peaks
-from parallel.planning.virtual_program import VIRTUAL_SCHEDULES, Slots, VirtualProgram, placement_of
+from parallel.planning.virtual_program import V_CHUNKS, VIRTUAL_SCHEDULES, Slots, VirtualProgram, placement_of
 from parallel.planning.virtual_schedules import virtual_schedule
 from parallel.planning.virtual_sim import simulate_virtual
 from parallel.planning.virtual_slots import stage_slots
-from parallel.planning.virtual_support import CHUNKS
+from parallel.planning.virtual_support import chunk_choices
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class VirtualOption:
     """One schedule with virtual stages, priced."""
 
     schedule: str
+    chunks: int
+    """Model chunks per rank."""
     step_time_s: float
     activation_bytes: tuple[int, ...]
     """Each rank's activation peak (its chunks' kept bytes, deferred W's and received messages at once)."""
@@ -53,12 +56,32 @@ def virtual_options(
     layout: PipelineLayout,
     run: RunShape,
     schedules: Sequence[str] = VIRTUAL_SCHEDULES,
+    chunks: int | None = None,
 ) -> list[VirtualOption]:
-    """Every schedule of `schedules` that takes the run's micro-batches, on `layout`'s ranks x 2 chunks, priced with
-    `layout`'s time model, each on its own chunk boundaries (`_chunk_counts`: a search that prices, and under auto
-    plans, each boundary it tries, so a caller names only the schedules it reads)."""
+    """Every schedule of `schedules` that takes the run's micro-batches, with each count of chunks per rank it may
+    run with (`chunks`: parallel.chunks; virtual_support.chunk_choices), priced with `layout`'s time model, each on
+    its own chunk boundaries (`_chunk_counts`: a search that prices, and under auto plans, each boundary it tries, so
+    a caller names only the schedules it reads); in VIRTUAL_SCHEDULES' order, fewest chunks first."""
     ranks = run.topology.pipeline_stages
-    virtual_run = replace(run, topology=Topology(CHUNKS * ranks, run.topology.data_parallel_size))
+    counts = {s: chunk_choices(s, chunks, model.n_layer, ranks) for s in schedules}
+    out = []
+    for count in sorted({c for choices in counts.values() for c in choices if c * ranks <= model.n_layer}):
+        wanted = [s for s in schedules if count in counts[s]]
+        out += _options(model, recompute, layout, run, wanted, count)
+    return sorted(out, key=lambda o: (VIRTUAL_SCHEDULES.index(o.schedule), o.chunks))
+
+
+def _options(
+    model: GPTConfig,
+    recompute: RecomputeConfig,
+    layout: PipelineLayout,
+    run: RunShape,
+    schedules: Sequence[str],
+    chunks: int,
+) -> list[VirtualOption]:
+    """virtual_options' for `chunks` per rank."""
+    ranks = run.topology.pipeline_stages
+    virtual_run = replace(run, topology=Topology(chunks * ranks, run.topology.data_parallel_size))
     shape = Shape.of(model, run.micro_batch_size)
     # the run's own prices (measured, curves or analytic: layout.timing.table), as the layout's stages were planned
     planner = StagePlanner(
@@ -73,7 +96,7 @@ def virtual_options(
 
     # the slots of any split of the model (parallel/planning/virtual_slots.py): the even one's
     slots = stage_slots(
-        planner.pricing, stages_of_block_counts(layout.recipes, even_counts(model.n_layer, CHUNKS * ranks))
+        planner.pricing, stages_of_block_counts(layout.recipes, even_counts(model.n_layer, chunks * ranks))
     )
     auto = isinstance(recompute, AutoRecompute)
     programs: dict[tuple[str, frozenset[int]], list[VirtualProgram]] = {}
@@ -88,7 +111,7 @@ def virtual_options(
         """The ranks' programmes with each chunk recomputed early where its plan says so."""
         key = (schedule, early_stages(plans_of(prices)))
         if key not in programs:
-            programs[key] = virtual_schedule(schedule, run.micro_batches, ranks, CHUNKS, slots, key[1])
+            programs[key] = virtual_schedule(schedule, run.micro_batches, ranks, chunks, slots, key[1])
         return programs[key]
 
     out = []
@@ -97,28 +120,28 @@ def virtual_options(
             programs_of(schedule, ())
         except ValueError:  # interleaved-1f1b's rounds: micro-batches not a multiple of the ranks
             continue
-        placement = placement_of(schedule, ranks, CHUNKS)
-        mine = [[placement.virtual_stage(rank, chunk) for chunk in range(CHUNKS)] for rank in range(ranks)]
+        placement = placement_of(schedule, ranks, chunks)
+        mine = [[placement.virtual_stage(rank, chunk) for chunk in range(chunks)] for rank in range(ranks)]
 
         def prices_of(counts: list[int], schedule: str = schedule) -> list[StagePrice] | None:
             """Each chunk priced under its plan: the mode's, or auto's per rank (None: some rank fits none)."""
             stages = stages_of_block_counts(layout.recipes, counts)
             if not auto:
                 return [price(stage) for stage in stages]
-            plans, budgets = plan_ranks(planner, stages, schedule, slots)
+            plans, budgets = plan_ranks(planner, stages, schedule, chunks, slots, floors=False)
             if any(b.choice is None for b in budgets):
                 return None
             return [price_stage(planner.pricing, stage, plan) for stage, plan in zip(stages, plans)]
 
         step_s = partial(_step_s, partial(programs_of, schedule), mine, prices_of, run.grad_clip > 0)
-        counts = _chunk_counts(model.n_layer, CHUNKS * ranks, step_s)
+        counts = _chunk_counts(model.n_layer, chunks * ranks, step_s)
         stages = stages_of_block_counts(layout.recipes, counts)
         prices = prices_of(counts)
         if prices is None:  # auto: not even the chosen boundaries fit the budget
             continue
         peaks = rank_peaks(layout.recipes, stages, plans_of(prices), prices, schedule, mine, run, shape, slots)
         states = tuple(sum(sum(prices[v].memory.states.values()) for v in stages) for stages in mine)
-        out.append(VirtualOption(schedule, step_s(counts), peaks, states, tuple(counts)))
+        out.append(VirtualOption(schedule, chunks, step_s(counts), peaks, states, tuple(counts)))
     return out
 
 
@@ -178,26 +201,30 @@ def even_counts(blocks: int, chunks: int) -> list[int]:
     return [blocks // chunks + (c < blocks % chunks) for c in range(chunks)]
 
 
-def virtual_lines(model: GPTConfig, recompute: RecomputeConfig, layout: PipelineLayout, run: RunShape) -> list[str]:
-    """The dry run's lines: each virtual-stage schedule's simulated step and largest rank, against 1F1B's
-    activation peak on the layout's own stages under the same mode."""
+def virtual_lines(
+    model: GPTConfig, recompute: RecomputeConfig, layout: PipelineLayout, run: RunShape, chunks: int | None = None
+) -> list[str]:
+    """The dry run's lines: each virtual-stage schedule's simulated step and largest rank with each count of chunks
+    per rank it may run with (`chunks`: parallel.chunks), against 1F1B's activation peak on the layout's own stages
+    under the same mode."""
     if layout.timing is None:
         return []
-    if model.n_layer < CHUNKS * run.topology.pipeline_stages:
-        return ["virtual stages (2 chunks per rank): fewer blocks than chunks"]
+    if model.n_layer < V_CHUNKS * run.topology.pipeline_stages:
+        return [f"virtual stages ({V_CHUNKS} chunks per rank): fewer blocks than chunks"]
     if isinstance(recompute, GivenRecompute):
         return ["virtual stages: not priced, +recompute=plan's file plans one stage per rank"]
     shape = Shape.of(model, run.micro_batch_size)
     peaks = one_chunk_peaks(layout.recipes, layout.stages, layout.plans, "1f1b", run.micro_batches, shape, run.target)
     one_f_one_b = max(peak.bytes for peak in peaks)
     lines = [
-        "virtual stages (2 chunks per rank; parallel.schedule=<schedule> trains one):",
-        f"{'schedule':>16} {'step (s)':>9} {'activations GiB':>15} {'x 1f1b':>7} {'states GiB':>10}  blocks per chunk",
+        "virtual stages (parallel.schedule=<schedule> parallel.chunks=<chunks> trains one):",
+        f"{'schedule':>16} {'chunks':>6} {'step (s)':>9} {'activations GiB':>15} {'x 1f1b':>7} {'states GiB':>10}  "
+        "blocks per chunk",
     ]
-    for option in virtual_options(model, recompute, layout, run):
+    for option in virtual_options(model, recompute, layout, run, chunks=chunks):
         largest = max(option.activation_bytes)
         lines.append(
-            f"{option.schedule:>16} {option.step_time_s:>9.4g} {largest / GIB:>15.3f} "
+            f"{option.schedule:>16} {option.chunks:>6} {option.step_time_s:>9.4g} {largest / GIB:>15.3f} "
             f"{largest / max(one_f_one_b, 1):>7.2f} {max(option.state_bytes) / GIB:>10.3f}  "
             + "/".join(map(str, option.blocks))
         )

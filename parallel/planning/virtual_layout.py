@@ -1,16 +1,19 @@
 """The layout and plan of a run under a schedule with virtual stages (parallel.schedule=interleaved-1f1b, zb-v,
-v-half): the model split into ranks x 2 virtual stages, each planned under the run's recompute mode as a stage is
-(under `auto`, each rank's two chunks together against the rank's budget: parallel/planning/virtual_auto.py), and the
+v-half): the model split into ranks x v virtual stages (v chunks per rank: a V's 2, interleaved 1F1B's parallel.chunks
+or the planner's choice), each planned under the run's recompute mode as a stage is (under `auto`, each rank's chunks
+together against the rank's budget: parallel/planning/virtual_auto.py), and the
 rank-level figures the layout's per-stage ones cannot give (each rank's activation peak over its chunks, its
 states, the schedule's simulated step). Pure: start-up, the dry run and the trainer read it.
 
-The chunk boundaries: a resume's (its checkpoint's), else under `balanced` the ones the dry run prices the schedule
-with (parallel/planning/virtual_choice.py: the even split, then single-block moves while the simulated step of the
-schedule shortens), else DeepSpeed's method over the virtual stages."""
+The chunk boundaries, and with them the chunks per rank: a resume's (its checkpoint's), else under `balanced` the ones
+the dry run prices the schedule with (parallel/planning/virtual_choice.py: the even split, then single-block moves while
+the simulated step of the schedule shortens; of each count of chunks the planner may choose, the fastest), else
+DeepSpeed's method over the virtual stages (the count: the fastest as `balanced` prices it)."""
 
+from collections.abc import Sequence
 from dataclasses import replace
 
-from model import GPTConfig
+from model import GPTConfig, LayerRecipe
 from parallel.planning.block_prices import BlockPrices
 from parallel.planning.budget_refusal import BudgetTooSmall
 from parallel.planning.config import AutoRecompute, NoRecompute, RecomputeConfig
@@ -24,16 +27,16 @@ from parallel.planning.stage_plan import early_stages
 from parallel.planning.stage_planner import StagePlanner
 from parallel.planning.stage_price import StagePricing, price_stage
 from parallel.planning.virtual_auto import plan_ranks
-from parallel.planning.virtual_choice import even_counts, rank_peaks, virtual_options
+from parallel.planning.virtual_choice import VirtualOption, even_counts, rank_peaks, virtual_options
 from parallel.planning.virtual_plan import VirtualPlan
-from parallel.planning.virtual_program import VIRTUAL_SCHEDULES, placement_of
+from parallel.planning.virtual_program import V_CHUNKS, VIRTUAL_SCHEDULES, placement_of
 from parallel.planning.virtual_schedules import virtual_schedule
 from parallel.planning.virtual_sim import simulate_virtual
 from parallel.planning.virtual_slots import stage_slots
-from parallel.planning.virtual_support import CHUNKS, virtual_run_refusal
+from parallel.planning.virtual_support import chunk_choices, virtual_run_refusal
 
 
-def virtual_shape(run: RunShape, chunks: int = CHUNKS) -> RunShape:
+def virtual_shape(run: RunShape, chunks: int = V_CHUNKS) -> RunShape:
     """The run as `chunks` x its pipeline ranks stages: what each virtual stage is planned for."""
     topology = run.topology
     return replace(run, topology=Topology(chunks * topology.pipeline_stages, topology.data_parallel_size))
@@ -49,29 +52,68 @@ def virtual_layout(
     costs: BlockPrices | None,
     rates: DeviceRates | None,
     held_parts: list[int] | None,
+    chunks: int | None = None,
 ) -> PipelineLayout:
-    """The run's virtual stages (ranks x 2, in pipeline order) with one plan each under `recompute`; `auto` plans each
-    rank's chunks together against the rank's budget (parallel/planning/virtual_auto.py) and raises BudgetTooSmall
-    naming the ranks that fit no plan."""
+    """The run's virtual stages (ranks x v, in pipeline order) with one plan each under `recompute`, v being
+    `chunks` (parallel.chunks), else `held_parts`' (a resume's), else the fastest count virtual_options prices; `auto`
+    plans each rank's chunks together against the rank's budget (parallel/planning/virtual_auto.py) and raises
+    BudgetTooSmall naming the ranks that fit no plan."""
     auto = isinstance(recompute, AutoRecompute)
     fixed = NoRecompute() if auto else recompute  # auto's chunks are planned per rank below, not per stage
-    if held_parts is None and partition_method == "balanced" and model.n_layer >= CHUNKS * run.topology.pipeline_stages:
-        one_chunk = build_layout(model, fixed, run, "balanced", seed, costs, rates)
-        options = virtual_options(model, recompute, one_chunk, run, (schedule,))
-        # none under auto where no boundaries fit the budget: the even split is planned, and refused, below
-        counts = (
-            list(options[0].blocks) if options else even_counts(model.n_layer, CHUNKS * run.topology.pipeline_stages)
+    ranks = run.topology.pipeline_stages
+    if held_parts is not None:
+        chunks = (len(held_parts) - 1) // ranks
+    else:
+        chunks, held_parts = _chunks_and_parts(
+            model, recompute, run, partition_method, seed, schedule, costs, rates, chunks
         )
-        held_parts = [s.start for s in stages_of_block_counts(one_chunk.recipes, counts)]
-        held_parts.append(len(one_chunk.recipes))
     method = "uniform" if partition_method == "balanced" else partition_method  # too few blocks for every chunk
-    layout = build_layout(model, fixed, virtual_shape(run), method, seed, costs, rates, held_parts=held_parts)
+    virtual_run = virtual_shape(run, chunks)
+    layout = build_layout(model, fixed, virtual_run, method, seed, costs, rates, held_parts=held_parts)
     pricing = None
     if layout.timing is not None:
         shape = Shape.of(model, run.micro_batch_size)
-        pricing = StagePricing.of(layout.recipes, virtual_shape(run), shape, layout.timing)
-    layout = replace(layout, virtual_schedule=schedule, virtual_slots=stage_slots(pricing, layout.stages))
+        pricing = StagePricing.of(layout.recipes, virtual_run, shape, layout.timing)
+    layout = replace(
+        layout, virtual_schedule=schedule, virtual_chunks=chunks, virtual_slots=stage_slots(pricing, layout.stages)
+    )
     return _planned_per_rank(recompute, layout, pricing, schedule) if auto else layout
+
+
+def _chunks_and_parts(
+    model: GPTConfig,
+    recompute: RecomputeConfig,
+    run: RunShape,
+    partition_method: str,
+    seed: int,
+    schedule: str,
+    costs: BlockPrices | None,
+    rates: DeviceRates | None,
+    chunks: int | None,
+) -> tuple[int, list[int] | None]:
+    """The chunks per rank (`chunks`, else of the counts the planner may choose the one virtual_options prices
+    fastest) and, under `balanced`, the chunk boundaries (that option's; the even split where none is priced: auto
+    fitting no boundaries is refused on it); None: `partition_method` splits the virtual stages."""
+    ranks = run.topology.pipeline_stages
+    choices = chunk_choices(schedule, chunks, model.n_layer, ranks)
+    balanced = partition_method == "balanced"
+    if model.n_layer < choices[0] * ranks or not (balanced or len(choices) > 1):
+        return choices[0], None
+    fixed = NoRecompute() if isinstance(recompute, AutoRecompute) else recompute
+    one_chunk = build_layout(model, fixed, run, "balanced", seed, costs, rates)
+    options = virtual_options(model, recompute, one_chunk, run, (schedule,), chunks)
+    fastest = min(options, key=lambda o: o.step_time_s, default=None)
+    chosen = fastest.chunks if fastest is not None else choices[0]
+    if not balanced:
+        return chosen, None
+    counts = fastest.blocks if fastest is not None else even_counts(model.n_layer, chosen * ranks)
+    return chosen, parts_of(one_chunk.recipes, counts)
+
+
+def parts_of(recipes: Sequence[LayerRecipe], blocks: Sequence[int]) -> list[int]:
+    """The layer boundaries of virtual stages holding `blocks` blocks each, in pipeline order (each one's first layer,
+    then one past the last)."""
+    return [s.start for s in stages_of_block_counts(recipes, list(blocks))] + [len(recipes)]
 
 
 def _planned_per_rank(
@@ -79,7 +121,7 @@ def _planned_per_rank(
 ) -> PipelineLayout:
     """`layout`'s virtual stages with auto's plans per rank, its 1F1B schedule options priced for them."""
     planner = StagePlanner(pricing, auto, layout.timing.table)
-    plans, budgets = plan_ranks(planner, layout.stages, schedule, layout.virtual_slots)
+    plans, budgets = plan_ranks(planner, layout.stages, schedule, layout.virtual_chunks, layout.virtual_slots)
     if any(b.choice is None for b in budgets):
         raise BudgetTooSmall(auto, budgets, [], where="rank")
     # The 1F1B pricing of the virtual stages that plan.json's per-stage entries read, under no budget (the rank's is
@@ -91,10 +133,16 @@ def _planned_per_rank(
 
 
 def faster_virtual_schedule(
-    model: GPTConfig, recompute: RecomputeConfig, one_chunk: PipelineLayout, run: RunShape, zero_stage: int
-) -> str | None:
+    model: GPTConfig,
+    recompute: RecomputeConfig,
+    one_chunk: PipelineLayout,
+    run: RunShape,
+    zero_stage: int,
+    chunks: int | None = None,
+) -> VirtualOption | None:
     """parallel.schedule=auto's choice beyond `one_chunk`'s (the fastest of 1f1b and zb-h1 on one stage per rank):
-    the schedule with virtual stages whose simulated step (on its own chunk boundaries, as the dry run prices it) is
+    the schedule with virtual stages, its chunks per rank (`chunks`: parallel.chunks, else each count the planner may
+    choose) and its chunk boundaries, whose simulated step (on its own chunk boundaries, as the dry run prices it) is
     the shortest and shorter than `one_chunk`'s, among those the run can run (virtual_support.virtual_run_refusal:
     not fp16, ...), under +recompute=auto with each rank's chunks planned against the budget (early recompute where
     auto chooses it); None when none is."""
@@ -105,24 +153,22 @@ def faster_virtual_schedule(
         schedule
         for schedule in VIRTUAL_SCHEDULES
         if virtual_run_refusal(
-            schedule, recompute, run.target.precision, zero_stage, run.micro_batches, ranks, model.n_layer
+            schedule, recompute, run.target.precision, zero_stage, run.micro_batches, ranks, model.n_layer, chunks
         )
         is None
     ]
     if not runnable:
         return None
-    options = virtual_options(model, recompute, one_chunk, run, runnable)
+    options = virtual_options(model, recompute, one_chunk, run, runnable, chunks)
     early = any(p.early for p in one_chunk.plans)
     chosen = next(o for o in one_chunk.schedule_options if o.schedule == one_chunk.schedule and o.early == early)
     fastest = min(options, key=lambda o: o.step_time_s, default=None)
-    return fastest.schedule if fastest is not None and fastest.step_time_s < chosen.step_time_s else None
+    return fastest if fastest is not None and fastest.step_time_s < chosen.step_time_s else None
 
 
-def virtual_plan(
-    model: GPTConfig, layout: PipelineLayout, run: RunShape, schedule: str, chunks: int = CHUNKS
-) -> VirtualPlan:
-    """`layout`'s virtual stages (ranks x `chunks`) priced for `run` (its pipeline ranks, not its virtual stages)."""
-    ranks = run.topology.pipeline_stages
+def virtual_plan(model: GPTConfig, layout: PipelineLayout, run: RunShape, schedule: str) -> VirtualPlan:
+    """`layout`'s virtual stages (ranks x its chunks) priced for `run` (its pipeline ranks, not its virtual stages)."""
+    ranks, chunks = run.topology.pipeline_stages, layout.virtual_chunks
     shape = Shape.of(model, run.micro_batch_size)
     pricing = StagePricing.of(layout.recipes, virtual_shape(run, chunks), shape, layout.timing)
     prices = [price_stage(pricing, stage, plan, "1f1b") for stage, plan in zip(layout.stages, layout.plans)]

@@ -10,7 +10,9 @@ from parallel.planning import schedules
 VIRTUAL_SCHEDULES = ("interleaved-1f1b", "zb-v", "v-half")
 """The schedules with virtual stages."""
 V_SHAPED = ("zb-v", "v-half")
-"""Those with the V placement and 2 chunks per rank."""
+"""Those with the V placement and V_CHUNKS chunks per rank."""
+V_CHUNKS = 2
+"""A V's chunks per rank (rank r: r and 2p - 1 - r); interleaved 1F1B's fewest."""
 
 
 @dataclass(frozen=True)
@@ -24,8 +26,8 @@ class Placement:
     def __post_init__(self):
         if self.shape not in ("interleaved", "v"):
             raise ValueError(f"unknown placement {self.shape!r}: expected interleaved or v")
-        if self.shape == "v" and self.chunks != 2:
-            raise ValueError(f"a V placement has 2 chunks per rank, got {self.chunks}")
+        if self.shape == "v" and self.chunks != V_CHUNKS:
+            raise ValueError(f"a V placement has {V_CHUNKS} chunks per rank, got {self.chunks}")
         if self.ranks < 1 or self.chunks < 1:
             raise ValueError(f"ranks and chunks must be >= 1, got {self.ranks} and {self.chunks}")
 

@@ -3,11 +3,23 @@ resumes may change the schedule, each as one refusal line naming the option to c
 start-up can read it before DeepSpeed loads."""
 
 from parallel.planning.config import GivenRecompute, RecomputeConfig
-from parallel.planning.virtual_program import V_SHAPED, VIRTUAL_SCHEDULES
+from parallel.planning.virtual_program import V_CHUNKS, V_SHAPED, VIRTUAL_SCHEDULES
 from parallel.planning.virtual_schedules import virtual_schedule
 
-CHUNKS = 2
-"""Model chunks per rank that train.py runs (the V shapes hold 2; the engine interleaves more)."""
+MOST_CHUNKS = 4
+"""The most chunks per rank the planner tries for interleaved-1f1b when parallel.chunks is null: each count is one
+more search of the chunk boundaries at start-up (parallel.chunks names more)."""
+
+
+def chunk_choices(schedule: str, chunks: int | None, blocks: int, ranks: int) -> tuple[int, ...]:
+    """The chunks per rank `schedule` may run with (parallel.chunks, else: a V's 2; interleaved-1f1b's 2 to
+    MOST_CHUNKS, each chunk at least one of the `blocks`), fewest first; (2,) where the blocks allow no more; none
+    for a V and parallel.chunks other than 2."""
+    if schedule in V_SHAPED:
+        return (V_CHUNKS,) if chunks in (None, V_CHUNKS) else ()
+    if chunks is not None:
+        return (chunks,)
+    return tuple(range(V_CHUNKS, max(V_CHUNKS, min(MOST_CHUNKS, blocks // ranks)) + 1))
 
 
 def virtual_refusal(schedule: str, recompute: RecomputeConfig, precision: str, zero_stage: int) -> str | None:
@@ -31,21 +43,36 @@ def virtual_run_refusal(
     micro_batches: int,
     ranks: int,
     blocks: int,
+    chunks: int | None = None,
 ) -> str | None:
-    """train.py's refusal of a run under `schedule` (one of VIRTUAL_SCHEDULES) on `ranks` pipeline ranks, or None."""
+    """train.py's refusal of a run under `schedule` (one of VIRTUAL_SCHEDULES) on `ranks` pipeline ranks with
+    `chunks` per rank (parallel.chunks), or None."""
     refusal = virtual_refusal(schedule, recompute, precision, zero_stage)
     if refusal:
         return refusal
-    if blocks < CHUNKS * ranks:
+    choices = chunk_choices(schedule, chunks, blocks, ranks)
+    if not choices:
+        return f"parallel.chunks={chunks} with parallel.schedule={schedule}: a V holds {V_CHUNKS} chunks per rank"
+    fewest = choices[0]
+    if blocks < fewest * ranks:
+        instead = "parallel.chunks=null" if chunks is not None else "fewer pipeline stages"
         return (
-            f"parallel.schedule={schedule} splits the model into {CHUNKS} chunks per rank, {CHUNKS * ranks} in all: "
-            f"model.n_layer={blocks} is fewer blocks; use model.n_layer >= {CHUNKS * ranks} or fewer pipeline stages"
+            f"parallel.schedule={schedule} splits the model into {fewest} chunks per rank, {fewest * ranks} in all: "
+            f"model.n_layer={blocks} is fewer blocks; use model.n_layer >= {fewest * ranks} or {instead}"
         )
     try:
-        virtual_schedule(schedule, micro_batches, ranks, CHUNKS)
+        virtual_schedule(schedule, micro_batches, ranks, fewest)
     except ValueError as error:
         return f"train.micro_batches={micro_batches} with parallel.schedule={schedule}: {error}"
     return None
+
+
+def resumed_chunks(saved_schedule: str, saved_partition: list[int] | None, ranks: int) -> int | None:
+    """The chunks per rank a checkpoint trained with (its virtual stages over its ranks); None: one stage per rank,
+    or a partition not recorded."""
+    if saved_schedule not in VIRTUAL_SCHEDULES or not saved_partition:
+        return None
+    return (len(saved_partition) - 1) // ranks
 
 
 def placement_name(schedule: str) -> str:
