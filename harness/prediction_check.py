@@ -101,6 +101,11 @@ the gradients, all-reduces them over a group of one and copies them back), so it
 parameter (it ran at 2x its price in every run docs/step_time_benchmark.md read)."""
 
 
+ADDED_KINDS = {"BoundaryExchange": "exchange_s"}
+"""Traced instructions whose price is a part no replay measures (block_prices.ADDED_PARTS): learnt as seconds, each
+run's by what its ranks measured beyond the prediction (the prediction holding the seconds learnt before)."""
+
+
 def residuals_path(prices: Path) -> Path:
     return prices.with_name(prices.stem + ".residuals.json")
 
@@ -145,6 +150,23 @@ def learn_residuals(record: dict, cost_source: dict, data_parallel: int) -> Path
         if name in record["by_kind"]:
             observed[kind] = min(observed.get(kind, 0) + 1, RESIDUAL_WINDOW)
             residuals[kind] = residuals.get(kind, 1.0) * record["by_kind"][name]["ratio"] ** (1 / observed[kind])
+    for name, kind in ADDED_KINDS.items():
+        missed = _missed_seconds(record.get("per_stage", []), name)
+        if missed is not None:
+            observed[kind] = min(observed.get(kind, 0) + 1, RESIDUAL_WINDOW)
+            learnt = residuals.get(kind, 0.0)
+            residuals[kind] = learnt + (max(0.0, learnt + missed) - learnt) / observed[kind]
     path = residuals_path(prices)
     atomic_write_json(path, {"runs": runs + 1, "residuals": residuals, "observed": observed})
     return path
+
+
+def _missed_seconds(per_stage: list[dict[str, dict]], name: str) -> float | None:
+    """The mean over the ranks that traced `name` of its measured seconds less its predicted (None: none traced it;
+    its predicted seconds may be 0, where `residuals`' ratio has no meaning)."""
+    missed = [
+        entry["measured_s"] - entry["predicted_s"]
+        for stage in per_stage
+        if (entry := stage.get(name)) is not None and entry["measured_s"] is not None
+    ]
+    return statistics.fmean(missed) if missed else None

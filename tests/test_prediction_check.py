@@ -142,3 +142,25 @@ def test_reduce_grads_is_learnt_where_a_run_has_one_replica(tmp_path):
     scaled = with_residuals(PROFILE, {"reduce_grads": 2.0})
     assert scaled.reduce_grads_per_param == pytest.approx(2 * PROFILE.reduce_grads_per_param)
     assert dataclasses.replace(scaled, reduce_grads_per_param=PROFILE.reduce_grads_per_param) == PROFILE
+
+
+def test_a_boundarys_post_is_learnt_as_seconds_from_the_ranks_of_a_virtual_stage_run(tmp_path):
+    """No replay times a boundary's post (the engine's buffers, the backend's posts) before the process group exists:
+    a traced run with virtual stages teaches it as the seconds its ranks measured beyond the prediction (a prediction
+    of 0 included, where a ratio means nothing), averaged over the runs; a run without virtual stages (its plan
+    predicts no BoundaryExchange) teaches none."""
+    prices = tmp_path / "cpu-x-fp32-abc.json"
+    source = {"kind": "measured", "path": str(prices)}
+    traced = [{"BoundaryExchange": {"predicted_s": 0.0002, "measured_s": 0.0012}}, {}]
+    traced[1]["BoundaryExchange"] = {"predicted_s": 0.0, "measured_s": 0.0008}
+    learn_residuals({"by_kind": {}, "per_stage": traced}, source, 1)
+    assert read_residuals(prices)[0] == {"exchange_s": pytest.approx(0.0009)}
+    # the next run's prediction held 0.0009 s per post, and its ranks measured 0.0003 s more: the mean of 0.0009 and
+    # 0.0012
+    again = [{"BoundaryExchange": {"predicted_s": 0.0011, "measured_s": 0.0014}}]
+    learn_residuals({"by_kind": {}, "per_stage": again}, source, 1)
+    assert read_residuals(prices)[0] == {"exchange_s": pytest.approx(0.00105)}
+    untouched = [{"SendActivation": {"predicted_s": 0.0, "measured_s": 1.0}}]
+    learn_residuals({"by_kind": {}, "per_stage": untouched}, source, 1)
+    assert read_residuals(prices)[0] == {"exchange_s": pytest.approx(0.00105)}
+    assert with_residuals(PROFILE, {"exchange_s": 0.00105}).exchange == 0.00105 and PROFILE.exchange == 0.0

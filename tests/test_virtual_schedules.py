@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import statistics
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -207,6 +208,21 @@ def test_at_unit_costs_the_simulated_step_is_the_programmes_slots(schedule, chun
     busy = simulate_virtual(progs, unit).busy_s
     split = schedule != "interleaved-1f1b"
     assert busy == (chunks * micro_batches * (3 if split else 1 + UNIT_SLOTS.of(schedules.BackwardPass)),) * ranks
+
+
+@pytest.mark.parametrize("schedule, chunks", KINDS)
+def test_a_boundarys_post_costs_its_rank_once_per_batch_of_messages(schedule, chunks):
+    """StageCosts.exchange (a post's own work, learnt from traced runs): each boundary's batch adds it to the rank's
+    BoundaryExchange; the step grows by at least the posts of the rank that waits least, and no more than every
+    rank's posts together."""
+    progs = programs(schedule, chunks, 4, 2)
+    plain = simulate_virtual(progs, [[costs(1.0)] * chunks] * 2)
+    posted = simulate_virtual(progs, [[replace(costs(1.0), exchange=0.1)] * chunks] * 2)
+    batches = [sum(1 for step in p.steps if any(c.kind in schedules.COMMUNICATION for c in step)) for p in progs]
+    for rank, count in enumerate(batches):  # the mean over its batches and the step's final completion
+        grown = posted.rank_instruction_s[rank]["BoundaryExchange"] - plain.rank_instruction_s[rank]["BoundaryExchange"]
+        assert grown >= 0.1 * count / (count + 1) - 1e-9
+    assert min(batches) * 0.1 - 1e-9 <= posted.step_time_s - plain.step_time_s <= sum(batches) * 0.1 + 1e-9
 
 
 @pytest.mark.parametrize("schedule", ["zb-v", "v-half"])

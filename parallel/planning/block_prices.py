@@ -81,6 +81,10 @@ class MeasuredSeconds:
     """One micro-batch's hidden states between neighbouring stages; None where the links were not measured."""
     link_bytes_per_s: float | None
     """The data-parallel all-reduce's rate; None where the links were not measured."""
+    exchange: float = 0.0
+    """A rank's post of one boundary's batch of messages under a schedule with virtual stages, beyond the transfer:
+    the engine's own work there (the messages' buffers, the backend's posts). No replay can time it before the
+    process group exists: it is learnt from traced runs (harness/prediction_check.py, ADDED_PARTS), 0 until one ran."""
 
     def __post_init__(self):
         for field in fields(self):
@@ -283,15 +287,27 @@ ForwardPass, BackwardPass, ZB-H1's BackwardInput and BackwardWeight, OptimizerSt
 one replica)."""
 
 
+ADDED_PARTS = {"exchange_s": "exchange"}
+"""Residuals that are seconds, not factors: each sets a part no replay measures (harness/prediction_check.py learns
+them from traced runs)."""
+
+
 def with_residuals(seconds: MeasuredSeconds, residuals: dict[str, float]) -> MeasuredSeconds:
     """`seconds` with each kind's parts scaled by what earlier runs measured against their prediction (measured /
-    predicted); a weight gradient never exceeds the backward it is part of."""
-    unknown = set(residuals) - set(RESIDUAL_PARTS)
+    predicted), and ADDED_PARTS' parts set to the seconds learnt for them; a weight gradient never exceeds the
+    backward it is part of."""
+    unknown = set(residuals) - set(RESIDUAL_PARTS) - set(ADDED_PARTS)
     if unknown:
-        raise ValueError(f"no parts for residuals {sorted(unknown)}: one of {', '.join(RESIDUAL_PARTS)}")
+        raise ValueError(
+            f"no parts for residuals {sorted(unknown)}: one of {', '.join([*RESIDUAL_PARTS, *ADDED_PARTS])}"
+        )
     scaled = {
-        part: getattr(seconds, part) * factor for kind, factor in residuals.items() for part in RESIDUAL_PARTS[kind]
+        part: getattr(seconds, part) * factor
+        for kind, factor in residuals.items()
+        if kind in RESIDUAL_PARTS
+        for part in RESIDUAL_PARTS[kind]
     }
+    scaled |= {ADDED_PARTS[kind]: value for kind, value in residuals.items() if kind in ADDED_PARTS}
     values = {field.name: getattr(seconds, field.name) for field in fields(seconds)} | scaled
     values["block_weight_grad"] = min(values["block_weight_grad"], values["block_backward"])
     values["head_weight_grad"] = min(values["head_weight_grad"], values["head_backward"])

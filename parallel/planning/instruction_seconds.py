@@ -106,6 +106,8 @@ class TimeModel:
     """A LoadMicroBatch (first and last stage)."""
     reduce_grads_per_param: float
     """ReduceGrads' own work per parameter (the replicas' all-reduce is the links')."""
+    exchange: float = 0.0
+    """A rank's post of one boundary's batch of messages (virtual-stage schedules; MeasuredSeconds.exchange)."""
 
     def recompute_cost(self, plan: StagePlan, blocks_in: dict[tuple[int, int], int]) -> float:
         """The table's cost of a plan: each selective block's option, each segment's blocks, and each segment input
@@ -150,6 +152,7 @@ class TimeModel:
             load=self.load if first or last else 0.0,
             weight_grad=weight_grad,
             backward_input=backward_input,
+            exchange=self.exchange,
         )
 
 
@@ -226,6 +229,7 @@ def time_model(shape: Shape, run: RunShape, table: BlockPrices, rates: DeviceRat
         optimizer_per_param=seconds.optimizer_per_param,
         load=seconds.load,
         reduce_grads_per_param=seconds.reduce_grads_per_param,
+        exchange=seconds.exchange,
     )
 
 

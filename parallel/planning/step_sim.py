@@ -61,6 +61,9 @@ class StageCosts:
     backward_input: float | None = None
     """ZB-H1's B without the recompute: the split backward as it runs it (it keeps what W needs); None: `backward` less
     `weight_grad` (a traced run's costs, where B and W were timed apart)."""
+    exchange: float = 0.0
+    """A schedule with virtual stages: the rank's post of one boundary's batch of messages (parallel/planning/
+    virtual_sim.py), beyond the transfer."""
 
     def by_instruction(self, early: bool = False) -> dict[str, float]:
         """Seconds by instruction name (DeepSpeed's and parallel/planning/schedules.py's); `early`: the stage runs

@@ -123,6 +123,7 @@ def simulate_virtual(
                     clock[r] = max([clock[r], *ends])
                     sent_grads[r] = ()
                     if isinstance(item, tuple):
+                        clock[r] += costs[r][item[0].chunk or 0].exchange  # the rank's own work at the post
                         for c in item:
                             posted[(c.message(), c.kind in _SENDS)] = clock[r]
                         sent_grads[r] = tuple(c for c in item if c.kind is schedules.SendGrad)
