@@ -75,6 +75,7 @@ PLANNING = [
     {"parallel.planning.stage_price"},  # the one function that prices a stage: memory, seconds, FLOPs
     {"parallel.planning.virtual_slots"},  # the slots a virtual-stage programme is laid out in, from measured prices
     {"parallel.planning.stage_planner"},
+    {"parallel.planning.chunk_candidates"},  # a chunk's plans under auto per chunk, and what each keeps and works
     {
         "parallel.planning.balanced_search",
         "parallel.planning.schedule_choice",

@@ -11,13 +11,14 @@ import pytest
 
 from model import BLOCK_CLASSES, GPTConfig
 from parallel.planning.budget_refusal import BudgetTooSmall
+from parallel.planning.chunk_candidates import chunk_side
 from parallel.planning.config import AutoRecompute, NoRecompute, SelectiveRecompute
 from parallel.planning.layout import build_layout
 from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import GIB, RunShape, Shape, Target, Topology
 from parallel.planning.stage_planner import StagePlanner
 from parallel.planning.stage_price import StagePricing
-from parallel.planning.virtual_auto import RankPeak, chunk_side
+from parallel.planning.virtual_auto import RankPeak
 from parallel.planning.virtual_choice import virtual_options
 from parallel.planning.virtual_layout import (
     faster_virtual_schedule,

@@ -6,12 +6,12 @@ A rank's planned peak is its chunks' states and causal masks, then the larger of
 largest of its chunks' backward working sets on top (virtual_memory.micro_batch_bytes of the chunk's plan, the
 schedule's B under a split backward, counted whenever it runs), and what comes after every backward (the rank's
 ReduceGrads and optimizer step over all its chunks' parameters: model_states.rank_step_bytes); it must fit
-recompute.budget_gb -
-recompute.reserve_gb. That bounds the walk `virtual_plan` reports, which counts each working set only inside its own
-backward.
+recompute.budget_gb - recompute.reserve_gb. That bounds the walk `virtual_plan` reports, which counts each working
+set only inside its own backward.
 
-Per chunk the candidates are auto_recompute.stage_choices (per-block choices, full and nested segments, compressed
-stashes where allowed; not per-micro-batch recompute, which the walk does not count). Every combination of the rank's
+Per chunk the candidates are parallel/planning/chunk_candidates.py's (auto_recompute.stage_choices: per-block choices,
+full and nested segments, compressed stashes where allowed; not per-micro-batch recompute, which the walk does not
+count). Every combination of the rank's
 chunks' candidates (one per chunk) is priced at once (`grid_peaks`: the walk's few linear moments, the largest
 backward working set on top, as arrays with one axis per chunk), and the least summed cost that fits wins (cost per
 micro-batch: every chunk runs every micro-batch), ties to the smaller peak. Exact: no combination is left out,
@@ -20,99 +20,21 @@ it keeps, so no frontier of kept bytes and cost would be safe); tests/test_virtu
 RankPeak.bytes of every combination on a small model.
 """
 
-import bisect
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from model import BLOCK_CLASSES, LayerRecipe
-from parallel.planning.auto_recompute import StageChoice, stage_choices, to_stage_plan
-from parallel.planning.memory_model import is_head
-from parallel.planning.model_states import largest_parameter, rank_step_bytes
+from parallel.planning.auto_recompute import StageChoice, to_stage_plan
+from parallel.planning.chunk_candidates import Candidates, ChunkSide, Composition, side_of
+from parallel.planning.model_states import rank_step_bytes
 from parallel.planning.partition import StageRange
 from parallel.planning.shapes import RunShape, gib_text
 from parallel.planning.stage_plan import StagePlan
 from parallel.planning.stage_planner import StagePlanner
-from parallel.planning.stage_price import price_stage
-from parallel.planning.virtual_memory import RankWalk, micro_batch_bytes, rank_walks
+from parallel.planning.virtual_memory import RankWalk, rank_walks
 from parallel.planning.virtual_program import UNIT_SLOTS, Slots
-from parallel.planning.working_set import stage_working
-
-
-@dataclass(frozen=True)
-class Candidates:
-    """A chunk's choices worth pricing, and what each keeps per micro-batch, its backward's working set and its cost."""
-
-    choices: tuple[StageChoice, ...]
-    kept: np.ndarray
-    work: np.ndarray
-    cost: np.ndarray
-
-
-@dataclass(frozen=True)
-class ChunkSide:
-    """What one chunk brings to its rank's peak whatever its plan, and the plans it may run."""
-
-    positions: tuple[int, ...]
-    """Its blocks' local layer indices."""
-    fixed: int
-    """Its parameters, gradients, optimizer state and causal masks."""
-    largest: int
-    """Elements of its largest parameter (model_states.largest_parameter)."""
-    params: int
-    """Its parameters (StageMemory.params)."""
-    choices: tuple[StageChoice, ...]
-    per_micro_batch: dict[StageChoice, tuple[int, int]]
-    """Per choice: what a micro-batch keeps from its forward to its backward, and what its backward allocates on top
-    (virtual_memory.micro_batch_bytes of its plan under the schedule's backward, split into B and W or not)."""
-    early_work: dict[StageChoice, int]
-    """Per choice that can recompute early (it recomputes, all its micro-batches, no nested segment, no compressed
-    stash): its backward's working set when the recompute ran as a RecomputeEarly right before it (what the recompute
-    remade, then `none`'s working set), as virtual_memory.micro_batch_bytes counts it."""
-    frontiers: dict[tuple[bool, bool], "Candidates"] = field(default_factory=dict, compare=False, repr=False)
-    """`candidates`' answers, computed once."""
-
-    def kept(self, choice: StageChoice) -> int:
-        """What the chunk keeps per micro-batch under `choice`."""
-        return self.per_micro_batch[choice][0]
-
-    def candidates(self, early: bool, nested: bool = True) -> "Candidates":
-        """The choices (nested ones where `nested`) that no other beats: none keeps no more, works no more (`early`:
-        recomputed early) and costs no more. A rank's peak grows with a chunk's kept bytes and its working set, so a
-        beaten choice never fits where the one beating it does not, nor costs less."""
-        key = (early, nested)
-        if key not in self.frontiers:
-            priced = sorted(
-                (c.cost, self.kept(c), self.work(c, early), n, c)
-                for n, c in enumerate(self.choices)
-                if nested or not c.nested
-            )
-            # the (kept, work) staircase of the cheaper choices kept so far: kept ascending, work descending
-            stair_kept: list[int] = []
-            stair_work: list[int] = []
-            chosen = []
-            for cost, kept, work, _, c in priced:
-                i = bisect.bisect_right(stair_kept, kept)
-                if i and stair_work[i - 1] <= work:
-                    continue  # a cheaper choice keeps no more and works no more
-                chosen.append((c, kept, work, cost))
-                j = i
-                while j < len(stair_kept) and stair_work[j] >= work:
-                    j += 1  # beaten by this one from now on
-                stair_kept[i:j], stair_work[i:j] = [kept], [work]
-            columns = list(zip(*chosen))
-            self.frontiers[key] = Candidates(
-                tuple(columns[0]), *(np.array(column, dtype=np.int64) for column in columns[1:3]), np.array(columns[3])
-            )
-        return self.frontiers[key]
-
-    def work(self, choice: StageChoice, early: bool = False) -> int:
-        """Its backward's working set under `choice`; `early`: recomputed early where the choice can be."""
-        if early and choice in self.early_work:
-            return self.early_work[choice]
-        return self.per_micro_batch[choice][1]
 
 
 @dataclass(frozen=True)
@@ -191,57 +113,6 @@ def _along(values: np.ndarray, axis: int, axes: int) -> np.ndarray:
     return values.reshape([-1 if a == axis else 1 for a in range(axes)])
 
 
-@dataclass(frozen=True)
-class _Composition:
-    """What a chunk's memory depends on: its layers' kinds, in order, and whether it ends the pipeline (its loss)."""
-
-    layers: tuple[tuple[type, bool], ...]
-    """Per layer: its module class, and whether it runs as the LM head."""
-    last: bool
-    stage: StageRange = field(compare=False)
-    """A chunk of this composition: the one priced, for all of them."""
-
-    @classmethod
-    def of(cls, recipes: Sequence[LayerRecipe], stage: StageRange) -> "_Composition":
-        kinds = tuple((recipes[flat].module_class, is_head(recipes[flat])) for flat in stage.layers)
-        return cls(kinds, stage.stop == len(recipes), stage)
-
-
-def chunk_side(planner: StagePlanner, stage: StageRange, split: bool) -> ChunkSide:
-    """`split`: the schedule splits the backward into B and W (RankWalk.split). Chunks of one composition share one
-    ChunkSide: the chunk boundaries' search (virtual_choice.py) plans chunks of the same few kinds again and again."""
-    return _chunk_side(planner, _Composition.of(planner.pricing.recipes, stage), split)
-
-
-@functools.lru_cache(maxsize=512)
-def _chunk_side(planner: StagePlanner, composition: _Composition, split: bool) -> ChunkSide:
-    recipes, pricing, stage = planner.pricing.recipes, planner.pricing, composition.stage
-    positions = tuple(local for local, flat in enumerate(stage.layers) if recipes[flat].module_class in BLOCK_CLASSES)
-    memory = price_stage(pricing, stage, StagePlan()).memory
-    working = stage_working(memory.plain_layers, pricing.shape, pricing.run.target)
-    choices = tuple(stage_choices(len(positions), planner.table, working.blocks_end_stage))
-
-    def per_micro_batch(choice: StageChoice, early: bool = False) -> tuple[int, int]:
-        plan = to_stage_plan(choice, positions, planner.table)
-        kept, work = micro_batch_bytes(recipes, stage, plan, pricing.shape, pricing.run.target, 1, split, early)
-        return kept[0], work[0]
-
-    early_work = {
-        c: per_micro_batch(c, early=True)[1]
-        for c in choices
-        if set(c.choices) - {"none"} and c.micro_batches is None and not c.nested and c.compress == "none"
-    }
-    return ChunkSide(
-        positions,
-        sum(memory.states.values()) + memory.causal_masks,
-        largest_parameter(recipes, stage.layers, pricing.shape),
-        memory.params,
-        choices,
-        {c: per_micro_batch(c) for c in choices},
-        early_work,
-    )
-
-
 def _least(peak: RankPeak, early: Sequence[bool], nested: bool = True) -> int:
     """The smallest peak of any combination of the chunks' choices (nested ones where `nested`; `early`: as
     RankPeak.bytes)."""
@@ -286,14 +157,8 @@ def _may_fit(peak: RankPeak, candidates: Sequence[Candidates], budget: float) ->
             others = sum(n * k for j, (n, k) in enumerate(zip(counts, least_kept)) if j != i)
             np.maximum(activations, counts[i] * c.kept + others + held, out=activations)
         bound = peak.fixed + np.maximum(activations + np.maximum(c.work, others_work), peak.optimizer)
-        kept_out.append(_subset(c, np.flatnonzero(bound <= budget)))
+        kept_out.append(c.subset(np.flatnonzero(bound <= budget)))
     return kept_out
-
-
-def _subset(candidates: Candidates, at: np.ndarray) -> Candidates:
-    return Candidates(
-        tuple(candidates.choices[i] for i in at), candidates.kept[at], candidates.work[at], candidates.cost[at]
-    )
 
 
 def plan_ranks(
@@ -317,8 +182,8 @@ def plan_ranks(
     plans = [StagePlan()] * len(stages)
     budgets = []
     for rank, walk in enumerate(walks):
-        compositions = tuple(_Composition.of(pricing.recipes, stages[v]) for v in walk.virtual_stages)
-        sides = [_chunk_side(planner, composition, walk.split) for composition in compositions]
+        compositions = tuple(Composition.of(pricing.recipes, stages[v]) for v in walk.virtual_stages)
+        sides = [side_of(planner, composition, walk.split) for composition in compositions]
         peak = RankPeak(walk, sides, run)
         early = tuple(planner.recompute.early is not False and v < len(stages) - 1 for v in walk.virtual_stages)
         late = (False,) * chunks
@@ -346,7 +211,7 @@ class _RankKey:
     which chunks may recompute early (a search of the chunk boundaries meets the same rank again and again)."""
 
     planner: StagePlanner
-    compositions: tuple[_Composition, ...]
+    compositions: tuple[Composition, ...]
     split: bool
     rows: tuple[tuple[tuple[int, ...], int], ...]
     early: tuple[bool, ...]
