@@ -10,8 +10,9 @@ the dry run prices the schedule with (parallel/planning/virtual_choice.py: the e
 the simulated step of the schedule shortens; of each count of chunks the planner may choose, the fastest), else
 DeepSpeed's method over the virtual stages (the count: the fastest as `balanced` prices it)."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 
 from model import GPTConfig, LayerRecipe
 from parallel.planning.block_prices import BlockPrices
@@ -64,9 +65,8 @@ def virtual_layout(
     if held_parts is not None:
         chunks = (len(held_parts) - 1) // ranks
     else:
-        chunks, held_parts = _chunks_and_parts(
-            model, recompute, run, partition_method, seed, schedule, costs, rates, chunks
-        )
+        one_chunk = partial(build_layout, model, fixed, run, "balanced", seed, costs, rates)
+        chunks, held_parts = _chunks_and_parts(model, recompute, run, partition_method, schedule, chunks, one_chunk)
     method = "uniform" if partition_method == "balanced" else partition_method  # too few blocks for every chunk
     virtual_run = virtual_shape(run, chunks)
     layout = build_layout(model, fixed, virtual_run, method, seed, costs, rates, held_parts=held_parts)
@@ -85,29 +85,27 @@ def _chunks_and_parts(
     recompute: RecomputeConfig,
     run: RunShape,
     partition_method: str,
-    seed: int,
     schedule: str,
-    costs: BlockPrices | None,
-    rates: DeviceRates | None,
     chunks: int | None,
+    one_chunk: Callable[[], PipelineLayout],
 ) -> tuple[int, list[int] | None]:
     """The chunks per rank (`chunks`, else of the counts the planner may choose the one virtual_options prices
-    fastest) and, under `balanced`, the chunk boundaries (that option's; the even split where none is priced: auto
-    fitting no boundaries is refused on it); None: `partition_method` splits the virtual stages."""
+    fastest on `one_chunk()`, the run's layout of one stage per rank) and, under `balanced`, the chunk boundaries
+    (that option's; the even split where none is priced: auto fitting no boundaries is refused on it); None:
+    `partition_method` splits the virtual stages."""
     ranks = run.topology.pipeline_stages
     choices = chunk_choices(schedule, chunks, model.n_layer, ranks)
     balanced = partition_method == "balanced"
     if model.n_layer < choices[0] * ranks or not (balanced or len(choices) > 1):
         return choices[0], None
-    fixed = NoRecompute() if isinstance(recompute, AutoRecompute) else recompute
-    one_chunk = build_layout(model, fixed, run, "balanced", seed, costs, rates)
-    options = virtual_options(model, recompute, one_chunk, run, (schedule,), chunks)
+    one_stage_per_rank = one_chunk()
+    options = virtual_options(model, recompute, one_stage_per_rank, run, (schedule,), chunks)
     fastest = min(options, key=lambda o: o.step_time_s, default=None)
     chosen = fastest.chunks if fastest is not None else choices[0]
     if not balanced:
         return chosen, None
     counts = fastest.blocks if fastest is not None else even_counts(model.n_layer, chosen * ranks)
-    return chosen, parts_of(one_chunk.recipes, counts)
+    return chosen, parts_of(one_stage_per_rank.recipes, counts)
 
 
 def parts_of(recipes: Sequence[LayerRecipe], blocks: Sequence[int]) -> list[int]:
