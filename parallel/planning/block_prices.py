@@ -82,8 +82,9 @@ class MeasuredSeconds:
     link_bytes_per_s: float | None
     """The data-parallel all-reduce's rate; None where the links were not measured."""
     exchange: float = 0.0
-    """A rank's post of one boundary's batch of messages under a schedule with virtual stages, beyond the transfer:
-    the engine's own work there (the messages' buffers, the backend's posts). No replay can time it before the
+    """A rank's post of one boundary's batch of messages under a schedule with virtual stages, beyond what the
+    simulator times: its own work there and the waits the simulator does not see (on a CPU whose ranks fill every
+    core, a send to a computing peer seems to wait for the backend's progress thread). No replay can time it before the
     process group exists: it is learnt from traced runs (harness/prediction_check.py, ADDED_PARTS), 0 until one ran."""
 
     def __post_init__(self):

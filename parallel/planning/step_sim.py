@@ -63,7 +63,7 @@ class StageCosts:
     `weight_grad` (a traced run's costs, where B and W were timed apart)."""
     exchange: float = 0.0
     """A schedule with virtual stages: the rank's post of one boundary's batch of messages (parallel/planning/
-    virtual_sim.py), beyond the transfer."""
+    virtual_sim.py), beyond what the simulator times (MeasuredSeconds.exchange)."""
 
     def by_instruction(self, early: bool = False) -> dict[str, float]:
         """Seconds by instruction name (DeepSpeed's and parallel/planning/schedules.py's); `early`: the stage runs
