@@ -98,7 +98,9 @@ def simulate_virtual(
     clock, pc, busy = [0.0] * ranks, [0] * ranks, [0.0] * ranks
     spans: list[dict[str, list[float]]] = [{} for _ in range(ranks)]
     posted: dict[tuple, float] = {}  # (message, sending?) -> when that side's batch was posted
-    sent_grads: list[tuple[ChunkCommand, ...]] = [() for _ in range(ranks)]  # the last batch's, crossing at the next
+    # the gradients the last batch and the one before sent: the older ones cross before the next post
+    sent_grads: list[tuple[ChunkCommand, ...]] = [() for _ in range(ranks)]
+    older_grads: list[tuple[ChunkCommand, ...]] = [() for _ in range(ranks)]
     reduce_posted: dict[int, float] = {}
     step_posted: dict[int, float] = {}  # rank -> when it reached its OptimizerStep (under clip_barrier)
 
@@ -117,11 +119,12 @@ def simulate_virtual(
                 item = work[r][pc[r]]
                 reached = clock[r]
                 if isinstance(item, tuple) or item == _DRAIN:
-                    ends = [crossed(c, r) for c in sent_grads[r]]
+                    waited = older_grads[r] + (sent_grads[r] if item == _DRAIN else ())
+                    ends = [crossed(c, r) for c in waited]
                     if None in ends:
                         break  # a peer has not posted the boundary those gradients cross at
                     clock[r] = max([clock[r], *ends])
-                    sent_grads[r] = ()
+                    older_grads[r], sent_grads[r] = (() if item == _DRAIN else sent_grads[r]), ()
                     if isinstance(item, tuple):
                         clock[r] += costs[r][item[0].chunk or 0].exchange  # the rank's own work at the post
                         for c in item:

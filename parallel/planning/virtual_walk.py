@@ -80,7 +80,7 @@ class RankMoments:
     def of(cls, program: VirtualProgram) -> "RankMoments":
         """Per micro-batch of chunk c: in flight from its forward to its backward (B, or the whole backward), W-pending
         from its B to its W, a received input or output gradient of the chunk held from its receive to the forward or
-        backward that reads it, and the input gradient it sends to another rank held from its backward until the
+        backward that reads it, and the input gradient it sends to another rank held from its backward until the second
         boundary after its SendGrad's is posted (parallel/runtime/boundary_links.py waits for a boundary's gradient
         sends there) or the once-per-step instructions begin (counted after each instruction and post, and inside each
         backward before it frees its micro-batch, as schedule_walk.activation_peak counts)."""
@@ -92,13 +92,15 @@ class RankMoments:
         held: set[tuple[int, int, str]] = set()  # (chunk, micro-batch, what) of received messages not yet read
         moments: list[tuple] = []
 
-        # Chunks whose input gradient is sent, one entry per message: this step's SendGrads, and those the last
-        # posted boundary sent (both waited for at the next post, or before the once-per-step instructions).
+        # Chunks whose input gradient is sent, one entry per message: this step's SendGrads, those the last posted
+        # boundary sent, and the boundary's before (waited for at the next post, or all before the once-per-step
+        # instructions).
         sending: list[int] = []
         sent: list[int] = []
+        older: list[int] = []
 
         def moment(running: tuple[int, int, str] | None = None) -> None:
-            in_transit = sending + sent
+            in_transit = sending + sent + older
             messages = tuple(sum(k == chunk for k, _, _ in held) + in_transit.count(chunk) for chunk in range(chunks))
             moments.append((tuple(map(frozenset, live)), tuple(pending), messages, tuple(returning), running))
 
@@ -125,13 +127,15 @@ class RankMoments:
                     returning[c] -= 1
                     if command.peer != program.rank:  # to the rank's own chunk (the V's turn): copied at the post
                         sending.append(c)
-                elif m is None and (sending or sent):  # every message completes before the once-per-step ones
+                elif m is None and (sending or sent or older):  # every message completes before the once-per-step ones
                     sending.clear()
                     sent.clear()
+                    older.clear()
                 else:
                     continue
                 moment()
-            if any(command.kind in schedules.COMMUNICATION for command in step):  # the post waits for `sent`
+            if any(command.kind in schedules.COMMUNICATION for command in step):  # the post waits for `older`
+                older[:] = sent
                 sent[:] = sending
                 sending.clear()
                 moment()
