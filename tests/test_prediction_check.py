@@ -23,7 +23,7 @@ from parallel.planning.layout import build_layout
 from parallel.planning.plan_record import RunPlan
 from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import RunShape, Target, Topology
-from tests.test_step_sim import PROFILE
+from tests.test_instruction_seconds import PROFILE
 
 CFG = GPTConfig(n_layer=4, n_head=2, n_embd=32, seq_len=16, vocab_size=64)
 RUN = RunShape(Topology(2), Target("cpu", "fp32"), micro_batches=2, micro_batch_size=2)
