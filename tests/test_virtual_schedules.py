@@ -31,7 +31,8 @@ from parallel.planning.virtual_sim import simulate_virtual
 from parallel.planning.virtual_slots import MAX_SLOTS, priced_slots
 from parallel.planning.virtual_walk import ChunkBytes, RankMoments
 
-KINDS = [("interleaved-1f1b", 2), ("interleaved-1f1b", 3), ("zb-v", 2), ("v-half", 2)]
+KINDS = [("interleaved-1f1b", 2), ("interleaved-1f1b", 3), ("interleaved-1f1b", 4), ("zb-v", 2), ("v-half", 2)]
+"""Each schedule with the chunks per rank it may run (interleaved 1F1B: the planner's 2 to 4)."""
 RANKS = range(2, 9)
 MICRO_BATCHES = range(1, 17)
 
