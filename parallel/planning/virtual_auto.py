@@ -12,7 +12,7 @@ set only inside its own backward.
 Per chunk the candidates are parallel/planning/chunk_candidates.py's (auto_recompute.stage_choices: per-block choices,
 full and nested segments, compressed stashes where allowed; not per-micro-batch recompute, which the walk does not
 count). Every combination of the rank's
-chunks' candidates (one per chunk) is priced at once (`grid_peaks`: the walk's few linear moments, the largest
+chunks' candidates (one per chunk) is priced at once (`RankPeak.grid_peaks`: the walk's few linear moments, the largest
 backward working set on top, as arrays with one axis per chunk), and the least summed cost that fits wins (cost per
 micro-batch: every chunk runs every micro-batch), ties to the smaller peak. Exact: no combination is left out,
 whatever early recompute does to a choice's working set (recomputed early, a choice's backward holds more the less
@@ -93,19 +93,23 @@ class RankPeak:
         work = max(side.work(c, e) for side, c, e in zip(self.sides, choices, early))
         return self.fixed + max(activations + work, self.optimizer)
 
-    def grid_peaks(self, candidates: Sequence[Candidates]) -> np.ndarray:
-        """`bytes` of every combination of the chunks' candidates (`candidates[c]`: chunk c's), one axis per chunk:
-        [i, j, ...] for the first's choices[i], the second's choices[j], ..., with the working sets they were chosen
-        by. The walk's peak is the largest of its linear moments (RankWalk.rows), each such an array here."""
-        kept = [_along(c.kept, axis, len(candidates)) for axis, c in enumerate(candidates)]
-        activations = np.zeros([len(c.choices) for c in candidates], dtype=np.int64)
+    def grid_peaks(self, kept: Sequence[np.ndarray], work: Sequence[np.ndarray]) -> np.ndarray:
+        """`bytes` of every combination of the chunks' options (chunk c's keep `kept[c]` per micro-batch and work
+        `work[c]`), one axis per chunk: [i, j, ...] for the first's option i, the second's option j, .... The walk's
+        peak is the largest of its linear moments (RankWalk.rows), each such an array here."""
+        axes = len(kept)
+        kept = [_along(k, axis, axes) for axis, k in enumerate(kept)]
+        activations = np.zeros([k.size for k in kept], dtype=np.int64)
         for counts, held in self.walk.rows:
             moment = sum(n * k for n, k in zip(counts, kept)) + held
             np.maximum(activations, moment, out=activations)
-        largest_work = functools.reduce(
-            np.maximum, (_along(c.work, axis, len(candidates)) for axis, c in enumerate(candidates))
-        )
+        largest_work = functools.reduce(np.maximum, (_along(w, axis, axes) for axis, w in enumerate(work)))
         return self.fixed + np.maximum(activations + largest_work, self.optimizer)
+
+    def candidates_peaks(self, candidates: Sequence[Candidates]) -> np.ndarray:
+        """`grid_peaks` of the chunks' candidates (`candidates[c]`: chunk c's), with the working sets they were chosen
+        by."""
+        return self.grid_peaks([c.kept for c in candidates], [c.work for c in candidates])
 
 
 def _along(values: np.ndarray, axis: int, axes: int) -> np.ndarray:
@@ -116,7 +120,7 @@ def _along(values: np.ndarray, axis: int, axes: int) -> np.ndarray:
 def _least(peak: RankPeak, early: Sequence[bool], nested: bool = True) -> int:
     """The smallest peak of any combination of the chunks' choices (nested ones where `nested`; `early`: as
     RankPeak.bytes)."""
-    return int(peak.grid_peaks([side.candidates(e, nested) for side, e in zip(peak.sides, early)]).min())
+    return int(peak.candidates_peaks([side.candidates(e, nested) for side, e in zip(peak.sides, early)]).min())
 
 
 def choose_rank(peak: RankPeak, budget: float, early: Sequence[bool]) -> tuple[StageChoice, ...] | None:
@@ -133,7 +137,7 @@ def choose_rank(peak: RankPeak, budget: float, early: Sequence[bool]) -> tuple[S
     candidates = _may_fit(peak, candidates, budget)
     if any(not c.choices for c in candidates):
         return None
-    peaks = peak.grid_peaks(candidates)
+    peaks = peak.candidates_peaks(candidates)
     summed = sum(_along(c.cost, axis, len(candidates)) for axis, c in enumerate(candidates))
     costs = np.where(peaks <= budget, summed, np.inf)
     least = costs.min()
@@ -147,18 +151,14 @@ def _may_fit(peak: RankPeak, candidates: Sequence[Candidates], budget: float) ->
     """Each chunk's candidates less those whose peak exceeds `budget` even with every other chunk at its least kept
     bytes and working set (a lower bound of any combination holding them: the walk's moments count micro-batches
     in flight, never negative)."""
-    least_kept = [int(c.kept.min()) for c in candidates]
-    least_work = [int(c.work.min()) for c in candidates]
-    kept_out = []
+    least_kept = [c.kept.min(keepdims=True) for c in candidates]
+    least_work = [c.work.min(keepdims=True) for c in candidates]
+    out = []
     for i, c in enumerate(candidates):
-        others_work = max([w for j, w in enumerate(least_work) if j != i], default=0)
-        activations = np.zeros(len(c.choices), dtype=np.int64)
-        for counts, held in peak.walk.rows:
-            others = sum(n * k for j, (n, k) in enumerate(zip(counts, least_kept)) if j != i)
-            np.maximum(activations, counts[i] * c.kept + others + held, out=activations)
-        bound = peak.fixed + np.maximum(activations + np.maximum(c.work, others_work), peak.optimizer)
-        kept_out.append(c.subset(np.flatnonzero(bound <= budget)))
-    return kept_out
+        kept = [c.kept if j == i else k for j, k in enumerate(least_kept)]
+        work = [c.work if j == i else w for j, w in enumerate(least_work)]
+        out.append(c.subset(np.flatnonzero(peak.grid_peaks(kept, work).reshape(-1) <= budget)))
+    return out
 
 
 def plan_ranks(

@@ -67,14 +67,6 @@ def virtual_run_refusal(
     return None
 
 
-def resumed_chunks(saved_schedule: str, saved_partition: list[int] | None, ranks: int) -> int | None:
-    """The chunks per rank a checkpoint trained with (its virtual stages over its ranks); None: one stage per rank,
-    or a partition not recorded."""
-    if saved_schedule not in VIRTUAL_SCHEDULES or not saved_partition:
-        return None
-    return (len(saved_partition) - 1) // ranks
-
-
 def placement_name(schedule: str) -> str:
     """Where a schedule puts the layers: one stage per rank (1f1b, zb-h1; `auto` chooses among them), interleaved
     chunks, or a V."""
