@@ -126,7 +126,8 @@ def simulate_virtual(
                     clock[r] = max([clock[r], *ends])
                     older_grads[r], sent_grads[r] = (() if item == _DRAIN else sent_grads[r]), ()
                     if isinstance(item, tuple):
-                        clock[r] += costs[r][item[0].chunk or 0].exchange  # the rank's own work at the post
+                        # what a post costs beyond the waits simulated here (StageCosts.exchange)
+                        clock[r] += costs[r][item[0].chunk or 0].exchange
                         for c in item:
                             posted[(c.message(), c.kind in _SENDS)] = clock[r]
                         sent_grads[r] = tuple(c for c in item if c.kind is schedules.SendGrad)
