@@ -36,15 +36,18 @@ CASES = {
     # zb-v with selective recompute and dropout: the "none" case's losses; evaluated and saved at step 2, from where
     # a later job of the launch resumes under v-half (the same placement of the layers).
     "zb-v": case(*TINY, *STEPS[:-1], "train.trace_step=3", "model.dropout=0.1", "+recompute=selective", *VIRTUAL),
-    # zb-v under +recompute=auto between the ranks' floors (0.015, 0.014 GiB) and none's peaks (0.019, 0.021 GiB):
-    # each rank's chunks planned together, some recomputing; the "none" case's losses.
+    # zb-v under +recompute=auto between the ranks' floors (0.016, 0.015 GiB) and none's peaks (0.020, 0.021 GiB):
+    # each rank's chunks planned together, some recomputing, the first chunk for 1 of its 2 micro-batches in flight
+    # (recompute.per_micro_batch); the "none" case's losses.
     "zb-v-auto": case(
         *TINY,
         *STEPS,
         "model.dropout=0.1",
         "+recompute=auto",
-        "recompute.budget_gb=0.018",
+        "recompute.budget_gb=0.02",
         "recompute.reserve_gb=0",
+        "recompute.early=false",
+        "recompute.per_micro_batch=true",
         "parallel.schedule=zb-v",
         "logger=none",
     ),
@@ -222,7 +225,8 @@ def test_zb_v_meters_each_rank_as_the_rank_replay_does(case_runs):
 
 
 def test_zb_v_under_auto_per_chunk_trains_as_none_does(case_runs):
-    """+recompute=auto under zb-v: each rank's plan and peak printed at start-up, the "none" case's losses bit for bit,
+    """+recompute=auto under zb-v, with recompute.per_micro_batch: each rank's plan and peak printed at start-up, the
+    first chunk recomputing for 1 of its 2 micro-batches in flight, the "none" case's losses bit for bit,
     and each rank's measured activation bytes its planned peak within 2% (tests/test_virtual_local.py's
     PLANNED_WITHIN: docs/virtual_stages.md)."""
     s, reference = summary(case_runs["zb-v-auto"]), summary(case_runs["none"])
@@ -233,6 +237,9 @@ def test_zb_v_under_auto_per_chunk_trains_as_none_does(case_runs):
     # each chunk's own plan, kept per micro-batch to the byte as planned
     kept = s["activation_bytes_per_micro_batch_per_virtual_stage"]
     assert kept == s["planned_activation_bytes_per_micro_batch_per_virtual_stage"] and len(set(map(tuple, kept))) > 1
+    # the first chunk recomputes 1 of the 2 micro-batches it holds in flight: the odd ones keep less
+    plain, recomputed = set(kept[0][::2]), set(kept[0][1::2])
+    assert len(plain) == len(recomputed) == 1 and recomputed.pop() < plain.pop()
 
 
 def test_a_zb_v_checkpoint_holds_the_model_as_a_1f1b_one_does(case_runs):

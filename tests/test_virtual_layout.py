@@ -12,7 +12,7 @@ import pytest
 from model import BLOCK_CLASSES, GPTConfig
 from parallel.planning.budget_refusal import BudgetTooSmall
 from parallel.planning.chunk_candidates import chunk_side
-from parallel.planning.config import AutoRecompute, NoRecompute, SelectiveRecompute
+from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.planning.layout import build_layout
 from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import GIB, RunShape, Shape, Target, Topology
@@ -27,7 +27,7 @@ from parallel.planning.virtual_layout import (
     virtual_shape,
     with_virtual_plan,
 )
-from parallel.planning.virtual_memory import rank_walks
+from parallel.planning.virtual_memory import chunks_in_flight, rank_walks
 from parallel.planning.virtual_plan import VirtualPlan
 from parallel.planning.virtual_program import VIRTUAL_SCHEDULES
 from parallel.planning.virtual_support import schedule_change_refusal, virtual_run_refusal
@@ -176,7 +176,8 @@ def _rank_peaks(layout, auto: AutoRecompute, schedule: str) -> list[RankPeak]:
     planner = StagePlanner(pricing, auto, layout.timing.table)
     walks = rank_walks(layout.recipes, layout.stages, schedule, chunks, RUN.micro_batches, shape, RUN.target)
     sides = [[chunk_side(planner, layout.stages[v], w.split) for v in w.virtual_stages] for w in walks]
-    return [RankPeak(w, chunk_sides, planner.pricing.run) for w, chunk_sides in zip(walks, sides)]
+    run = planner.pricing.run
+    return [RankPeak(w, chunk_sides, run, auto.per_micro_batch) for w, chunk_sides in zip(walks, sides)]
 
 
 @pytest.mark.parametrize("schedule, chunks", PLACEMENTS)
@@ -234,6 +235,65 @@ def _cheapest_fitting(peak: RankPeak, budget: int, early: tuple[bool, ...]) -> f
         (sum(c.cost for c in combo) for combo in combinations if peak.bytes(combo, early=early) <= budget),
         default=math.inf,
     )
+
+
+@pytest.mark.parametrize("schedule", VIRTUAL_SCHEDULES)
+def test_recomputing_for_one_micro_batch_counts_it_among_those_its_chunk_holds(schedule):
+    """recompute.micro_batches=1 under a schedule with virtual stages: each chunk recomputes 1 of the micro-batches it
+    holds at once (its walk's most, not a 1F1B stage's), so every rank's peak holds one recomputed micro-batch of each
+    chunk that holds more than one, and falls below none's."""
+    run = replace(RUN, micro_batches=8)
+    once = FullRecompute(interval="1", micro_batches=1)
+    layout = virtual_layout(MODEL, once, run, "type:Block", 0, schedule, *NO, chunks=2)
+    none = virtual_layout(MODEL, NoRecompute(), run, "type:Block", 0, schedule, *NO, chunks=2)
+    most = chunks_in_flight(schedule, 2, 2, run.micro_batches, layout.virtual_slots)
+    assert [p.in_flight for p in layout.plans] == list(most) and max(most) > 1
+    peaks = virtual_plan(MODEL, layout, run, schedule).activation_bytes_per_rank
+    plain = virtual_plan(MODEL, none, run, schedule).activation_bytes_per_rank
+    assert all(p < n for p, n in zip(peaks, plain)), (peaks, plain)
+
+
+@pytest.mark.parametrize("schedule", VIRTUAL_SCHEDULES)
+def test_auto_per_chunk_recomputing_for_some_micro_batches_fits_at_the_least_recompute_of_any_combination(schedule):
+    """recompute.per_micro_batch=true: each chunk may also run a plan for k of its in-flight micro-batches (the others
+    keep none's bytes). At four budgets the choice costs the least of every combination whose peak fits (brute force
+    over RankPeak.bytes, each candidate's cost its share of the step), the plan the run trains (walked with each
+    micro-batch's own bytes) fits, and where a chunk recomputes for some micro-batches the rank recomputes no more than
+    without (less at some budget)."""
+    unbounded, _ = _auto_layout(schedule, 1e12)
+    floor = max(b.least_bytes for b in unbounded.rank_budgets)
+    none = max(b.peak_bytes for b in unbounded.rank_budgets)
+    some = []
+    for budget in (int(floor + (none - floor) * f) for f in (0.2, 0.5, 0.8, 0.95)):
+        auto = AutoRecompute(budget_gb=budget / GIB, reserve_gb=0.0, early=False, per_micro_batch=True)
+        layout = virtual_layout(MODEL, auto, RUN, "type:Block", 0, schedule, *NO, chunks=2)
+        planned = virtual_plan(MODEL, layout, RUN, schedule)
+        for b, peak, activations, states in zip(
+            layout.rank_budgets,
+            _rank_peaks(layout, auto, schedule),
+            planned.activation_bytes_per_rank,
+            planned.state_bytes_per_rank,
+        ):
+            # every candidate, none left out as beaten (RankPeak.candidates leaves those out)
+            most = peak.walk.moments.most_in_flight
+            candidates = [
+                s.candidates(False) + s.some_micro_batches(n, RUN.micro_batches) for s, n in zip(peak.sides, most)
+            ]
+            combinations = itertools.product(*(zip(c.choices, c.cost) for c in candidates))
+            least = min(
+                sum(cost for _, cost in combo) for combo in combinations if peak.bytes([c for c, _ in combo]) <= budget
+            )
+            chosen = {c: cost for cs in candidates for c, cost in zip(cs.choices, cs.cost)}
+            assert math.isclose(sum(chosen[c] for c in b.choice), least) and b.peak_bytes <= budget
+            assert activations + states <= b.peak_bytes
+            for v, most in zip(peak.walk.virtual_stages, peak.walk.moments.most_in_flight):
+                # the micro-batches it recomputes counted from as many as the chunk holds at once
+                assert layout.plans[v].micro_batches is None or layout.plans[v].in_flight == most
+            if any(c.micro_batches for c in b.choice):
+                whole, _ = _auto_layout(schedule, budget)
+                without = next(w for w in whole.rank_budgets if w.stage == b.stage)
+                some.append((sum(chosen[c] for c in b.choice), sum(c.cost for c in without.choice)))
+    assert some and all(a <= b for a, b in some) and any(a < b for a, b in some), some
 
 
 @pytest.mark.parametrize("schedule", VIRTUAL_SCHEDULES)

@@ -7,7 +7,7 @@ plans chunks of the same few kinds again and again."""
 import bisect
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -22,19 +22,34 @@ from parallel.planning.stage_price import price_stage
 from parallel.planning.virtual_memory import micro_batch_bytes
 from parallel.planning.working_set import stage_working
 
+ALL_MICRO_BATCHES = -1
+"""`Candidates.recomputed` of a choice that runs every micro-batch: the last of RankWalk.rows' counts per chunk."""
+
 
 @dataclass(frozen=True)
 class Candidates:
-    """A chunk's choices worth pricing, and what each keeps per micro-batch, its backward's working set and its cost."""
+    """A chunk's choices worth pricing, and what each keeps per micro-batch it recomputes, its backward's working set
+    and its recompute cost per micro-batch of the step."""
 
     choices: tuple[StageChoice, ...]
     kept: np.ndarray
     work: np.ndarray
     cost: np.ndarray
+    recomputed: np.ndarray
+    """Per choice: for how many of the chunk's in-flight micro-batches it recomputes (StageChoice.micro_batches; the
+    others keep `none`'s bytes), or ALL_MICRO_BATCHES."""
 
     def subset(self, at: np.ndarray) -> "Candidates":
         """The candidates at indices `at`."""
-        return Candidates(tuple(self.choices[i] for i in at), self.kept[at], self.work[at], self.cost[at])
+        choices = tuple(self.choices[i] for i in at)
+        return Candidates(choices, self.kept[at], self.work[at], self.cost[at], self.recomputed[at])
+
+    def __add__(self, other: "Candidates") -> "Candidates":
+        arrays = (np.concatenate((a, b)) for a, b in zip(self._arrays(), other._arrays()))
+        return Candidates(self.choices + other.choices, *arrays)
+
+    def _arrays(self) -> tuple[np.ndarray, ...]:
+        return self.kept, self.work, self.cost, self.recomputed
 
 
 @dataclass(frozen=True)
@@ -53,6 +68,8 @@ class ChunkSide:
     per_micro_batch: dict[StageChoice, tuple[int, int]]
     """Per choice: what a micro-batch keeps from its forward to its backward, and what its backward allocates on top
     (virtual_memory.micro_batch_bytes of its plan under the schedule's backward, split into B and W or not)."""
+    plain: tuple[int, int]
+    """What a micro-batch that runs with no recompute keeps, and what its backward allocates on top."""
     early_work: dict[StageChoice, int]
     """Per choice that can recompute early (it recomputes, all its micro-batches, no nested segment, no compressed
     stash): its backward's working set when the recompute ran as a RecomputeEarly right before it (what the recompute
@@ -89,10 +106,40 @@ class ChunkSide:
                     j += 1  # beaten by this one from now on
                 stair_kept[i:j], stair_work[i:j] = [kept], [work]
             columns = list(zip(*chosen))
+            every = np.full(len(chosen), ALL_MICRO_BATCHES)
             self.frontiers[key] = Candidates(
-                tuple(columns[0]), *(np.array(column, dtype=np.int64) for column in columns[1:3]), np.array(columns[3])
+                tuple(columns[0]),
+                *(np.array(column, dtype=np.int64) for column in columns[1:3]),
+                np.array(columns[3]),
+                every,
             )
         return self.frontiers[key]
+
+    def some_micro_batches(self, in_flight: int, micro_batches: int) -> Candidates:
+        """Each candidate that recomputes (late: `candidates(False)`) for k = 1 .. `in_flight` - 1 of the
+        chunk's in-flight micro-batches, the others running with no recompute (StagePlan.recomputes_micro_batch), as
+        auto_recompute.choose_stage_micro_batches weighs them for one stage: its backward holds the larger of its
+        plan's working set and none's, and it costs its share of the step's `micro_batches`."""
+        late = self.candidates(False)
+        out = []
+        plain_kept, plain_work = self.plain
+        for k in range(1, in_flight):
+            share = StagePlan(micro_batches=k, in_flight=in_flight).recomputed_count(micro_batches) / micro_batches
+            for choice, kept, work, cost in zip(late.choices, late.kept, late.work, late.cost):
+                if cost > 0:
+                    some = replace(choice, micro_batches=k, plain_kept_bytes=plain_kept, plain_working_bytes=plain_work)
+                    out.append((some, kept, max(work, plain_work), cost * share, k))
+        columns = list(zip(*out)) or [()] * 5
+        types = (np.int64, np.int64, np.float64, np.int64)
+        return Candidates(tuple(columns[0]), *(np.array(c, dtype=t) for c, t in zip(columns[1:], types)))
+
+    def parts(self, choice: StageChoice, early: bool = False) -> tuple[int, int, int]:
+        """`choice` (one of `choices`, or of `some_micro_batches`'): what it keeps per micro-batch it recomputes, its
+        backward's working set, and its Candidates.recomputed."""
+        if choice.micro_batches is None:
+            return self.kept(choice), self.work(choice, early), ALL_MICRO_BATCHES
+        own = replace(choice, micro_batches=None, plain_kept_bytes=0, plain_working_bytes=0)
+        return self.kept(own), max(self.work(own), self.plain[1]), choice.micro_batches
 
     def work(self, choice: StageChoice, early: bool = False) -> int:
         """Its backward's working set under `choice`; `early`: recomputed early where the choice can be."""
@@ -137,6 +184,7 @@ def side_of(planner: StagePlanner, composition: Composition, split: bool) -> Chu
         kept, work = micro_batch_bytes(recipes, stage, plan, pricing.shape, pricing.run.target, 1, split, early)
         return kept[0], work[0]
 
+    plain = micro_batch_bytes(recipes, stage, StagePlan(), pricing.shape, pricing.run.target, 1, split)
     early_work = {
         c: per_micro_batch(c, early=True)[1]
         for c in choices
@@ -149,5 +197,6 @@ def side_of(planner: StagePlanner, composition: Composition, split: bool) -> Chu
         memory.params,
         choices,
         {c: per_micro_batch(c) for c in choices},
+        (plain[0][0], plain[1][0]),
         early_work,
     )

@@ -173,7 +173,8 @@ class PlannedRecompute:
     micro_batches: int | None = None
     """Recompute for only this many of each stage's in-flight micro-batches, those whose activations wait
     longest (parallel/planning/stage_plan.py's `StagePlan.recomputes_micro_batch` says which); the others run with no
-    recompute. null: all of them. From 1 to train.micro_batches; a stage with fewer in flight recomputes all."""
+    recompute. null: all of them. From 1 to train.micro_batches; a stage with fewer in flight recomputes all. Under a
+    schedule with virtual stages, of the micro-batches each chunk holds in flight at once."""
 
     def __post_init__(self) -> None:
         check_micro_batches(self.micro_batches)
@@ -268,9 +269,11 @@ class AutoRecompute:
     simulated step time within the budget (under a schedule with virtual stages, per rank: early where its chunks
     fit at no more recompute)."""
     per_micro_batch: bool = False
-    """Also choose, per stage, for how many of its in-flight micro-batches the plan recomputes (the others
-    run with no recompute; see `+recompute=full`'s `recompute.micro_batches`): the least recompute time per
-    step that fits, plans between the all-micro-batch ones. Off: every micro-batch runs its stage's plan."""
+    """Also choose, per stage (per chunk under a schedule with virtual stages), for how many of its in-flight
+    micro-batches the plan recomputes (the others run with no recompute; see `+recompute=full`'s
+    `recompute.micro_batches`): the least recompute time per step that fits, plans between the all-micro-batch ones.
+    Under virtual stages a chunk recomputes early only for all its micro-batches, so a rank weighs these where its
+    chunks do not recompute early. Off: every micro-batch runs its stage's plan."""
     compress: str = "none"
     """Lossy storage auto may use: `none` (auto stays exact), `bf16`, `fp8` or `int8` (see `+recompute=full`'s
     `recompute.compress`). Allowed, it is one more choice per stage: a stage's full-recompute segments store their

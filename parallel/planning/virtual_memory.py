@@ -83,13 +83,20 @@ class RankWalk:
         return self.moments.peak(self._chunks(kept, working))
 
     @functools.cached_property
-    def rows(self) -> tuple[tuple[tuple[int, ...], int], ...]:
+    def rows(self) -> tuple[tuple[tuple[tuple[int, ...], ...], int], ...]:
+        """RankMoments.linear's rows: the moments that can hold the peak between instructions, each chunk's
+        micro-batches alike."""
         return self.moments.linear(self._chunks([()] * len(self.output), [()] * len(self.output)))
+
+    @functools.cached_property
+    def rows_by_micro_batch(self) -> tuple[tuple[tuple[tuple[int, ...], ...], int], ...]:
+        """`rows` where a chunk may recompute for k of its in-flight micro-batches (RankMoments.linear's `some`)."""
+        return self.moments.linear(self._chunks([()] * len(self.output), [()] * len(self.output)), some=True)
 
     def peak_bytes(self, kept: Sequence[int]) -> int:
         """The peak between instructions with `kept[c]` bytes per micro-batch of chunk c, every micro-batch alike,
         from the walk's few moments that can hold it (auto per chunk asks often and adds a working set on top)."""
-        return max([0] + [sum(n * k for n, k in zip(in_flight, kept)) + held for in_flight, held in self.rows])
+        return max([0] + [sum(n[-1] * k for n, k in zip(counts, kept)) + held for counts, held in self.rows])
 
 
 def rank_walks(
@@ -125,6 +132,24 @@ def rank_walks(
         moments = RankMoments.of(program)
         out.append(RankWalk(virtual, moments, tuple(pending), tuple(transient), message, output, split))
     return out
+
+
+def chunks_in_flight(
+    schedule: str,
+    ranks: int,
+    chunks: int,
+    micro_batches: int,
+    slots: Slots = UNIT_SLOTS,
+    early: frozenset[int] = frozenset(),
+) -> tuple[int, ...]:
+    """Per virtual stage, in pipeline order: the most micro-batches it holds in flight at once under `schedule`
+    (RankMoments.most_in_flight), which a plan for some of them (StagePlan.micro_batches) counts from: a peak of the
+    chunk then holds that many recomputed micro-batches."""
+    most = {}
+    for program in virtual_schedule(schedule, micro_batches, ranks, chunks, slots, early):
+        for chunk, n in enumerate(RankMoments.of(program).most_in_flight):
+            most[program.placement.virtual_stage(program.rank, chunk)] = n
+    return tuple(most[v] for v in range(ranks * chunks))
 
 
 def virtual_peaks(

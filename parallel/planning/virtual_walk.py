@@ -162,17 +162,38 @@ class RankMoments:
                 best = VirtualPeak(total, self.in_flight[i], self.pending[i], *held, working, running)
         return best
 
-    def linear(self, chunks: Sequence[ChunkBytes]) -> tuple[tuple[tuple[int, ...], int], ...]:
-        """The moments between instructions as (micro-batches in flight per chunk, the bytes held besides their kept
-        ones), `chunks` giving every term but the kept bytes, without those another moment holds at least as much as
-        in every term: the peak without working sets under any kept bytes per chunk (the same for every micro-batch)
-        is the largest of these rows' sums."""
+    @functools.cached_property
+    def most_in_flight(self) -> tuple[int, ...]:
+        """Per chunk: the most micro-batches it holds in flight at once (its `in_flight` for per-micro-batch
+        recompute: a chunk runs its forwards, and its backwards, in micro-batch order, so those it holds are always
+        consecutive, as StagePlan.recomputes_micro_batch's rule needs)."""
+        return tuple(max(counts) for counts in zip(*self.in_flight))
+
+    def linear(
+        self, chunks: Sequence[ChunkBytes], some: bool = False
+    ) -> tuple[tuple[tuple[tuple[int, ...], ...], int], ...]:
+        """The moments between instructions as (per chunk: how many of its micro-batches in flight it recomputes,
+        and the bytes held besides their kept ones), `chunks` giving every term but the kept bytes, without those
+        another moment holds at least as much as in every term: the peak without working sets under any kept bytes
+        per chunk is the largest of these rows' sums. Per chunk, the counts are (in flight,); with `some`, how many
+        of them a plan for k of its P = `most_in_flight` recomputes, for k = 0 .. P (the last: all of them)."""
         between = [i for i, running in enumerate(self.running) if running is None]
-        rows = {(self.in_flight[i], self._held(i, chunks)) for i in between}
+        rows = {
+            (self._recomputed(i) if some else tuple((n,) for n in self.in_flight[i]), self._held(i, chunks))
+            for i in between
+        }
+        # a chunk's term grows with both how many it recomputes and how many it does not: compare both
+        flat = {row: (*(n for counts in row[0] for k in counts for n in (k, counts[-1] - k)), row[1]) for row in rows}
         return tuple(
             row
             for row in rows
-            if not any(
-                other != row and other[1] >= row[1] and all(a >= b for a, b in zip(other[0], row[0])) for other in rows
-            )
+            if not any(other != row and all(a >= b for a, b in zip(flat[other], flat[row])) for other in rows)
+        )
+
+    def _recomputed(self, i: int) -> tuple[tuple[int, ...], ...]:
+        """Per chunk, for k = 0 .. P: how many of the micro-batches it holds at moment `i` a plan for k of P recomputes
+        (StagePlan.recomputes_micro_batch: index mod P >= P - k)."""
+        return tuple(
+            tuple(sum(m % most >= most - k for m in live) for k in range(most + 1))
+            for live, most in zip(self.live[i], self.most_in_flight)
         )
