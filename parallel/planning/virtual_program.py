@@ -11,6 +11,8 @@ VIRTUAL_SCHEDULES = ("interleaved-1f1b", "zb-v", "v-half")
 """The schedules with virtual stages."""
 V_SHAPED = ("zb-v", "v-half")
 """Those with the V placement and V_CHUNKS chunks per rank."""
+SPLIT_BACKWARD = ("zb-h1", *V_SHAPED)
+"""The schedules whose backward is split into B and W (zero-bubble): W, each Linear's weight gradient, runs later."""
 V_CHUNKS = 2
 """A V's chunks per rank (rank r: r and 2p - 1 - r); interleaved 1F1B's fewest."""
 

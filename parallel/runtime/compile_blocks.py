@@ -17,12 +17,13 @@ from dataclasses import replace
 
 from model import BLOCK_CLASSES
 from parallel.planning.config import AutoRecompute, GivenRecompute, SelectiveRecompute
+from parallel.planning.virtual_program import SPLIT_BACKWARD
 
 
 def compile_refusal(schedule: str, recompute) -> str | None:
     """Why train.compile=true cannot run under `schedule` (parallel.schedule) and `recompute` (the recompute group's
     config), as one line naming the option to change; None when it can."""
-    if schedule in ("zb-h1", "zb-v", "v-half"):
+    if schedule in SPLIT_BACKWARD:
         return (
             f"train.compile=true needs parallel.schedule=1f1b, not {schedule}: its split backward defers each "
             f"Linear's weight gradient from Python inside backward, which a compiled backward graph cannot do "
