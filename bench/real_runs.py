@@ -198,9 +198,12 @@ def run_dir_of(root: Path, round_: int, variant: Variant) -> Path:
     return root / f"r{round_ + 1}-{variant.name.replace(' ', '-').replace('(', '').replace(')', '')}"
 
 
-def run_rounds(cfg: GPTConfig, todo: list[Variant], rounds: int, steps: int, root: Path) -> list[Result]:
+def run_rounds(
+    cfg: GPTConfig, todo: list[Variant], rounds: int, steps: int, root: Path, first_round: int = 1, shape: str = ""
+) -> list[Result]:
     """Every variant once per round, `rounds` times, each a real launch into run_dir_of(root, round, variant);
-    prints a line per run as it ends."""
+    prints a line per run as it ends (its round counted from `first_round`, after `shape`: a caller that runs one
+    round per call over several shapes)."""
     results = []
     for k in range(rounds):
         for variant in todo:
@@ -209,7 +212,8 @@ def run_rounds(cfg: GPTConfig, todo: list[Variant], rounds: int, steps: int, roo
             result = read_result(variant, k, run_dir, cpu_s, wall_s)
             results.append(result)
             print(
-                f"round {k + 1} {variant.name}: {result.median_step_s:.3f} s/step, "
+                f"{shape + ' ' if shape else ''}round {first_round + k} {variant.name}: "
+                f"{result.median_step_s:.3f} s/step, "
                 f"{result.tokens_per_s:.0f} tok/s, launch {wall_s:.0f} s wall / {cpu_s:.0f} s CPU",
                 flush=True,
             )

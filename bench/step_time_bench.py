@@ -198,6 +198,9 @@ def figure_1(results: dict[str, list[Result]], repriced: dict[tuple[str, str], t
                 f"| {'-' if replay is None else f'{replay:.3f}'} | {_pct(replay, measured)} | {bubbles} "
                 f"| {'-' if math.isnan(wall) else f'{wall:.0f}'} | {'-' if math.isnan(cpu) else f'{cpu:.0f}'} |"
             )
+    if not total:
+        print("\nno run of this figure (--only left them out)\n")
+        return
     print(
         f"\nwithin 10%: {within} of {total} (the runs' own prediction), mean absolute error "
         f"{100 * statistics.mean(errors):.1f}%"
