@@ -26,7 +26,14 @@ from harness.files import write_json_once
 from harness.prediction_check import read_residuals, residuals_path
 from parallel.measurement.stage_prices import measure_stage_prices, refusal
 from parallel.planning.block_prices import BlockPrices, MeasuredSeconds, measured_prices, with_residuals
-from parallel.planning.curve_seconds import corrected, curve_corrections, link_seconds, profile_prices, profile_seconds
+from parallel.planning.curve_seconds import (
+    corrected,
+    curve_corrections,
+    link_seconds,
+    op_counts,
+    profile_prices,
+    profile_seconds,
+)
 from parallel.planning.device_profile_file import (
     CostSource,
     DeviceProfile,
@@ -229,10 +236,12 @@ def corrected_curves(
         if held_out and measured_shape == shape:
             continue
         if measured_shape.arch == shape.arch and not data.get("compiled"):  # the curves time eager kernels
-            pairs.append((seconds, profile_seconds(profile, measured_shape, ctx.target)))
+            curves = profile_seconds(profile, measured_shape, ctx.target)
+            pairs.append((seconds, curves, op_counts(measured_shape, ctx.target)))
     if not pairs:
         return None, ""
-    seconds = corrected(profile_seconds(profile, shape, ctx.target), curve_corrections(pairs))
+    own = profile_seconds(profile, shape, ctx.target)
+    seconds = corrected(own, op_counts(shape, ctx.target), curve_corrections(pairs))
     source = CostSource("corrected_curves", profile.source.path, profile.source.created)
     return measured_prices(shape, ctx.target, seconds, source), (
         f"costs: the curves of {profile.source.describe()}, corrected by {len(pairs)} "

@@ -6,6 +6,7 @@ import contextlib
 import functools
 import io
 import json
+import statistics
 import threading
 import time
 from dataclasses import replace
@@ -22,7 +23,7 @@ from harness.price_source import PRICE_CACHE_ENV, expected_signature, price_file
 from harness.run_layout import layout_of
 from parallel.measurement.stage_prices import refusal
 from parallel.planning.block_prices import SELECTIVE_PARTS
-from parallel.planning.curve_seconds import CORRECTED, profile_seconds
+from parallel.planning.curve_seconds import CORRECTED, corrected, curve_corrections, op_counts, profile_seconds
 from parallel.planning.device_profile_file import CACHE_ENV, ProfileRefused, cache_dir, read_profile
 from parallel.planning.run_plan import plan_run
 from parallel.planning.shapes import Shape, Target
@@ -202,6 +203,37 @@ def test_train_prices_corrected_prices_a_shape_by_the_other_shapes_measured_neve
     assert prices.measured.block_forward == pytest.approx(2 * curves.block_forward)
     with pytest.raises(ProfileRefused, match=r"^train.prices=corrected prices dry runs and one-rank runs only"):
         run_prices(context(0, "train.prices=corrected", "dry_run=false"))
+
+
+def test_the_corrections_fit_a_per_op_cost_beside_the_scale_from_three_shapes_and_only_the_scale_from_fewer(tmp_path):
+    """Shapes measured at 1.5 x their curves plus 40 us per op: from three of them the held-out fourth is priced as
+    measured, to rounding, where the median ratio misses what the per-op cost adds at its own size; from two, the
+    median ratio alone (two points fit any pair)."""
+    signature = expected_signature(context(0))
+    (tmp_path / "profile.json").write_text(json.dumps(linear_profile(signature)))
+    profile = read_profile(tmp_path / "profile.json", signature)
+    target = Target("cpu", "fp32")
+    widths = (32, 64, 128, 256)
+    shapes = [Shape.of(replace(context(0).run.model, n_embd=w, n_head=4), 1) for w in widths]
+
+    def measured(shape: Shape):
+        curves, ops = profile_seconds(profile, shape, target), op_counts(shape, target)
+        return (
+            replace(curves, **{n: 1.5 * getattr(curves, n) + 40e-6 * getattr(ops, n) for n in CORRECTED}),
+            curves,
+            ops,
+        )
+
+    held_out, *taught = [measured(shape) for shape in shapes]
+    got = corrected(held_out[1], held_out[2], curve_corrections(taught))
+    assert got.block_forward == pytest.approx(held_out[0].block_forward, rel=1e-9)
+    assert got.core_attn == pytest.approx(held_out[0].core_attn, rel=1e-9)
+    median = statistics.median(m.block_forward / c.block_forward for m, c, _ in taught)
+    assert abs(median * held_out[1].block_forward - held_out[0].block_forward) > 0.01 * held_out[0].block_forward
+    two = curve_corrections(taught[:2])["block_forward"]
+    assert two.per_op == 0 and two.scale == statistics.median(
+        m.block_forward / c.block_forward for m, c, _ in taught[:2]
+    )
 
 
 def test_a_measurement_that_failed_is_said_to_every_rank_alike(tmp_path, monkeypatch):

@@ -12,6 +12,8 @@ import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from parallel.planning.block_prices import SELECTIVE_PARTS, BlockPrices, MeasuredSeconds, measured_prices
 from parallel.planning.device_profile_file import DeviceProfile
 from parallel.planning.shapes import Shape, Target
@@ -250,20 +252,75 @@ CORRECTED = tuple(name for name in MeasuredSeconds.__dataclass_fields__ if name 
 """The parts a correction scales: every timed one (the links are the profile's own, measured or not)."""
 
 
-def curve_corrections(pairs: Sequence[tuple[MeasuredSeconds, MeasuredSeconds]]) -> dict[str, float]:
-    """What the real stage taught about the curves: per part, the median of measured / curves seconds over the
-    (measured, curves) pairs of shapes this device measured (parts priced > 0 by both). The curves time each kernel
-    alone and warm; the ratio carries what they miss (clones, accumulation, autograd's bookkeeping) to shapes this
-    device cannot build."""
-    ratios: dict[str, list[float]] = {}
-    for measured, curves in pairs:
+@dataclass(frozen=True)
+class Correction:
+    """What the real stage taught about one part's curve seconds: measured = `scale` x curves + `per_op` x its ops."""
+
+    scale: float
+    per_op: float = 0.0
+    """Seconds each of the part's ops costs beyond its curve (dispatch, autograd's bookkeeping, a launch)."""
+
+
+class _UnitPrices:
+    """A profile that prices every op at one second, with no links: `profile_seconds` under it counts each part's ops
+    (per parameter, the optimizer's and the gradient reduce's passes over its parameters)."""
+
+    has_links = False
+
+    def seconds(self, curve: str, size: float) -> float:
+        return 1.0
+
+    def attention_seconds(self, *args, **kwargs) -> float:
+        return 1.0
+
+
+def op_counts(shape: Shape, target: Target) -> MeasuredSeconds:
+    """Each part's ops, as profile_seconds lists them (the curves' unit of correction)."""
+    return profile_seconds(_UnitPrices(), shape, target)
+
+
+MIN_FITTED = 3
+"""Shapes a part needs measured before its per-op seconds are fitted (two would fit any pair exactly)."""
+
+
+def curve_corrections(
+    measured: Sequence[tuple[MeasuredSeconds, MeasuredSeconds, MeasuredSeconds]],
+) -> dict[str, Correction]:
+    """What the real stage taught about the curves, per part, from (measured, curves, op counts) of the shapes this
+    device measured (parts priced > 0 by both): measured = scale x curves + per_op x ops, fitted by least relative
+    squares where at least MIN_FITTED shapes measured it and the fit beats the median ratio on them with both terms
+    positive; else the median ratio alone. The curves time each kernel alone and warm; the ratio carries what
+    scales with the work (clones, accumulation), the per-op term what does not (a small shape's dispatch and
+    autograd's bookkeeping, math attention's and dropout's many small ops), to shapes this device cannot build."""
+    points: dict[str, list[tuple[float, float, float]]] = {}
+    for seconds, curves, ops in measured:
         for name in CORRECTED:
-            got, priced = getattr(measured, name), getattr(curves, name)
+            got, priced = getattr(seconds, name), getattr(curves, name)
             if got > 0 and priced > 0:
-                ratios.setdefault(name, []).append(got / priced)
-    return {name: statistics.median(values) for name, values in ratios.items()}
+                points.setdefault(name, []).append((priced, getattr(ops, name), got))
+    return {name: _fitted(values) for name, values in points.items()}
 
 
-def corrected(seconds: MeasuredSeconds, factors: dict[str, float]) -> MeasuredSeconds:
-    """`seconds` with each part scaled by its factor (a part without one is left as priced)."""
-    return replace(seconds, **{name: getattr(seconds, name) * factor for name, factor in factors.items()})
+def _fitted(points: Sequence[tuple[float, float, float]]) -> Correction:
+    median = Correction(statistics.median(got / priced for priced, _, got in points))
+    if len(points) < MIN_FITTED:
+        return median
+    relative = np.array([[priced / got, ops / got] for priced, ops, got in points])
+    (scale, per_op), *_ = np.linalg.lstsq(relative, np.ones(len(points)), rcond=None)
+    fit = Correction(float(scale), float(per_op))
+    if scale <= 0 or per_op < 0 or _error(fit, points) >= _error(median, points):
+        return median
+    return fit
+
+
+def _error(correction: Correction, points: Sequence[tuple[float, float, float]]) -> float:
+    return statistics.mean(abs(correction.scale * p + correction.per_op * n - got) / got for p, n, got in points)
+
+
+def corrected(seconds: MeasuredSeconds, ops: MeasuredSeconds, corrections: dict[str, Correction]) -> MeasuredSeconds:
+    """`seconds` (the curves') with each part corrected (a part without a correction is left as priced); `ops`: its
+    op counts (op_counts)."""
+    return replace(
+        seconds,
+        **{name: c.scale * getattr(seconds, name) + c.per_op * getattr(ops, name) for name, c in corrections.items()},
+    )
