@@ -197,7 +197,7 @@ def test_auto_per_chunk_fits_each_ranks_peak_at_the_least_recompute_of_any_combi
     for b, peak, planned in zip(layout.rank_budgets, _rank_peaks(layout, auto, schedule), activations):
         # the plan walks each backward's working set inside it; auto bounds it by the largest chunk's on top of the
         # walk between instructions
-        walked = peak.walk.peak_bytes([side.kept(c) for side, c in zip(peak.sides, b.choice)])
+        walked = peak.activation_bytes(b.choice)
         assert walked < planned <= walked + max(side.work(c) for side, c in zip(peak.sides, b.choice))
         assert peak.bytes(b.choice) == b.peak_bytes
         assert sum(c.cost for c in b.choice) == _cheapest_fitting(peak, budget, (False,) * chunks)

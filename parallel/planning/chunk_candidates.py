@@ -125,10 +125,11 @@ class ChunkSide:
         plain_kept, plain_work = self.plain
         for k in range(1, in_flight):
             share = StagePlan(micro_batches=k, in_flight=in_flight).recomputed_count(micro_batches) / micro_batches
-            for choice, kept, work, cost in zip(late.choices, late.kept, late.work, late.cost):
+            for choice, cost in zip(late.choices, late.cost):
                 if cost > 0:
                     some = replace(choice, micro_batches=k, plain_kept_bytes=plain_kept, plain_working_bytes=plain_work)
-                    out.append((some, kept, max(work, plain_work), cost * share, k))
+                    kept, work, _ = self.parts(some)
+                    out.append((some, kept, work, cost * share, k))
         columns = list(zip(*out)) or [()] * 5
         types = (np.int64, np.int64, np.float64, np.int64)
         return Candidates(tuple(columns[0]), *(np.array(c, dtype=t) for c, t in zip(columns[1:], types)))

@@ -128,15 +128,23 @@ class RankPeak:
         choice can (ChunkSide.early_work); None: none does."""
         early = early or [False] * len(self.sides)
         parts = [side.parts(c, e) for side, c, e in zip(self.sides, choices, early)]
+        return self.fixed + max(self._activations(parts) + max(work for _, work, _ in parts), self.optimizer)
+
+    def activation_bytes(self, choices: Sequence[StageChoice]) -> int:
+        """The rank's walked activations between instructions under `choices` (`bytes` adds the working set)."""
+        return self._activations([side.parts(c) for side, c in zip(self.sides, choices)])
+
+    def _activations(self, parts: Sequence[tuple[int, int, int]]) -> int:
+        """The largest of the walk's rows with each chunk's ChunkSide.parts (a scalar `terms`: bytes asks it for one
+        combination, often, where numpy's overhead would dominate)."""
         plain = [side.plain[0] for side in self.sides]
-        activations = max(
+        return max(
             [0]
             + [
                 held + sum(n[k] * kept + (n[-1] - n[k]) * p for n, (kept, _, k), p in zip(counts, parts, plain))
                 for counts, held in self.rows
             ]
         )
-        return self.fixed + max(activations + max(work for _, work, _ in parts), self.optimizer)
 
     def terms(self, chunk: int, candidates: Candidates) -> np.ndarray:
         """(candidates, rows): what chunk `chunk`'s micro-batches in flight keep at each of the walk's rows under each

@@ -93,11 +93,6 @@ class RankWalk:
         """`rows` where a chunk may recompute for k of its in-flight micro-batches (RankMoments.linear's `some`)."""
         return self.moments.linear(self._chunks([()] * len(self.output), [()] * len(self.output)), some=True)
 
-    def peak_bytes(self, kept: Sequence[int]) -> int:
-        """The peak between instructions with `kept[c]` bytes per micro-batch of chunk c, every micro-batch alike,
-        from the walk's few moments that can hold it (auto per chunk asks often and adds a working set on top)."""
-        return max([0] + [sum(n[-1] * k for n, k in zip(counts, kept)) + held for counts, held in self.rows])
-
 
 def rank_walks(
     recipes: Sequence[LayerRecipe],
