@@ -254,6 +254,23 @@ def test_recomputing_for_one_micro_batch_counts_it_among_those_its_chunk_holds(s
 
 
 @pytest.mark.parametrize("schedule", VIRTUAL_SCHEDULES)
+def test_the_dry_runs_figures_of_a_plan_for_some_micro_batches_are_those_of_the_layout_it_trains(schedule):
+    """recompute.micro_batches=1: the schedule's option the dry run (and parallel.schedule=auto) prices counts the
+    micro-batches each chunk recomputes as the trained layout does, from those the chunk holds at once: the same
+    simulated step and rank peaks."""
+    run = replace(RUN, micro_batches=8)
+    once = FullRecompute(interval="1", micro_batches=1)
+    one_chunk = build_layout(MODEL, once, run, "balanced", 0, None, None)
+    (option,) = virtual_options(MODEL, once, one_chunk, run, (schedule,), chunks=2)
+    layout = virtual_layout(MODEL, once, run, "balanced", 0, schedule, *NO, chunks=2)
+    planned = virtual_plan(MODEL, layout, run, schedule)
+    assert (option.step_time_s, option.activation_bytes) == (
+        planned.predicted_step_time_s,
+        planned.activation_bytes_per_rank,
+    )
+
+
+@pytest.mark.parametrize("schedule", VIRTUAL_SCHEDULES)
 def test_auto_per_chunk_recomputing_for_some_micro_batches_fits_at_the_least_recompute_of_any_combination(schedule):
     """recompute.per_micro_batch=true: each chunk may also run a plan for k of its in-flight micro-batches (the others
     keep none's bytes). At four budgets the choice costs the least of every combination whose peak fits (brute force

@@ -26,7 +26,7 @@ from parallel.planning.stage_plan import StagePlan, early_stages, with_early
 from parallel.planning.stage_planner import StagePlanner
 from parallel.planning.stage_price import StagePrice, StagePricing, price_stage
 from parallel.planning.virtual_auto import plan_ranks
-from parallel.planning.virtual_memory import one_chunk_peaks, virtual_peaks
+from parallel.planning.virtual_memory import counted_in_chunks, one_chunk_peaks, virtual_peaks
 from parallel.planning.virtual_program import V_CHUNKS, VIRTUAL_SCHEDULES, Slots, VirtualProgram, placement_of
 from parallel.planning.virtual_schedules import virtual_schedule
 from parallel.planning.virtual_sim import simulate_virtual
@@ -127,7 +127,12 @@ def _options(
             """Each chunk priced under its plan: the mode's, or auto's per rank (None: some rank fits none)."""
             stages = stages_of_block_counts(layout.recipes, counts)
             if not auto:
-                return [price(stage) for stage in stages]
+                prices = [price(stage) for stage in stages]
+                plans = counted_in_chunks([p.plan for p in prices], schedule, chunks, run.micro_batches, slots)
+                return [
+                    p if p.plan == plan else price_stage(planner.pricing, stage, plan)
+                    for p, stage, plan in zip(prices, stages, plans)
+                ]
             plans, budgets = plan_ranks(planner, stages, schedule, chunks, slots, floors=False)
             if any(b.choice is None for b in budgets):
                 return None

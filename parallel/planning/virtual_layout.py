@@ -29,7 +29,7 @@ from parallel.planning.stage_planner import StagePlanner
 from parallel.planning.stage_price import StagePricing, price_stage
 from parallel.planning.virtual_auto import plan_ranks
 from parallel.planning.virtual_choice import VirtualOption, even_counts, rank_peaks, virtual_options
-from parallel.planning.virtual_memory import chunks_in_flight
+from parallel.planning.virtual_memory import counted_in_chunks
 from parallel.planning.virtual_plan import VirtualPlan
 from parallel.planning.virtual_program import V_CHUNKS, VIRTUAL_SCHEDULES, placement_of
 from parallel.planning.virtual_schedules import virtual_schedule
@@ -80,11 +80,7 @@ def virtual_layout(
     )
     if auto:
         return _planned_per_rank(recompute, layout, pricing, schedule)
-    # a plan for some micro-batches counts them from those its chunk holds, not from a 1F1B stage's
-    most = chunks_in_flight(
-        schedule, ranks, chunks, run.micro_batches, layout.virtual_slots, early_stages(layout.plans)
-    )
-    plans = [p if p.micro_batches is None else replace(p, in_flight=n) for p, n in zip(layout.plans, most)]
+    plans = counted_in_chunks(layout.plans, schedule, chunks, run.micro_batches, layout.virtual_slots)
     return replace(layout, plans=plans)
 
 

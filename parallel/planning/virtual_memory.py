@@ -4,7 +4,7 @@ rank's programme (parallel/planning/virtual_walk.py). Pure: no process group."""
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from model import LayerRecipe
 from parallel.planning import schedules
@@ -130,21 +130,29 @@ def rank_walks(
 
 
 def chunks_in_flight(
-    schedule: str,
-    ranks: int,
-    chunks: int,
-    micro_batches: int,
-    slots: Slots = UNIT_SLOTS,
-    early: frozenset[int] = frozenset(),
+    schedule: str, ranks: int, chunks: int, micro_batches: int, slots: Slots = UNIT_SLOTS
 ) -> tuple[int, ...]:
     """Per virtual stage, in pipeline order: the most micro-batches it holds in flight at once under `schedule`
     (RankMoments.most_in_flight), which a plan for some of them (StagePlan.micro_batches) counts from: a peak of the
-    chunk then holds that many recomputed micro-batches."""
+    chunk then holds that many recomputed micro-batches. Early recompute moves no forward or backward (it only adds a
+    RecomputeEarly before a backward), so it changes none of them."""
     most = {}
-    for program in virtual_schedule(schedule, micro_batches, ranks, chunks, slots, early):
+    for program in virtual_schedule(schedule, micro_batches, ranks, chunks, slots):
         for chunk, n in enumerate(RankMoments.of(program).most_in_flight):
             most[program.placement.virtual_stage(program.rank, chunk)] = n
     return tuple(most[v] for v in range(ranks * chunks))
+
+
+def counted_in_chunks(
+    plans: Sequence[StagePlan], schedule: str, chunks: int, micro_batches: int, slots: Slots = UNIT_SLOTS
+) -> list[StagePlan]:
+    """`plans` (one per virtual stage, in pipeline order), each plan for some micro-batches counting them from those
+    its chunk holds at once (chunks_in_flight), not from a 1F1B stage's as the stage planner counts them; the plans as
+    they are where none is for some (no programme is built)."""
+    if all(p.micro_batches is None for p in plans):
+        return list(plans)
+    most = chunks_in_flight(schedule, len(plans) // chunks, chunks, micro_batches, slots)
+    return [p if p.micro_batches is None else replace(p, in_flight=n) for p, n in zip(plans, most)]
 
 
 def virtual_peaks(
