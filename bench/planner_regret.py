@@ -185,7 +185,9 @@ def main() -> None:
                 done = [v for v, _, _ in found if (run_dir_of(folder, 0, v) / "summary.json").is_file()]
                 results = [read_result(v, k, run_dir_of(folder, 0, v), math.nan, math.nan) for v in done]
                 left = [v for v, _, _ in found if v not in done]
-                for result in results + run_rounds(SHAPES[shape], left, 1, args.steps, folder):
+                for result in results + run_rounds(
+                    SHAPES[shape], left, 1, args.steps, folder, k + 1, f"{shape} {budget / MIB:.2f} MiB"
+                ):
                     measured[shape, budget].setdefault(result.variant.name, []).append(result.median_step_s)
         for (shape, budget), found in todo.items():
             report(shape, budget, measured[shape, budget], found)
