@@ -227,8 +227,8 @@ def test_zb_v_meters_each_rank_as_the_rank_replay_does(case_runs):
 def test_zb_v_under_auto_per_chunk_trains_as_none_does(case_runs):
     """+recompute=auto under zb-v, with recompute.per_micro_batch: each rank's plan and peak printed at start-up, the
     first chunk recomputing for 1 of its 2 micro-batches in flight, the "none" case's losses bit for bit,
-    and each rank's measured activation bytes its planned peak within 2% (tests/test_virtual_local.py's
-    PLANNED_WITHIN: docs/virtual_stages.md)."""
+    and each rank's measured activation bytes its planned peak within 2% (the rank replay's, which a real run meets
+    within 64 bytes, are held within 2 KiB in tests/test_virtual_local.py: docs/virtual_stages.md)."""
     s, reference = summary(case_runs["zb-v-auto"]), summary(case_runs["none"])
     assert s["schedule"] == "zb-v" and s["losses"] == reference["losses"]
     assert any(choice != "none" for stage in s["layout"] for choice in stage["choices"])

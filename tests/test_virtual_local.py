@@ -142,7 +142,7 @@ def test_auto_per_chunk_recomputes_early_where_asked_or_where_it_fits_and_trains
     assert torch.equal(loss, expected[0])
     assert all(torch.equal(grad, expected[1][key]) for key, grad in gradients(pipe, MICRO_BATCHES).items())
     peaks = virtual_plan(CFG, planned, run, schedule).activation_bytes_per_rank
-    assert all(abs(m - p) <= PLANNED_WITHIN * m for m, p in zip(_measured(planned, schedule), peaks))
+    assert all(abs(m - p) <= PLANNED_WITHIN for m, p in zip(_measured(planned, schedule), peaks))
 
 
 def test_auto_early_true_that_fits_no_pair_names_a_budget_where_it_fits():
@@ -159,12 +159,19 @@ def _measured(planned, schedule: str) -> list[int]:
     return [p.peak_bytes - p.baseline_bytes for p in peaks]
 
 
-PLANNED_WITHIN = 0.02
+PLANNED_WITHIN = 2048
 """Planned against measured activation bytes per rank: the walk (parallel/planning/virtual_walk.py) counts the first
 chunk's token ids, which on CPU are the loader's tensors, made before the metered window (-256 bytes per micro-batch in
-flight), and per-micro-batch recompute's plain micro-batches are 1.3% over on rank 1 of interleaved 1F1B; the other
-cases here are within 2 KiB (docs/virtual_stages.md)."""
+flight), and no forward's transient: under `selective` (core_attn, mlp_act) ZB-V's and V-Half's peak is inside a
+forward, 1,484-1,984 bytes above the walk's (docs/virtual_stages.md). Every other difference here is within 128 bytes
+(the last chunk's backward, which frees the loss's input, was planned 4,080 bytes high under per-micro-batch recompute
+while the walk held that input as DeepSpeed's engine holds a last stage's output)."""
 
+
+SPLIT_ATTENTION_OVER = 3072
+"""Under a split backward (ZB-V's B) with `core_attn`, `layernorm` and `mlp` recomputed on one block (auto's choice for
+ZB-V's first chunk here), working_set.block_backward_bytes puts the block's attention moment 3,072 bytes (3/4 of one
+hidden state at this shape) above the largest moment the replay meters in that B: planned high, not resolved."""
 
 NESTED_EARLY_OVER = 0.25
 """Nested segments recomputed early: the walk plans each rank 4-11% over what its replay measures here (5-21% with two
@@ -183,20 +190,23 @@ def test_each_ranks_planned_activation_peak_is_what_its_replay_measures(schedule
         if mode == "nested-early":
             assert m <= p <= (1 + NESTED_EARLY_OVER) * m, (p, m)
         else:
-            assert abs(m - p) <= PLANNED_WITHIN * m, (p, m)
+            assert abs(m - p) <= PLANNED_WITHIN, (p, m)
 
 
 @pytest.mark.parametrize("schedule", ("interleaved-1f1b", "zb-v"))
 def test_auto_per_chunk_lowers_each_ranks_measured_bytes_as_planned(schedule):
     """The rank replay under auto's plans against no recompute: the planned activation peak per rank (virtual_plan's
-    walk) is what the replay measures, within PLANNED_WITHIN, and the measured bytes fall on every rank whose planned
-    peak falls, never rise."""
+    walk) is what the replay measures, within PLANNED_WITHIN (over by SPLIT_ATTENTION_OVER more), and the measured
+    bytes fall on every rank whose planned peak falls, never rise."""
     auto, run = auto_layout(schedule)
     none, _ = auto_layout(schedule, NoRecompute())
     planned = virtual_plan(CFG, auto, run, schedule).activation_bytes_per_rank
     planned_none = virtual_plan(CFG, none, run, schedule).activation_bytes_per_rank
     measured, measured_none = _measured(auto, schedule), _measured(none, schedule)
-    assert all(abs(m - p) <= PLANNED_WITHIN * m for m, p in zip(measured, planned)), (planned, measured)
+    assert all(-PLANNED_WITHIN <= p - m <= PLANNED_WITHIN + SPLIT_ATTENTION_OVER for m, p in zip(measured, planned)), (
+        planned,
+        measured,
+    )
     for rank in range(2):
         assert measured[rank] <= measured_none[rank]
         if planned[rank] < planned_none[rank]:
@@ -221,7 +231,7 @@ def test_a_v_laid_out_in_a_devices_slots_trains_as_1f1b_and_holds_what_it_plans(
     planned = virtual_plan(CFG, laid_out, run, schedule)
     assert planned.slots == "3:2:1"
     for p, m in zip(planned.activation_bytes_per_rank, _measured(laid_out, schedule)):
-        assert abs(m - p) <= PLANNED_WITHIN * m, (p, m)
+        assert abs(m - p) <= PLANNED_WITHIN, (p, m)
 
 
 def test_a_layout_that_does_not_split_into_the_chunks_is_refused():

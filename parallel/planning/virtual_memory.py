@@ -41,13 +41,14 @@ def micro_batch_bytes(
     for under_plan in {plan.recomputes_micro_batch(k) for k in range(micro_batches)}:
         own = plan if under_plan else StagePlan()
         layers = stage_activations(recipes, stage.layers, own, shape, target, last)
-        sets = backward_working_sets(layers, own, shape, target, split)
+        # A chunk holds no output on the last virtual stage: its loss's backward frees the loss's input.
+        sets = backward_working_sets(layers, own, shape, target, split, output_held=False)
         kept = sum(a.bytes for a in layers) + checkpoint_rng_bytes(own, target)
         remade = 0
         if early and under_plan:
             plain = stage_activations(recipes, stage.layers, StagePlan(), shape, target, last)
-            plain_sets = backward_working_sets(plain, StagePlan(), shape, target, split)
-            sets = early_working_sets(layers, plain_sets, plan, shape, target, split)
+            plain_sets = backward_working_sets(plain, StagePlan(), shape, target, split, output_held=False)
+            sets = early_working_sets(layers, plain_sets, plan, shape, target, split, output_held=False)
             remade = early_remade_bytes(plan, layers, plain, shape, target)
         out[under_plan] = kept, remade + max(sets.values(), default=0)
     per_micro_batch = [out[plan.recomputes_micro_batch(k)] for k in range(micro_batches)]

@@ -202,6 +202,7 @@ def backward_working_sets(
     target: Target,
     split_weights: bool = False,
     remade_early: bool = False,
+    output_held: bool = True,
 ) -> dict[str, int]:
     """The most one micro-batch's backward through the stage holds beyond what the micro-batch keeps, by moment
     (the names above; each the largest over the stage's blocks). The backward runs the layers last first: when it
@@ -219,7 +220,8 @@ def backward_working_sets(
       weight gradient.
 
     `remade_early`: a nested segment's block inputs were remade by an early recompute, which the schedule's walk
-    counts (`nested_early_bytes`), so the backward adds only each block's interior.
+    counts (`nested_early_bytes`), so the backward adds only each block's interior. `output_held`: the engine holds
+    the last stage's output through its backward (`_freed_bytes`).
     """
     d, bsh = target.dtype_bytes, shape.bsh
     sets: dict[str, int] = {}
@@ -253,7 +255,7 @@ def backward_working_sets(
         elif split_weights and layer.name == "LMHead" and not shape.loss_chunk_tokens:
             freed += layer.bytes - total(lm_head_weight_grad_items(shape, target))  # the unfused head defers too
         else:
-            freed += _freed_bytes(layer, shape, target)
+            freed += _freed_bytes(layer, shape, target, output_held)
     if layers and layers[-1].name == "loss":
         sets[LOSS] = _loss_bytes(shape, target)
     if layers and layers[0].name in EMBEDDING_NAMES:
@@ -280,10 +282,12 @@ def nested_early_bytes(plan: StagePlan, layers: Sequence[LayerActivation], block
     return sum(sum(is_block[a:b]) * block_input - layers[a].bytes for a, b in plan.segments)
 
 
-def _freed_bytes(layer: LayerActivation, shape: Shape, target: Target) -> int:
+def _freed_bytes(layer: LayerActivation, shape: Shape, target: Target, output_held: bool = True) -> int:
     """What a layer other than a block frees once the backward has passed it: all it keeps, but for the fused loss's
-    input, which is the last stage's output, and DeepSpeed never drops that (memory_model.pipe_buffer_bytes)."""
-    if layer.name == "loss" and shape.loss_chunk_tokens:
+    input, which is the last stage's output, where the engine holds that (`output_held`): DeepSpeed's never drops it
+    (memory_model.pipe_buffer_bytes), while a virtual-stage schedule's last chunk keeps no output of its own
+    (parallel/runtime/chunk_work.py), so its loss's backward frees its input with the rest."""
+    if output_held and layer.name == "loss" and shape.loss_chunk_tokens:
         return layer.bytes - shape.bsh * target.dtype_bytes
     return layer.bytes
 
@@ -348,11 +352,12 @@ def early_working_sets(
     shape: Shape,
     target: Target,
     split_weights: bool,
+    output_held: bool = True,
 ) -> dict[str, int]:
     """The backward's working sets of a micro-batch recomputed early: `none`'s (`plain_sets`), its activations being
     remade already; a nested plan's backward remakes each block's interior (`backward_working_sets`' remade_early)."""
     if plan.nested:
-        return backward_working_sets(layers, plan, shape, target, split_weights, remade_early=True)
+        return backward_working_sets(layers, plan, shape, target, split_weights, True, output_held)
     return plain_sets
 
 
