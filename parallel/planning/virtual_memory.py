@@ -29,26 +29,29 @@ def micro_batch_bytes(
     micro_batches: int,
     split: bool,
     early: bool = False,
+    output_held: bool = False,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Per micro-batch of the (virtual) stage: what it keeps from its forward to its backward (its checkpoints' RNG
     states included: memory_model.checkpoint_rng_bytes), and what its backward allocates on top (its largest working
     set; `split`: B defers the weight gradients), under `plan` for the micro-batches it recomputes and `none` for the
     others (StagePlan.recomputes_micro_batch). `early`: the stage recomputes each micro-batch as a RecomputeEarly right
     before its backward, which then holds what that recompute remade and works as `none`'s backward (a nested plan's:
-    each block's interior), as parallel/planning/stage_bytes.py charges a stage that recomputes early."""
+    each block's interior), as parallel/planning/stage_bytes.py charges a stage that recomputes early. `output_held`:
+    the engine holds the last stage's output through its backward, as DeepSpeed's does under a one-chunk schedule; a
+    chunk keeps no output on the last virtual stage (parallel/runtime/chunk_work.py), so its loss's backward frees the
+    loss's input (working_set.backward_working_sets)."""
     last = stage.stop == len(recipes)
     out = {}
     for under_plan in {plan.recomputes_micro_batch(k) for k in range(micro_batches)}:
         own = plan if under_plan else StagePlan()
         layers = stage_activations(recipes, stage.layers, own, shape, target, last)
-        # A chunk holds no output on the last virtual stage: its loss's backward frees the loss's input.
-        sets = backward_working_sets(layers, own, shape, target, split, output_held=False)
+        sets = backward_working_sets(layers, own, shape, target, split, output_held=output_held)
         kept = sum(a.bytes for a in layers) + checkpoint_rng_bytes(own, target)
         remade = 0
         if early and under_plan:
             plain = stage_activations(recipes, stage.layers, StagePlan(), shape, target, last)
-            plain_sets = backward_working_sets(plain, StagePlan(), shape, target, split, output_held=False)
-            sets = early_working_sets(layers, plain_sets, plan, shape, target, split, output_held=False)
+            plain_sets = backward_working_sets(plain, StagePlan(), shape, target, split, output_held=output_held)
+            sets = early_working_sets(layers, plain_sets, plan, shape, target, split, output_held)
             remade = early_remade_bytes(plan, layers, plain, shape, target)
         out[under_plan] = kept, remade + max(sets.values(), default=0)
     per_micro_batch = [out[plan.recomputes_micro_batch(k)] for k in range(micro_batches)]
@@ -193,7 +196,7 @@ def one_chunk_peaks(
     out = []
     for s, (stage, plan) in enumerate(zip(stages, plans)):
         split = schedule == "zb-h1"
-        kept, working = micro_batch_bytes(recipes, stage, plan, shape, target, micro_batches, split)
+        kept, working = micro_batch_bytes(recipes, stage, plan, shape, target, micro_batches, split, output_held=True)
         pending = stage_weight_grad_bytes(recipes, stage.layers, shape, target) if split else 0
         m = micro_batches
         out.append(activation_peak(schedule, False, kept, pending, [0] * m, m, len(stages), s, transient=working))
