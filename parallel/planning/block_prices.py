@@ -14,7 +14,7 @@ not a silent fall-back to the analytic model where it is read.
 """
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from parallel.planning.compression import FORMAT_WORDS, compress_traffic_bytes
 from parallel.planning.device_profile_file import ANALYTIC, CostSource
@@ -27,7 +27,7 @@ from parallel.planning.memory_model import (
     total,
 )
 from parallel.planning.shapes import Shape, Target, option_key
-from parallel.planning.working_set import block_backward_bytes
+from parallel.planning.working_set import block_backward_bytes, fresh_gradient_working
 
 SELECTIVE_PARTS = ("core_attn", "mlp", "mlp_act", "layernorm")
 """The block parts selective recompute redoes (parallel/planning/config.py's recompute.modules)."""
@@ -122,6 +122,9 @@ class BlockOption:
     """Price of the block's recompute, in its table's unit (BlockPrices.unit)."""
     working_bytes: int = 0
     """The most its backward holds beyond what it keeps (working_set.block_backward_bytes' largest moment)."""
+    fresh_working_bytes: int = 0
+    """`working_bytes` where the block's output gradient is a fresh tensor, less that gradient, which the stage adds
+    (working_set.fresh_gradient_working, StageWorking's block_offset): `BlockPrices.with_fresh_output`."""
     recompute_flops: int = 0
     """Forward FLOPs the recompute redoes (flops.selective_recompute_flops: elementwise work counts 0)."""
 
@@ -135,13 +138,16 @@ def block_options(shape: Shape, target: Target, cost: Callable[[tuple[str, ...]]
     combos = selective_combinations()
     if target.compiled is not None:
         combos = [combo for combo in combos if option_key(combo) in target.compiled.options]
+    gradient = shape.bsh * target.dtype_bytes
+    moments = {combo: block_backward_bytes(shape, target, combo) for combo in [(), *combos]}
     return [
         BlockOption(
             "selective:" + "+".join(combo) if combo else "none",
             combo,
             total(block_kept_items(shape, target, combo)),
             float(cost(combo)) if combo else 0.0,
-            max(block_backward_bytes(shape, target, combo).values()),
+            max(moments[combo].values()),
+            fresh_gradient_working(moments[combo], gradient),
             selective_recompute_flops(shape, combo, kernel),
         )
         for combo in [(), *combos]
@@ -179,6 +185,11 @@ class BlockPrices:
     compress_costs: tuple[tuple[str, float], ...] = ()
     """(format, the price of storing one segment input in it and making it again at the recompute) per format: its
     passes' memory traffic (compression.compress_traffic_bytes) at the table's price of an elementwise byte."""
+
+    def with_fresh_output(self) -> "BlockPrices":
+        """The table for a stage whose blocks are followed by other layers (StageWorking.blocks_end_stage false): each
+        option's working set (and so a segment's, which starts from `none`'s) where its output gradient is fresh."""
+        return replace(self, options=tuple(replace(o, working_bytes=o.fresh_working_bytes) for o in self.options))
 
     def compress_cost(self, compress: str) -> float:
         """The price of one segment input stored in `compress` (0 for `none`)."""

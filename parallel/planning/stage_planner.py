@@ -50,14 +50,15 @@ class StagePlanner:
             return self._lowering(stage, plan_stage(is_block, self.recompute, memory.in_flight), memory), None
         room = self.usable - memory.fixed_bytes
         working = stage_working(memory.plain_layers, self.pricing.shape, run.target, memory.optimizer_floor)
+        table = self.table if working.blocks_end_stage else self.table.with_fresh_output()
         n, in_flight = len(positions), memory.in_flight
         if self.recompute.per_micro_batch:
-            choice = choose_stage_micro_batches(n, self.table, in_flight, run.micro_batches, room, working)
+            choice = choose_stage_micro_batches(n, table, in_flight, run.micro_batches, room, working)
         else:
-            choice = choose_stage(n, self.table, in_flight, room, working)
-        floors = (memory.fixed_bytes + b for b in least_stage_bytes(n, self.table, in_flight, working))
+            choice = choose_stage(n, table, in_flight, room, working)
+        floors = (memory.fixed_bytes + b for b in least_stage_bytes(n, table, in_flight, working))
         budget = StageBudget(stage.stage, int(self.usable), in_flight, memory.fixed_bytes, working, choice, *floors)
-        return (to_stage_plan(choice, positions, self.table, memory.in_flight) if choice else StagePlan()), budget
+        return (to_stage_plan(choice, positions, table, memory.in_flight) if choice else StagePlan()), budget
 
     def _lowering(self, stage: StageRange, plan: StagePlan, plain: StageMemory) -> StagePlan:
         """`plan`, or no recompute where the plan would not lower the stage's predicted peak below `plain`'s (the

@@ -195,6 +195,15 @@ def block_backward_bytes(
     }
 
 
+def fresh_gradient_working(moments: dict[str, int], gradient: int) -> int:
+    """A block's largest moment (`block_backward_bytes`) where its output gradient is a fresh tensor of `gradient`
+    bytes, less that gradient, which the stage adds beside every moment but the attention core's: autograd accumulates
+    the MLP branch's gradient into it in place, so by the attention core it is the residual stream's gradient, already
+    in ATTENTION. DeepSpeed's grad buffer, the output gradient of a stage's last layer, is not accumulated into: the
+    residual stream's gradient is a tensor of its own there (`gradient` 0: the largest moment as it is)."""
+    return max(value - (gradient if name == ATTENTION else 0) for name, value in moments.items())
+
+
 def backward_working_sets(
     layers: Sequence[LayerActivation],
     plan: StagePlan,
@@ -209,7 +218,8 @@ def backward_working_sets(
     reaches a block, the layers after it have freed what they kept (under `split_weights` less the Linear inputs
     and output gradients that zb-h1's W's need, the unfused LM head's included), a full-recompute segment has
     remade its earlier blocks too, and the block's output gradient is a fresh tensor unless it is the stage's
-    output (DeepSpeed's grad buffer).
+    output (DeepSpeed's grad buffer); by the attention core a fresh one is the residual stream's gradient, which the
+    block's own ATTENTION figure holds already (`fresh_gradient_working`).
 
     - LOSS (the last stage, before anything is freed): the unfused loss holds the gradients of its fp32
       log-probabilities and of the fp32 logits together, 2 N V 4 bytes; the fused loss (model/fused_loss.py) holds
@@ -246,11 +256,11 @@ def backward_working_sets(
                     remade = nested_remade_bytes(local - start, kept_none, bsh * d, reused, remade_early)
                 else:
                     remade = (local - start + 1) * kept_none - reused
-                keep(SEGMENT, max(none.values()) + remade + incoming - freed)
+                keep(SEGMENT, fresh_gradient_working(none, incoming) + remade + incoming - freed)
             else:
                 own = block_backward_bytes(shape, target, plan.selective.get(local, ()), split_weights)
                 for name, value in own.items():
-                    keep(name, value + incoming - freed)
+                    keep(name, value + (0 if name == ATTENTION else incoming) - freed)
             freed += layer.bytes - held_for_w
         elif split_weights and layer.name == "LMHead" and not shape.loss_chunk_tokens:
             freed += layer.bytes - total(lm_head_weight_grad_items(shape, target))  # the unfused head defers too
