@@ -10,6 +10,7 @@ import pytest
 
 from model import GPTConfig
 from parallel.measurement.stage_replay import StageReplay
+from parallel.planning.budget_refusal import BudgetTooSmall
 from parallel.planning.config import AutoRecompute, FullRecompute, NoRecompute, SelectiveRecompute
 from parallel.planning.layout import build_layout
 from parallel.planning.run_plan import plan_run
@@ -143,3 +144,25 @@ def test_a_split_backwards_attention_core_counts_a_fresh_output_gradient_once(mo
     for stage, planned in enumerate(plan_run(model, recompute, layout, run).stages):
         measured = StageReplay(layout, stage, run).measure_peak().peak_bytes
         assert 0 <= measured - planned.predicted_peak_bytes <= hidden / 5, (stage, measured, planned)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_autos_budget_lines_are_the_plans_peaks_where_the_attention_core_is_the_peak(stages):
+    """auto prices each block option by one working set and adds the stage's own terms (StageWorking); at this shape the
+    attention core's moment is the peak, where a fresh output gradient counts once (BlockPrices.with_fresh_output), so
+    the budget lines auto prints and the stages' plans must give one peak at every budget it plans."""
+    model, micro_batch_size = SHAPES["math h64 a8 s192 b2"]
+    run = RunShape(Topology(stages), Target("cpu", "fp32"), micro_batches=4, micro_batch_size=micro_batch_size)
+    planned = 0
+    for compress in ("none", "bf16"):
+        for gb in (0.016, 0.022, 0.028, 0.034, 0.04, 0.046):
+            auto = AutoRecompute(budget_gb=gb, reserve_gb=0.0, early=False, compress=compress)
+            try:
+                layout = build_layout(model, auto, run, "type:Block", 0)
+            except BudgetTooSmall:
+                continue
+            peaks = [s.predicted_peak_bytes for s in plan_run(model, auto, layout, run).stages]
+            assert peaks == [b.predicted_peak_bytes for b in layout.budgets], (compress, gb)
+            assert max(peaks) <= gb * GIB
+            planned += 1
+    assert planned >= 8

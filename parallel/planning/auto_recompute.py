@@ -102,13 +102,16 @@ def _classes(table: BlockPrices) -> list[tuple[float, tuple[BlockOption, ...]]]:
     return [(w, tuple(_pareto([o for o in table.options if o.working_bytes <= w]))) for w in levels]
 
 
-def _segment_moment(table: BlockPrices, size: int, nested: bool, compressed: bool) -> float:
+def _segment_moment(table: BlockPrices, size: int, nested: bool, compressed: bool, fresh: bool = False) -> float:
     """The working set of a segment of `size` blocks in its backward: it remakes what its blocks keep under none, less
     the input it keeps anyway (a compressed input is a copy: the input is remade beside it); nested, only the blocks'
-    inputs and one block's interior (working_set.nested_remade_bytes at its last block)."""
+    inputs and one block's interior (working_set.nested_remade_bytes at its last block). `fresh`: its output gradient
+    is a fresh tensor, counted by the caller (BlockOption.fresh_working_bytes)."""
     if not size:
         return -math.inf
-    none_working, block, segment_input = table.options[0].working_bytes, table.block_bytes, table.segment_input_bytes
+    none = table.options[0]
+    none_working = none.fresh_working_bytes if fresh else none.working_bytes
+    block, segment_input = table.block_bytes, table.segment_input_bytes
     reused = 0 if compressed else segment_input
     if nested:
         return none_working + nested_remade_bytes(size - 1, block, segment_input, reused)
@@ -130,7 +133,7 @@ def _segments_moment(table: BlockPrices, m: int, k: int, nested: bool, compresse
     moment = _segment_moment(table, sizes[-1], nested, compressed)
     if compressed and ends_stage and len(sizes) > 1:
         grown = table.segment_input_bytes - table.stash[1]  # the incoming gradient less the freed compressed input
-        moment = max(moment, _segment_moment(table, sizes[-2], nested, compressed) + grown)
+        moment = max(moment, _segment_moment(table, sizes[-2], nested, compressed, fresh=True) + grown)
     return moment
 
 
