@@ -170,9 +170,10 @@ while the walk held that input as DeepSpeed's engine holds a last stage's output
 
 SPLIT_ATTENTION_OVER = 3072
 """Under a split backward (ZB-V's B) with `core_attn`, `layernorm` and `mlp` recomputed on one block (auto's choice for
-ZB-V's first chunk here, the block ending its chunk), working_set.block_backward_bytes puts the block's attention
-moment under SDPA's math backend at b = 2 at 19.0 hidden states beyond what it keeps, where the replay meters 18.25 at
-the core's backward (3,072 bytes): planned high, not resolved (docs/virtual_stages.md)."""
+ZB-V's first chunk here, the block ending its chunk), the walk puts the block's attention moment 3,072 bytes above the
+replay's largest in that B: it keeps counting the checkpoint's CPU RNG state (5,056 bytes, in what the micro-batch
+keeps), which the checkpoint frees once its recompute is done, and leaves out the recompute's own transient (SDPA's
+math backend, b = 2), which the replay's peak is inside (docs/virtual_stages.md)."""
 
 NESTED_EARLY_OVER = 0.25
 """Nested segments recomputed early: the walk plans each rank 4-11% over what its replay measures here (5-21% with two
