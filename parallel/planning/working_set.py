@@ -195,13 +195,19 @@ def block_backward_bytes(
     }
 
 
+def with_output_gradient(moments: dict[str, int], gradient: int) -> dict[str, int]:
+    """A block's moments (`block_backward_bytes`) with its output gradient beside them, a fresh tensor of `gradient`
+    bytes, but the attention core's: autograd accumulates the MLP branch's gradient into it in place, so by the
+    attention core it is the residual stream's gradient, already in ATTENTION. DeepSpeed's grad buffer, the output
+    gradient of a stage's last layer, is not accumulated into: the residual stream's gradient is a tensor of its own
+    there (`gradient` 0: the moments as they are)."""
+    return {name: value + (0 if name == ATTENTION else gradient) for name, value in moments.items()}
+
+
 def fresh_gradient_working(moments: dict[str, int], gradient: int) -> int:
-    """A block's largest moment (`block_backward_bytes`) where its output gradient is a fresh tensor of `gradient`
-    bytes, less that gradient, which the stage adds beside every moment but the attention core's: autograd accumulates
-    the MLP branch's gradient into it in place, so by the attention core it is the residual stream's gradient, already
-    in ATTENTION. DeepSpeed's grad buffer, the output gradient of a stage's last layer, is not accumulated into: the
-    residual stream's gradient is a tensor of its own there (`gradient` 0: the largest moment as it is)."""
-    return max(value - (gradient if name == ATTENTION else 0) for name, value in moments.items())
+    """A block's largest moment where its output gradient is a fresh tensor of `gradient` bytes
+    (`with_output_gradient`), less that gradient, which StageWorking's block_offset adds back."""
+    return max(with_output_gradient(moments, gradient).values()) - gradient
 
 
 def backward_working_sets(
@@ -219,7 +225,7 @@ def backward_working_sets(
     and output gradients that zb-h1's W's need, the unfused LM head's included), a full-recompute segment has
     remade its earlier blocks too, and the block's output gradient is a fresh tensor unless it is the stage's
     output (DeepSpeed's grad buffer); by the attention core a fresh one is the residual stream's gradient, which the
-    block's own ATTENTION figure holds already (`fresh_gradient_working`).
+    block's own ATTENTION figure holds already (`with_output_gradient`).
 
     - LOSS (the last stage, before anything is freed): the unfused loss holds the gradients of its fp32
       log-probabilities and of the fp32 logits together, 2 N V 4 bytes; the fused loss (model/fused_loss.py) holds
@@ -256,11 +262,11 @@ def backward_working_sets(
                     remade = nested_remade_bytes(local - start, kept_none, bsh * d, reused, remade_early)
                 else:
                     remade = (local - start + 1) * kept_none - reused
-                keep(SEGMENT, fresh_gradient_working(none, incoming) + remade + incoming - freed)
+                keep(SEGMENT, max(with_output_gradient(none, incoming).values()) + remade - freed)
             else:
                 own = block_backward_bytes(shape, target, plan.selective.get(local, ()), split_weights)
-                for name, value in own.items():
-                    keep(name, value + (0 if name == ATTENTION else incoming) - freed)
+                for name, value in with_output_gradient(own, incoming).items():
+                    keep(name, value - freed)
             freed += layer.bytes - held_for_w
         elif split_weights and layer.name == "LMHead" and not shape.loss_chunk_tokens:
             freed += layer.bytes - total(lm_head_weight_grad_items(shape, target))  # the unfused head defers too
